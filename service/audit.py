@@ -1,0 +1,162 @@
+"""Reading the worker's results from the outside, the way an operator would check them.
+
+Used by the demo summary, the tests and the chaos runs: committed offsets against
+high watermarks per partition, what the dead-letter topic holds, the ledger, and
+what is left in the retry queue. Nothing here trusts the worker's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import TopicPartition
+
+from service.kafka_client import connection_kwargs
+from service.keys import RedisKeys
+from service.settings import KafkaSettings
+
+
+@dataclass(frozen=True)
+class PartitionOffsets:
+    partition: int
+    committed: int | None
+    high_watermark: int
+
+    @property
+    def lag(self) -> int:
+        return self.high_watermark - (self.committed or 0)
+
+
+async def high_watermarks(kafka: KafkaSettings, topic: str) -> dict[int, int]:
+    """Each partition's high watermark, taken from a fetch response.
+
+    The dev broker (Tansu) answers ListOffsets "latest" with the last batch's base
+    offset + 1 after batched produce, so ``end_offsets`` under-reports; the high
+    watermark carried in fetch responses is right. Seeking to the reported end and
+    fetching once returns the true value on any broker.
+    """
+    consumer = AIOKafkaConsumer(enable_auto_commit=False, **connection_kwargs(kafka))
+    await consumer.start()
+    try:
+        parts = consumer.partitions_for_topic(topic) or set()
+        if not parts:
+            await consumer._client.force_metadata_update()
+            parts = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        if not tps:
+            return {}
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        for tp in tps:
+            consumer.seek(tp, max(ends[tp] - 1, 0))
+        out: dict[int, int] = {}
+        deadline = time.monotonic() + 15
+        while len(out) < len(tps) and time.monotonic() < deadline:
+            await consumer.getmany(timeout_ms=200, max_records=1)
+            for tp in tps:
+                high = consumer.highwater(tp)
+                if high is not None:
+                    out[tp.partition] = high
+        missing = [tp.partition for tp in tps if tp.partition not in out]
+        if missing:
+            raise TimeoutError(f"no fetch response for partitions {missing} of {topic}")
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def group_offsets(kafka: KafkaSettings, group: str, topic: str) -> list[PartitionOffsets]:
+    """Committed offset and high watermark for every partition of ``topic``.
+
+    Committed offsets are read per partition through a consumer that never joins the
+    group (OffsetFetch for named partitions); the dev broker does not answer the
+    admin client's "all partitions of the group" form of that request.
+    """
+    highs = await high_watermarks(kafka, topic)
+    consumer = AIOKafkaConsumer(
+        group_id=group, enable_auto_commit=False, **connection_kwargs(kafka)
+    )
+    await consumer.start()
+    try:
+        committed = {p: await consumer.committed(TopicPartition(topic, p)) for p in highs}
+    finally:
+        await consumer.stop()
+    return [PartitionOffsets(p, committed[p], high) for p, high in sorted(highs.items())]
+
+
+async def read_all(kafka: KafkaSettings, topic: str, timeout_s: float = 30) -> list[Any]:
+    """Every record currently in ``topic`` (up to each partition's high watermark)."""
+    highs = await high_watermarks(kafka, topic)
+    consumer = AIOKafkaConsumer(
+        enable_auto_commit=False, auto_offset_reset="earliest", **connection_kwargs(kafka)
+    )
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in highs]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        records: list[Any] = []
+        remaining = {tp for tp in tps if highs[tp.partition] > 0}
+        deadline = time.monotonic() + timeout_s
+        while remaining and time.monotonic() < deadline:
+            batch = await consumer.getmany(*remaining, timeout_ms=300, max_records=10_000)
+            for tp, recs in batch.items():
+                records.extend(recs)
+                if recs and recs[-1].offset + 1 >= highs[tp.partition]:
+                    remaining.discard(tp)
+        if remaining:
+            raise TimeoutError(f"could not read {topic} to its end in {timeout_s} s")
+        return records
+    finally:
+        await consumer.stop()
+
+
+def header(record: Any, name: str) -> str | None:
+    for key, value in record.headers or ():
+        if key == name:
+            return bytes(value).decode("utf-8", "replace")
+    return None
+
+
+async def ledger_grants(redis_url: str, prefix: str) -> Counter[str]:
+    """How many ledger entries each payment id has (exactly-once means all are 1)."""
+    client = aioredis.from_url(redis_url)
+    try:
+        counts: Counter[str] = Counter()
+        stream = RedisKeys(prefix).effect("ledger", "purchases")
+        start = "-"
+        while True:
+            entries = await client.xrange(stream, min=start, count=10_000)
+            for _entry_id, fields in entries:
+                counts[bytes(fields[b"payment_id"]).decode()] += 1
+            if len(entries) < 10_000:
+                return counts
+            start = "(" + entries[-1][0].decode()
+    finally:
+        await client.aclose()
+
+
+async def retry_queue_depth(redis_url: str, prefix: str) -> tuple[int, int, int]:
+    """(due, in flight, items) in the delay queue; all zero when every retry finished."""
+    keys = RedisKeys(prefix)
+    client = aioredis.from_url(redis_url)
+    try:
+        due, inflight, items = await asyncio.gather(
+            client.zcard(keys.retry_due),
+            client.zcard(keys.retry_inflight),
+            client.hlen(keys.retry_items),
+        )
+        return int(due), int(inflight), int(items)
+    finally:
+        await client.aclose()
+
+
+def outcome_events(records: list[Any]) -> list[dict[str, Any]]:
+    return [json.loads(r.value) for r in records]

@@ -1,0 +1,164 @@
+"""The ``service`` command: run the worker, the retry scheduler, the dev stack, the demo."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from service.errors import ConfigurationError
+from service.observability import configure_logging
+from service.settings import Settings, load_settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+dev_app = typer.Typer(no_args_is_help=True, help="The embedded broker and Redis for development.")
+dlq_app = typer.Typer(no_args_is_help=True, help="Dead-letter topic tools.")
+app.add_typer(dev_app, name="dev")
+app.add_typer(dlq_app, name="dlq")
+console = Console()
+err = Console(stderr=True)
+
+StateDir = Annotated[
+    Path | None, typer.Option(help="Where the dev stack keeps its state (default ./.devstack).")
+]
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except ConfigurationError as exc:
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _run_worker(consume: bool) -> None:
+    from service.registry import Registry
+    from service.worker import Worker
+
+    settings = _settings()
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        registry = Registry.from_settings(settings.topics)
+    except ConfigurationError as exc:
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+
+    async def main() -> None:
+        worker = Worker(settings, registry, consume=consume)
+        worker.install_signal_handlers()
+        await worker.run()
+
+    try:
+        asyncio.run(main())
+    except ConfigurationError as exc:  # found while connecting, e.g. Redis persistence off
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def run() -> None:
+    """Run the worker (consumer, retry scheduler, health and metrics)."""
+    _run_worker(consume=True)
+
+
+@app.command("retry-scheduler")
+def retry_scheduler() -> None:
+    """Run only the retry scheduler, as its own process."""
+    _run_worker(consume=False)
+
+
+@app.command("check-config")
+def check_config() -> None:
+    """Validate the settings and print them (secrets masked)."""
+    settings = _settings()
+    console.print_json(json.dumps(settings.model_dump(mode="json")))
+
+
+@app.command()
+def demo(
+    records: Annotated[int, typer.Option(min=10, help="Sample notifications to produce.")] = 2000,
+    state_dir: StateDir = None,
+    exit_when_done: Annotated[
+        bool, typer.Option(help="Stop once the sample is processed instead of running on.")
+    ] = False,
+) -> None:
+    """Start the dev stack, produce sample payments, run the worker with a live view."""
+    from service.demo import run_demo
+
+    configure_logging("ERROR", "console")  # the live view tells the story; errors still show
+    code = asyncio.run(
+        run_demo(
+            records=records, state_dir=state_dir, exit_when_done=exit_when_done, console=console
+        )
+    )
+    raise typer.Exit(code)
+
+
+@dev_app.command("up")
+def dev_up(state_dir: StateDir = None) -> None:
+    """Start the broker and Redis (or report the running ones)."""
+    from service.devstack import DevStack
+
+    info = DevStack.up(state_dir)
+    console.print(f"Kafka bootstrap: {info.bootstrap}\nRedis URL:       {info.redis_url}")
+    console.print(f"export WORKER_KAFKA__BOOTSTRAP_SERVERS={info.bootstrap}", highlight=False)
+    console.print(f"export WORKER_REDIS__URL={info.redis_url}", highlight=False)
+
+
+@dev_app.command("down")
+def dev_down(
+    state_dir: StateDir = None,
+    purge: Annotated[bool, typer.Option(help="Also delete Redis's data.")] = False,
+) -> None:
+    """Stop the broker and Redis."""
+    from service.devstack import DevStack
+
+    stopped = DevStack.down(state_dir, purge=purge)
+    console.print("stopped" if stopped else "no dev stack was running")
+
+
+@dev_app.command("status")
+def dev_status(state_dir: StateDir = None) -> None:
+    """Where the dev stack listens and whether it answers."""
+    from service.devstack import DevStack
+
+    info = DevStack.status(state_dir)
+    if info is None:
+        console.print("no dev stack recorded")
+        raise typer.Exit(1)
+    mark = {True: "[green]up[/]", False: "[red]down[/]"}
+    console.print(f"Kafka {info.bootstrap} {mark[info.broker_healthy]} (pid {info.broker_pid})")
+    console.print(f"Redis {info.redis_url} {mark[info.redis_healthy]} (pid {info.redis_pid})")
+    if not info.healthy:
+        raise typer.Exit(1)
+
+
+@dlq_app.command("redrive")
+def dlq_redrive(
+    topic: Annotated[str, typer.Option(help="The source topic whose dead letters to redrive.")],
+    reason: Annotated[
+        list[str] | None, typer.Option(help="Only these reasons (repeatable).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="At most this many.")] = None,
+) -> None:
+    """Re-publish dead letters to their source topic (after fixing the cause)."""
+    from service.redrive import redrive
+
+    settings = _settings()
+    report = asyncio.run(
+        redrive(settings, topic, reasons=set(reason) if reason else None, limit=limit)
+    )
+    console.print(f"redriven {report.redriven}, skipped {report.skipped}")
+
+
+def main() -> None:  # pragma: no cover - console script shim
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,33 @@
+"""Fault injection from a record header, for demos and chaos tests only.
+
+Off unless ``WORKER_FAULT_INJECTION=true``. A record carrying ``x-fault`` fails the
+way the header says, so a demo or a test can produce transient and permanent
+failures without touching the handler's code:
+    transient:K   raise RetryableError on attempts 1..K, then run normally
+    permanent     raise PermanentError
+    hang          never return (the handler timeout turns it into a retry)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from service.context import Context
+from service.errors import PermanentError, RetryableError
+
+HEADER = "x-fault"
+
+
+async def inject(ctx: Context) -> None:
+    raw = ctx.header(HEADER)
+    if raw is None:
+        return
+    spec = raw.decode("utf-8", "replace")
+    if spec.startswith("transient:"):
+        failures = int(spec.split(":", 1)[1] or 0)
+        if ctx.attempt <= failures:
+            raise RetryableError(f"injected transient failure {ctx.attempt}/{failures}")
+    elif spec == "permanent":
+        raise PermanentError("injected permanent failure")
+    elif spec == "hang":
+        await asyncio.Event().wait()

@@ -1,0 +1,172 @@
+"""Claims and done-markers: at most one live claim per dedupe key, effects applied once.
+
+A delivery first claims its dedupe key (a lease, so a crashed worker's claim
+expires), runs its handler, then finishes: one script checks the claim is still
+ours, applies the handler's queued effects, writes the done-marker and drops the
+retry item if there was one. Either all of that happens or none does. Calls from
+concurrent records are batched into one script call (see ``batching``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pydantic import BaseModel
+from redis.commands.core import AsyncScript
+
+from service import redis_scripts
+from service.batching import Batcher
+from service.context import EffectArg
+from service.keys import RedisKeys
+from service.redis_client import RedisOps
+
+
+class ClaimStatus(StrEnum):
+    CLAIMED = "claimed"  # ours until the lease ends
+    BUSY = "busy"  # another delivery holds the claim right now
+    DONE = "done"  # already succeeded with the same content
+    DEAD = "dead"  # already dead-lettered with the same content
+    CONFLICT = "conflict"  # the key was used for different content
+
+
+class FinishStatus(StrEnum):
+    OK = "ok"  # effects applied and done-marker written by us
+    DONE = "done"  # someone else completed the key meanwhile
+    DEAD = "dead"  # someone else dead-lettered it meanwhile
+    SUPERSEDED = "superseded"  # our lease ended and another delivery holds the claim
+    ERROR = "error"  # an effect command failed inside Redis
+
+
+@dataclass(slots=True)
+class ClaimRequest:
+    key: str
+    token: str
+    fingerprint: str
+    over_dead: bool
+
+
+@dataclass(slots=True)
+class FinishRequest:
+    key: str
+    token: str
+    fingerprint: str
+    retry_id: str
+    effects: list[tuple[EffectArg, ...]]
+
+
+@dataclass(slots=True)
+class DeadRequest:
+    key: str  # '' when the record never decoded
+    token: str
+    fingerprint: str
+    retry_id: str
+
+
+def fingerprint(payload: BaseModel) -> str:
+    """The identity of a payload's content, to tell a redelivery from a conflict."""
+    return hashlib.blake2b(payload.model_dump_json().encode(), digest_size=12).hexdigest()
+
+
+class TokenSource:
+    """Claim tokens unique across workers and records, free of the '|' separator."""
+
+    def __init__(self) -> None:
+        self._prefix = f"{os.getpid():x}{uuid.uuid4().hex[:10]}"
+        self._counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}.{next(self._counter):x}"
+
+
+class Idempotency:
+    def __init__(
+        self,
+        ops: RedisOps,
+        keys: RedisKeys,
+        *,
+        ttl_s: int,
+        lease_ms: int,
+        max_batch: int = 500,
+    ) -> None:
+        self._ops = ops
+        self._keys = keys
+        self._ttl_s = ttl_s
+        self._lease_ms = lease_ms
+        client = ops.client
+        self._claim_script: AsyncScript = client.register_script(redis_scripts.CLAIM)
+        self._finish_script: AsyncScript = client.register_script(redis_scripts.FINISH)
+        self._dead_script: AsyncScript = client.register_script(redis_scripts.MARK_DEAD)
+        self._release_script: AsyncScript = client.register_script(redis_scripts.RELEASE)
+        self._claims = Batcher(self._flush_claims, max_batch=max_batch, name="claim")
+        self._finishes = Batcher(self._flush_finishes, max_batch=max_batch, name="finish")
+        self._deaths = Batcher(self._flush_deaths, max_batch=max_batch, name="dead")
+        self.tokens = TokenSource()
+
+    def key(self, handler: str, dedupe_key: str) -> str:
+        return self._keys.idempotency(handler, dedupe_key)
+
+    async def claim(self, request: ClaimRequest) -> ClaimStatus:
+        return await self._claims.submit(request)
+
+    async def finish(self, request: FinishRequest) -> tuple[FinishStatus, str | None]:
+        return await self._finishes.submit(request)
+
+    async def mark_dead(self, request: DeadRequest) -> None:
+        await self._deaths.submit(request)
+
+    async def release(self, key: str, token: str) -> None:
+        await self._ops.call(lambda: self._release_script(keys=[], args=[key, token]))
+
+    async def close(self) -> None:
+        for batcher in (self._claims, self._finishes, self._deaths):
+            await batcher.close()
+
+    # --- batch flushes: one script call for many records ---
+
+    async def _flush_claims(self, batch: list[ClaimRequest]) -> list[ClaimStatus]:
+        args: list[EffectArg] = [self._lease_ms]
+        for r in batch:
+            args += [r.key, r.token, r.fingerprint, "1" if r.over_dead else "0"]
+        # Claims need no durability wait: a lost claim only means a later duplicate claim,
+        # which the done-marker check still stops.
+        replies = await self._ops.call(lambda: self._claim_script(keys=[], args=args))
+        return [ClaimStatus(_text(r)) for r in replies]
+
+    async def _flush_finishes(
+        self, batch: list[FinishRequest]
+    ) -> list[tuple[FinishStatus, str | None]]:
+        args: list[EffectArg] = [self._ttl_s]
+        for r in batch:
+            args += [r.key, r.token, r.fingerprint, r.retry_id, len(r.effects)]
+            for command in r.effects:
+                args.append(len(command))
+                args.extend(command)
+        keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
+        replies = await self._ops.call(
+            lambda: self._finish_script(keys=keys, args=args), durable=True
+        )
+        out: list[tuple[FinishStatus, str | None]] = []
+        for reply in replies:
+            text = _text(reply)
+            if text.startswith("error:"):
+                out.append((FinishStatus.ERROR, text[len("error:") :]))
+            else:
+                out.append((FinishStatus(text), None))
+        return out
+
+    async def _flush_deaths(self, batch: list[DeadRequest]) -> list[None]:
+        args: list[EffectArg] = [self._ttl_s]
+        for r in batch:
+            args += [r.key, r.token, r.fingerprint, r.retry_id]
+        keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
+        await self._ops.call(lambda: self._dead_script(keys=keys, args=args), durable=True)
+        return [None] * len(batch)
+
+
+def _text(reply: object) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)

@@ -1,0 +1,61 @@
+"""Prometheus metrics of the worker, in their own registry so tests can run several workers."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.records = Counter(
+            "worker_records", "Records finished, by outcome", ["handler", "outcome"], registry=r
+        )
+        self.handler_seconds = Histogram(
+            "worker_handler_seconds",
+            "Handler run time",
+            ["handler"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "worker_dead_letters",
+            "Records sent to a dead-letter topic",
+            ["handler", "reason"],
+            registry=r,
+        )
+        self.commit_failures = Counter(
+            "worker_commit_failures", "Offset commits that failed (rebalance, broker)", registry=r
+        )
+        self.redis_errors = Counter(
+            "worker_redis_errors", "Redis calls that failed and were retried", registry=r
+        )
+        labels = ["topic", "partition"]
+        self.committed_offset = Gauge(
+            "worker_partition_committed_offset", "Last committed offset", labels, registry=r
+        )
+        self.position = Gauge(
+            "worker_partition_position", "Next offset the consumer will fetch", labels, registry=r
+        )
+        self.high_watermark = Gauge(
+            "worker_partition_high_watermark",
+            "High watermark seen in fetches",
+            labels,
+            registry=r,
+        )
+        self.lag = Gauge(
+            "worker_partition_lag", "High watermark minus committed offset", labels, registry=r
+        )
+        self.retry_depth = Gauge(
+            "worker_retry_queue_depth", "Items in the Redis delay queue", ["state"], registry=r
+        )
+        self.in_flight = Gauge("worker_inflight_records", "Records being processed", registry=r)
+
+    def forget_partition(self, topic: str, partition: int) -> None:
+        """Drop a revoked partition's gauges so another worker's numbers are not shadowed."""
+        for gauge in (self.committed_offset, self.position, self.high_watermark, self.lag):
+            with contextlib.suppress(KeyError):
+                gauge.remove(topic, str(partition))

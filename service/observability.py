@@ -1,0 +1,144 @@
+"""Liveness, readiness and metrics over HTTP, plus structured logging.
+
+The HTTP side is a stdlib WSGI server in a daemon thread serving prometheus-client's
+exposition: the event loop never blocks on a scrape, and the thread only reads a
+few fields the loop writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
+from pythonjsonlogger.json import JsonFormatter
+
+from service.metrics import Metrics
+
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+
+@dataclass
+class HealthState:
+    """Written by the worker's loop, read by the HTTP thread."""
+
+    started: bool = False
+    stopping: bool = False
+    joined_group: bool = False
+    assigned_partitions: int = 0
+    kafka_ok: bool = False
+    redis_ok: bool = False
+    last_poll: float = field(default_factory=time.monotonic)
+    # The loop must come back to poll within this; beyond it the worker is stuck.
+    max_poll_gap_s: float = 120.0
+
+    def live(self) -> tuple[bool, dict[str, Any]]:
+        gap = time.monotonic() - self.last_poll
+        ok = not self.started or gap < self.max_poll_gap_s
+        return ok, {"poll_gap_s": round(gap, 3), "started": self.started}
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        detail = {
+            "started": self.started,
+            "stopping": self.stopping,
+            "joined_group": self.joined_group,
+            "assigned_partitions": self.assigned_partitions,
+            "kafka": self.kafka_ok,
+            "redis": self.redis_ok,
+        }
+        ok = (
+            self.started
+            and not self.stopping
+            and self.joined_group
+            and self.kafka_ok
+            and self.redis_ok
+        )
+        return ok, detail
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
+        pass
+
+
+def make_app(state: HealthState, metrics: Metrics) -> Callable[..., Iterable[bytes]]:
+    metrics_app = make_wsgi_app(metrics.registry)
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            result: Iterable[bytes] = metrics_app(environ, start_response)
+            return result
+        if path in ("/healthz", "/readyz"):
+            ok, detail = state.live() if path == "/healthz" else state.ready()
+            body = json.dumps({"ok": ok, **detail}).encode()
+            status = "200 OK" if ok else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "application/json")])
+            return [body]
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found\n"]
+
+    return app
+
+
+class HttpServer:
+    def __init__(self, state: HealthState, metrics: Metrics, host: str, port: int) -> None:
+        self._server = make_server(
+            host, port, make_app(state, metrics), server_class=_Server, handler_class=_QuietHandler
+        )
+        self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+_RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+}
+
+
+class ConsoleFormatter(logging.Formatter):
+    """Readable one-line logs for a terminal, with the structured fields appended."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        base = super().format(record)
+        extra = {k: v for k, v in record.__dict__.items() if k not in _RESERVED}
+        if extra:
+            base += " " + " ".join(f"{k}={v}" for k, v in extra.items())
+        return base
+
+
+def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                rename_fields={"levelname": "level", "asctime": "time"},
+            )
+        )
+    else:
+        handler.setFormatter(ConsoleFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # aiokafka logs every rebalance step at INFO; keep its warnings.
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))

@@ -1,0 +1,195 @@
+"""The Redis connection: construction from settings, reconnect policy, durability.
+
+One policy for "Redis is not answering": retry the whole operation with
+exponential backoff, forever, until the worker stops. Every script the worker runs
+is idempotent when re-run, so re-sending after a lost reply is safe. While Redis is
+away the records involved stay in flight, so their offsets are not committed and
+backpressure pauses the partitions: nothing is lost, nothing is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    wait_random_exponential,
+)
+
+from service.errors import ConfigurationError
+from service.settings import RedisSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class DurabilityError(Exception):
+    """A write did not reach the replicas or the AOF that the durability mode asks for."""
+
+
+# Errors after which re-sending the same (idempotent) call is the right move.
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, DurabilityError, ConnectionError, OSError)
+# A Redis that is loading its AOF after a restart answers LOADING; that passes too.
+_TRANSIENT_REPLIES = ("LOADING", "BUSY", "TRYAGAIN", "READONLY", "MASTERDOWN")
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, TRANSIENT):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+
+
+def make_client(settings: RedisSettings) -> aioredis.Redis:
+    """A pooled asyncio client; reconnects are ours (tenacity), not redis-py's."""
+    url = settings.url.get_secret_value()
+    kwargs: dict[str, Any] = {
+        "socket_timeout": settings.socket_timeout_s,
+        "socket_connect_timeout": settings.socket_timeout_s,
+        "max_connections": settings.max_connections,
+        "health_check_interval": 15,
+        "retry_on_timeout": False,
+        "decode_responses": False,
+    }
+    if url.startswith("rediss://"):
+        kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+        if settings.ssl_ca_certs:
+            kwargs["ssl_ca_certs"] = settings.ssl_ca_certs
+        if settings.ssl_certfile:
+            kwargs["ssl_certfile"] = settings.ssl_certfile
+            kwargs["ssl_keyfile"] = settings.ssl_keyfile
+    client: aioredis.Redis = aioredis.from_url(url, **kwargs)
+    return client
+
+
+class RedisOps:
+    """Runs Redis calls under the reconnect policy and the durability mode."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        settings: RedisSettings,
+        *,
+        on_error: Callable[[BaseException], None] | None = None,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self._on_error = on_error
+        self._max_backoff_s = max_backoff_s
+        self.stopping = False
+
+    def _before_sleep(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if exc is not None:
+            self._note(exc, state.attempt_number + 1)
+
+    async def call(self, fn: Callable[[], Awaitable[T]], *, durable: bool = False) -> T:
+        """Run ``fn`` until it succeeds; with ``durable``, also wait for the durability mode."""
+        try:  # the common case costs no retry machinery
+            return await self._once(fn, durable)
+        except Exception as exc:
+            if not _is_transient(exc) or self.stopping:
+                raise
+            self._note(exc, 1)
+
+        def stop_when_stopping(_: RetryCallState) -> bool:
+            return self.stopping
+
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(_is_transient),
+            wait=wait_random_exponential(multiplier=0.05, max=self._max_backoff_s),
+            stop=stop_when_stopping,
+            before_sleep=self._before_sleep,
+            reraise=True,
+        ):
+            with attempt:
+                return await self._once(fn, durable)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _once(self, fn: Callable[[], Awaitable[T]], durable: bool) -> T:
+        result = await fn()
+        if durable:
+            await self.wait_durable()
+        return result
+
+    def _note(self, exc: BaseException, attempt: int) -> None:
+        if self._on_error:
+            self._on_error(exc)
+        log.warning(
+            "redis call failed, retrying",
+            extra={"attempt": attempt, "error": f"{type(exc).__name__}: {exc}"},
+        )
+
+    async def wait_durable(self) -> None:
+        mode = self.settings.durability
+        if mode == "wait_replicas":
+            acked = await self.client.execute_command(  # type: ignore[no-untyped-call]
+                "WAIT", self.settings.wait_replicas, self.settings.wait_timeout_ms
+            )
+            if int(acked) < self.settings.wait_replicas:
+                raise DurabilityError(
+                    f"WAIT: {acked} of {self.settings.wait_replicas} replicas acknowledged"
+                )
+        elif mode == "wait_aof":
+            local, _replicas = await self.client.execute_command(  # type: ignore[no-untyped-call]
+                "WAITAOF", 1, 0, self.settings.wait_timeout_ms
+            )
+            if int(local) < 1:
+                raise DurabilityError("WAITAOF: the write is not yet fsynced to the local AOF")
+
+    async def check_persistence(self) -> list[str]:
+        """Refuse (raise) or warn when Redis cannot keep a parked retry through a restart."""
+        info = await self.client.info("persistence")
+        warnings: list[str] = []
+        aof_on = int(info.get("aof_enabled", 0)) == 1
+        if not aof_on:
+            message = (
+                "Redis has AOF persistence off: parked retries and done-markers would not "
+                "survive a Redis restart (set appendonly yes, appendfsync always)"
+            )
+            if self.settings.require_persistence:
+                raise ConfigurationError(
+                    message + "; refusing to start (WORKER_REDIS__REQUIRE_PERSISTENCE=true)"
+                )
+            warnings.append(message)
+        else:
+            fsync = await self._config_get("appendfsync")
+            if fsync and fsync != "always" and self.settings.durability == "local":
+                warnings.append(
+                    f"Redis appendfsync is {fsync!r}: a Redis crash may lose up to ~1 s of "
+                    "acknowledged writes; use appendfsync always or a durability mode"
+                )
+        if self.settings.durability == "wait_aof":
+            version = str((await self.client.info("server")).get("redis_version", "0"))
+            if tuple(int(p) for p in version.split(".")[:2]) < (7, 2):
+                raise ConfigurationError(
+                    f"WORKER_REDIS__DURABILITY=wait_aof needs Redis >= 7.2 (server is {version})"
+                )
+        if self.settings.durability == "wait_replicas":
+            replication = await self.client.info("replication")
+            if int(replication.get("connected_slaves", 0)) < self.settings.wait_replicas:
+                warnings.append(
+                    "WORKER_REDIS__DURABILITY=wait_replicas but fewer replicas are connected "
+                    f"than WORKER_REDIS__WAIT_REPLICAS={self.settings.wait_replicas}: "
+                    "writes will wait until they are"
+                )
+        return warnings
+
+    async def _config_get(self, name: str) -> str | None:
+        try:
+            reply = await self.client.config_get(name)
+        except ResponseError:  # CONFIG may be renamed or forbidden by ACLs
+            return None
+        value = reply.get(name) if isinstance(reply, dict) else None
+        if isinstance(value, bytes):
+            return value.decode()
+        return value if isinstance(value, str) else None

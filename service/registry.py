@@ -1,0 +1,142 @@
+"""Handlers and the topics they are bound to.
+
+A handler module under ``service/handlers/`` declares one handler with
+:func:`handler`: its name, the pydantic model of the payload, the field that is
+the dedupe key, and which exceptions are retryable or permanent. The registry finds
+those declarations by importing the package's modules and binds each one to the
+topic that ``Settings.topics`` names for it. Nothing registers itself globally:
+the declaration is a plain object in its module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel
+
+from service.context import Context
+from service.errors import ConfigurationError, PermanentError, RetryableError
+
+M = TypeVar("M", bound=BaseModel)
+HandlerFunc = Callable[[M, Context], Awaitable[None]]
+Classification = Literal["retry", "fail"]
+
+
+@dataclass(frozen=True, slots=True)
+class Handler(Generic[M]):
+    """One business handler: how to decode, dedupe, run and classify failures."""
+
+    name: str
+    model: type[M]
+    dedupe_key: str | Callable[[M], str]
+    func: HandlerFunc[M]
+    retry_on: tuple[type[BaseException], ...] = ()
+    fail_on: tuple[type[BaseException], ...] = ()
+    timeout_s: float | None = None
+
+    def key_of(self, payload: M) -> str:
+        """The dedupe key: the idempotency identity of the business event."""
+        if callable(self.dedupe_key):
+            return str(self.dedupe_key(payload))
+        return str(getattr(payload, self.dedupe_key))
+
+    def classify(self, exc: BaseException) -> Classification:
+        """The most specific declared class decides; undeclared errors are retried.
+
+        Walking the exception's MRO means ``fail_on=(ValueError,)`` together with
+        ``retry_on=(SomeValueErrorSubclass,)`` does what it reads like.
+        """
+        for cls in type(exc).__mro__:
+            if cls is PermanentError or cls in self.fail_on:
+                return "fail"
+            if cls is RetryableError or cls is TimeoutError or cls in self.retry_on:
+                return "retry"
+        return "retry"
+
+    async def __call__(self, payload: M, ctx: Context) -> None:
+        await self.func(payload, ctx)
+
+
+def handler(
+    name: str,
+    *,
+    model: type[M],
+    dedupe_key: str | Callable[[M], str],
+    retry_on: Iterable[type[BaseException]] = (),
+    fail_on: Iterable[type[BaseException]] = (),
+    timeout_s: float | None = None,
+) -> Callable[[HandlerFunc[M]], Handler[M]]:
+    """Declare a handler; the decorated coroutine function becomes a :class:`Handler`."""
+
+    if isinstance(dedupe_key, str) and dedupe_key not in model.model_fields:
+        raise ConfigurationError(
+            f"handler {name!r}: dedupe_key {dedupe_key!r} is not a field of {model.__name__}"
+        )
+
+    def wrap(func: HandlerFunc[M]) -> Handler[M]:
+        return Handler(
+            name=name,
+            model=model,
+            dedupe_key=dedupe_key,
+            func=func,
+            retry_on=tuple(retry_on),
+            fail_on=tuple(fail_on),
+            timeout_s=timeout_s,
+        )
+
+    return wrap
+
+
+def discover(package: str = "service.handlers") -> list[Handler[Any]]:
+    """Import every module of ``package`` and collect the handlers declared in them."""
+    pkg = importlib.import_module(package)
+    found: list[Handler[Any]] = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module: ModuleType = importlib.import_module(f"{package}.{info.name}")
+        found.extend(v for v in vars(module).values() if isinstance(v, Handler))
+    return found
+
+
+class Registry:
+    """Topic -> handler, built from declared handlers and the ``topics`` setting."""
+
+    def __init__(self, handlers: Iterable[Handler[Any]], topics: Mapping[str, str]) -> None:
+        by_name: dict[str, Handler[Any]] = {}
+        for h in handlers:
+            if h.name in by_name and by_name[h.name] is not h:
+                raise ConfigurationError(f"two handlers are named {h.name!r}")
+            by_name[h.name] = h
+        unknown = sorted(set(topics) - set(by_name))
+        if unknown:
+            raise ConfigurationError(
+                f"WORKER_TOPICS binds {', '.join(map(repr, unknown))} but no handler has "
+                f"that name (known: {', '.join(sorted(by_name)) or 'none'})"
+            )
+        self._by_topic: dict[str, Handler[Any]] = {t: by_name[n] for n, t in topics.items()}
+        self._by_name = {n: by_name[n] for n in topics}
+
+    @classmethod
+    def from_settings(
+        cls, topics: Mapping[str, str], package: str = "service.handlers"
+    ) -> Registry:
+        return cls(discover(package), topics)
+
+    def for_topic(self, topic: str) -> Handler[Any] | None:
+        return self._by_topic.get(topic)
+
+    def by_name(self, name: str) -> Handler[Any] | None:
+        return self._by_name.get(name)
+
+    @property
+    def topics(self) -> list[str]:
+        return list(self._by_topic)
+
+    def items(self) -> list[tuple[str, Handler[Any]]]:
+        return list(self._by_topic.items())

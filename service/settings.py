@@ -1,0 +1,276 @@
+"""Every knob of the worker, validated once at start.
+
+Read from the environment (prefix ``WORKER_``, nested fields joined by ``__``) and
+from a ``.env`` file. Invalid values stop the process before it connects anywhere,
+with the setting's name in the message. Secrets are ``SecretStr`` so they never
+appear in reprs, logs or error messages.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Kafka's legal topic names: ASCII letters, digits, '.', '_', '-'; at most 249 characters.
+TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+HANDLER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+def _check_topic(value: str) -> str:
+    if not TOPIC_NAME.match(value) or value in {".", ".."}:
+        raise ValueError(f"{value!r} is not a legal Kafka topic name")
+    return value
+
+
+class KafkaSettings(BaseModel):
+    """How to reach the brokers and which group to join."""
+
+    bootstrap_servers: str = "localhost:9092"
+    client_id: str = "payments-worker"
+    group_id: str = "payments-worker"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_keyfile_password: SecretStr | None = None
+    # A new group starts from the beginning: skipping payments is never the safe default.
+    auto_offset_reset: Literal["earliest", "latest", "none"] = "earliest"
+    max_poll_records: int = Field(default=2000, ge=1, le=100_000)
+    max_poll_interval_ms: int = Field(default=300_000, ge=1000)
+    session_timeout_ms: int = Field(default=10_000, ge=1000)
+    heartbeat_interval_ms: int = Field(default=3_000, ge=100)
+    fetch_max_bytes: int = Field(default=52_428_800, ge=1024)
+    max_partition_fetch_bytes: int = Field(default=1_048_576, ge=1024)
+    # read_committed so records of aborted producer transactions are never granted.
+    isolation_level: Literal["read_uncommitted", "read_committed"] = "read_committed"
+    producer_linger_ms: int = Field(default=5, ge=0, le=1000)
+    request_timeout_ms: int = Field(default=30_000, ge=1000)
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _bootstrap_has_hosts(cls, value: str) -> str:
+        hosts = [h.strip() for h in value.split(",") if h.strip()]
+        if not hosts or any(":" not in h for h in hosts):
+            raise ValueError("expected a comma-separated list of host:port")
+        return ",".join(hosts)
+
+    @field_validator("group_id")
+    @classmethod
+    def _group_id_legal(cls, value: str) -> str:
+        if not TOPIC_NAME.match(value):
+            raise ValueError(f"{value!r}: use letters, digits, '.', '_' or '-' (1-249)")
+        return value
+
+    @model_validator(mode="after")
+    def _sasl_complete(self) -> KafkaSettings:
+        if self.security_protocol.startswith("SASL"):
+            missing = [
+                name
+                for name in ("sasl_mechanism", "sasl_username", "sasl_password")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(
+                    f"security_protocol={self.security_protocol} needs "
+                    + ", ".join(f"kafka.{m}" for m in missing)
+                )
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("kafka.ssl_certfile and kafka.ssl_keyfile go together")
+        return self
+
+
+class RedisSettings(BaseModel):
+    """Where idempotency markers, the retry queue and handler effects live."""
+
+    url: SecretStr = SecretStr("redis://localhost:6379/0")
+    key_prefix: str = "payments-worker"
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    socket_timeout_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=32, ge=2)
+    # What a write must reach before the worker treats it as durable (see docs/durability.md).
+    durability: Literal["local", "wait_replicas", "wait_aof"] = "local"
+    wait_replicas: int = Field(default=1, ge=1)
+    wait_timeout_ms: int = Field(default=1000, ge=1)
+    # Refuse to start when Redis has persistence off: a parked retry would die with the server.
+    require_persistence: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, value: SecretStr) -> SecretStr:
+        raw = value.get_secret_value()
+        if not raw.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix_plain(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
+            raise ValueError("use 1-64 letters, digits, '.', '_' or '-' (no ':' or braces)")
+        return value
+
+
+class RetrySettings(BaseModel):
+    """Backoff of the delay queue: min(max, base * multiplier**(attempt-1)), with ± jitter."""
+
+    base_delay_ms: int = Field(default=1_000, ge=0)
+    multiplier: float = Field(default=2.0, ge=1.0)
+    max_delay_ms: int = Field(default=300_000, ge=0)
+    jitter: float = Field(default=0.2, ge=0.0, le=1.0)
+    max_attempts: int = Field(default=6, ge=1, le=1000)
+    # How long a claimed retry may run before the reaper hands it to someone else.
+    lease_ms: int = Field(default=60_000, ge=100)
+    poll_interval_ms: int = Field(default=250, ge=10)
+    claim_batch: int = Field(default=200, ge=1, le=10_000)
+    # A fresh delivery that finds its key claimed elsewhere is parked this long.
+    busy_delay_ms: int = Field(default=2_000, ge=0)
+
+    @model_validator(mode="after")
+    def _delays_ordered(self) -> RetrySettings:
+        if self.max_delay_ms < self.base_delay_ms:
+            raise ValueError("retry.max_delay_ms must be >= retry.base_delay_ms")
+        return self
+
+
+class IdempotencySettings(BaseModel):
+    """How long a done-marker is remembered and how long a claim is held."""
+
+    ttl_s: int = Field(default=7 * 24 * 3600, ge=60)
+    lease_ms: int = Field(default=60_000, ge=100)
+
+
+class OutcomeSettings(BaseModel):
+    """The audit trail: one event per record to a topic that reconciliation reads."""
+
+    enabled: bool = True
+    topic: str | None = None
+
+    @field_validator("topic")
+    @classmethod
+    def _topic_legal(cls, value: str | None) -> str | None:
+        return None if value is None else _check_topic(value)
+
+
+class DeadLetterSettings(BaseModel):
+    topic_template: str = "{topic}.dlq"
+
+    @field_validator("topic_template")
+    @classmethod
+    def _has_placeholder(cls, value: str) -> str:
+        if "{topic}" not in value:
+            raise ValueError("must contain {topic}")
+        _check_topic(value.replace("{topic}", "t"))
+        return value
+
+
+class HttpSettings(BaseModel):
+    enabled: bool = True
+    host: str = "0.0.0.0"
+    port: int = Field(default=8080, ge=0, le=65535)
+
+
+class Settings(BaseSettings):
+    """The worker's whole configuration."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="WORKER_",
+        env_nested_delimiter="__",
+        env_file=".env",
+        extra="ignore",
+    )
+
+    kafka: KafkaSettings = KafkaSettings()
+    redis: RedisSettings = RedisSettings()
+    retry: RetrySettings = RetrySettings()
+    idempotency: IdempotencySettings = IdempotencySettings()
+    outcomes: OutcomeSettings = OutcomeSettings()
+    dead_letter: DeadLetterSettings = DeadLetterSettings()
+    http: HttpSettings = HttpSettings()
+
+    # Handler name -> the topic it consumes. Adding a topic: a handler module and an entry here.
+    topics: dict[str, str] = {"payments": "payments"}
+    # Concurrency: records in flight at once, in total and per partition.
+    max_in_flight: int = Field(default=1000, ge=1)
+    max_in_flight_per_partition: int = Field(default=500, ge=1)
+    # Order guarantee inside a partition: per Kafka key (default), whole partition, or none.
+    ordering: Literal["key", "partition", "none"] = "key"
+    # Commit the contiguous watermark this often, or after this many completions.
+    commit_interval_ms: int = Field(default=1000, ge=10)
+    commit_every_records: int = Field(default=5000, ge=1)
+    handler_timeout_s: float = Field(default=30.0, gt=0)
+    max_record_bytes: int = Field(default=1_048_576, ge=1)
+    revoke_grace_s: float = Field(default=10.0, ge=0)
+    shutdown_grace_s: float = Field(default=25.0, ge=0)
+    # Run the retry scheduler inside the worker (it can also run as its own process).
+    run_retry_scheduler: bool = True
+    # Fault injection from record headers (x-fault); for demos and chaos tests, never production.
+    fault_injection: bool = False
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["json", "console"] = "json"
+
+    @field_validator("topics")
+    @classmethod
+    def _topics_legal(cls, value: dict[str, str]) -> dict[str, str]:
+        if not value:
+            raise ValueError("bind at least one handler to a topic")
+        for name, topic in value.items():
+            if not HANDLER_NAME.match(name):
+                raise ValueError(f"handler name {name!r} must match {HANDLER_NAME.pattern}")
+            _check_topic(topic)
+        if len(set(value.values())) != len(value):
+            raise ValueError("two handlers are bound to the same topic")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.max_in_flight_per_partition > self.max_in_flight:
+            raise ValueError("max_in_flight_per_partition must be <= max_in_flight")
+        if self.handler_timeout_s * 1000 >= self.idempotency.lease_ms:
+            raise ValueError(
+                "idempotency.lease_ms must exceed handler_timeout_s, or a slow handler's "
+                "claim expires while it still runs"
+            )
+        if self.handler_timeout_s * 1000 >= self.retry.lease_ms:
+            raise ValueError("retry.lease_ms must exceed handler_timeout_s")
+        return self
+
+    def dead_letter_topic(self, topic: str) -> str:
+        return self.dead_letter.topic_template.replace("{topic}", topic)
+
+    def outcomes_topic(self) -> str | None:
+        if not self.outcomes.enabled:
+            return None
+        return self.outcomes.topic or f"{self.kafka.group_id}.outcomes"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Load settings, turning validation errors into one readable ConfigurationError."""
+    from pydantic import ValidationError
+
+    from service.errors import ConfigurationError
+
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise ConfigurationError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: object) -> str:
+    """Name each bad setting as its environment variable, without echoing secret input."""
+    from pydantic import ValidationError
+
+    assert isinstance(exc, ValidationError)
+    lines = ["invalid settings:"]
+    for err in exc.errors(include_input=False, include_url=False):
+        path = [str(p) for p in err["loc"]]
+        env = "WORKER_" + "__".join(p.upper() for p in path) if path else "WORKER_*"
+        lines.append(f"  {env} ({'.'.join(path) or 'settings'}): {err['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,437 @@
+"""The consumer loop: fetch, dispatch, pause/resume, rebalance, commit.
+
+Reading top to bottom: ``run`` starts the parts, then loops on ``getmany``. Each
+fetched record is tracked in ``OffsetTracker`` and handed to its own task, chained
+behind the previous record with the same Kafka key (per-key order). A finished
+record marks its offset done; the commit task commits each partition's contiguous
+watermark on an interval or after enough completions. When in-flight limits are
+reached the loop pauses partitions but keeps polling, so the group never evicts us
+for a missed poll. On revoke: stop dispatching, give in-flight records a bounded
+time, commit what is done, drop the partition's state (its epoch ends, so late
+completions are ignored). On shutdown the same, for everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
+
+from service.idempotency import Idempotency
+from service.kafka_client import make_consumer, make_producer
+from service.keys import RedisKeys
+from service.metrics import Metrics
+from service.observability import HealthState, HttpServer
+from service.offsets import OffsetTracker
+from service.processing import Processor
+from service.publisher import Publisher
+from service.records import Delivery
+from service.redis_client import RedisOps, make_client
+from service.registry import Registry
+from service.retries import RetryQueue, RetryScheduler
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+POLL_TIMEOUT_MS = 200
+PAUSED_POLL_TIMEOUT_MS = 20
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    async def on_partitions_revoked(self, revoked: Iterable[TopicPartition]) -> None:
+        await self._worker._on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
+        await self._worker._on_assigned(set(assigned))
+
+
+class Worker:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry | None = None,
+        *,
+        metrics: Metrics | None = None,
+        consume: bool = True,
+    ) -> None:
+        """``consume=False`` runs only the retry scheduler (``service retry-scheduler``)."""
+        self.settings = settings
+        self.consume = consume
+        self.registry = registry or Registry.from_settings(settings.topics)
+        self.metrics = metrics or Metrics()
+        self.health = HealthState(max_poll_gap_s=settings.kafka.max_poll_interval_ms / 2000)
+        self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
+        self._stop = asyncio.Event()
+        self._commit_now = asyncio.Event()
+        self._commit_lock = asyncio.Lock()
+        self._tasks: dict[TopicPartition, set[asyncio.Task[None]]] = {}
+        self._lanes: dict[TopicPartition, dict[bytes, asyncio.Task[None]]] = {}
+        self._revoking: set[TopicPartition] = set()
+        self._paused: set[TopicPartition] = set()
+        self._in_flight = 0
+        self._completed_since_commit = 0
+        self._background: list[asyncio.Task[Any]] = []
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self._http: HttpServer | None = None
+        self.scheduler: RetryScheduler | None = None
+
+    # --- lifecycle ---
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (what SIGTERM and SIGINT do)."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+    async def run(self) -> None:
+        try:
+            await self._start()
+            if self.consume:
+                await self._poll_loop()
+            else:
+                await self._stop.wait()
+        finally:
+            await self._shutdown()
+
+    async def _start(self) -> None:
+        s = self.settings
+        if s.http.enabled:
+            self._http = HttpServer(self.health, self.metrics, s.http.host, s.http.port)
+            self._http.start()
+        self.redis = make_client(s.redis)
+        self.ops = RedisOps(self.redis, s.redis, on_error=lambda _: self._redis_failed())
+        for warning in await self.ops.call(self.ops.check_persistence):
+            log.warning(warning)
+        self.health.redis_ok = True
+        keys = RedisKeys(s.redis.key_prefix)
+        self.idempotency = Idempotency(
+            self.ops, keys, ttl_s=s.idempotency.ttl_s, lease_ms=s.idempotency.lease_ms
+        )
+        self.retries = RetryQueue(self.ops, keys)
+        self._producer = make_producer(s.kafka)
+        await _until_started(self._producer.start, self._stop)
+        self.publisher = Publisher(
+            self._producer,
+            dead_letter_topic=s.dead_letter_topic,
+            outcomes_topic=s.outcomes_topic(),
+        )
+        self.processor = Processor(
+            s,
+            self.registry,
+            self.idempotency,
+            self.retries,
+            self.publisher,
+            self.redis,
+            self.metrics,
+        )
+        if self.consume:
+            self._consumer = make_consumer(s.kafka)
+            await _until_started(self._consumer.start, self._stop)
+            self._consumer.subscribe(self.registry.topics, listener=_Rebalance(self))
+            self._background.append(asyncio.create_task(self._commit_loop(), name="commits"))
+        else:
+            self.health.joined_group = True  # nothing to join: ready once connected
+        self.health.kafka_ok = True
+        self._background.append(asyncio.create_task(self._observe_loop(), name="observe"))
+        if s.run_retry_scheduler or not self.consume:
+            self.scheduler = RetryScheduler(
+                self.retries,
+                self.processor.process,
+                s.retry,
+                max_concurrency=max(1, s.max_in_flight // 4),
+                on_depth=self._set_retry_depth,
+            )
+            self._background.append(asyncio.create_task(self.scheduler.run(), name="retries"))
+        self.health.started = True
+        log.info(
+            "worker started",
+            extra={"topics": self.registry.topics, "group": s.kafka.group_id},
+        )
+
+    async def _poll_loop(self) -> None:
+        assert self._consumer is not None
+        consumer = self._consumer
+        while not self._stop.is_set():
+            capacity = self.settings.max_in_flight - self._in_flight
+            timeout = PAUSED_POLL_TIMEOUT_MS if self._paused else POLL_TIMEOUT_MS
+            try:
+                batches = await consumer.getmany(timeout_ms=timeout, max_records=max(1, capacity))
+            except KafkaError as exc:
+                self.health.kafka_ok = False
+                log.warning("fetch failed", extra={"error": repr(exc)})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 1.0)
+                continue
+            self.health.kafka_ok = True
+            self.health.last_poll = time.monotonic()
+            for tp, records in batches.items():
+                epoch = self.tracker.epoch(tp)
+                if epoch is None or tp in self._revoking:
+                    continue  # fetched before a revoke: the next owner reads it again
+                for record in records:
+                    if self.tracker.fetched(tp, epoch, record.offset):
+                        self._dispatch(tp, epoch, record)
+            self._apply_backpressure()
+
+    # --- dispatch ---
+
+    def _dispatch(self, tp: TopicPartition, epoch: int, record: ConsumerRecord[Any, Any]) -> None:
+        delivery = Delivery(
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key,
+            value=record.value,
+            headers=tuple((k, v or b"") for k, v in (record.headers or ())),
+            timestamp_ms=record.timestamp,
+        )
+        lane_key = self._lane_key(record.key)
+        lane = self._lanes.setdefault(tp, {})
+        previous = lane.get(lane_key) if lane_key is not None else None
+        task = asyncio.create_task(self._handle(tp, epoch, delivery, previous))
+        if lane_key is not None:
+            lane[lane_key] = task
+            task.add_done_callback(lambda t: _forget_lane(lane, lane_key, t))
+        self._tasks.setdefault(tp, set()).add(task)
+        self._in_flight += 1
+
+    def _lane_key(self, key: bytes | None) -> bytes | None:
+        """Records sharing a lane key run one after another, in offset order."""
+        ordering = self.settings.ordering
+        if ordering == "partition":
+            return b""
+        if ordering == "key" and key is not None:
+            return key
+        return None
+
+    async def _handle(
+        self,
+        tp: TopicPartition,
+        epoch: int,
+        delivery: Delivery,
+        previous: asyncio.Task[None] | None,
+    ) -> None:
+        try:
+            if previous is not None and not previous.done():
+                await asyncio.wait([previous])
+            await self.processor.process(delivery)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Not the record's failure (those are decided in processing), so the offset is
+            # not marked done: it is committed by nobody and redelivered after a restart.
+            log.exception(
+                "record processing aborted",
+                extra={"topic": tp.topic, "partition": tp.partition, "offset": delivery.offset},
+            )
+        else:
+            if self.tracker.done(tp, epoch, delivery.offset):
+                self._completed_since_commit += 1
+                if self._completed_since_commit >= self.settings.commit_every_records:
+                    self._commit_now.set()
+        finally:
+            self._in_flight -= 1
+            tasks = self._tasks.get(tp)
+            if tasks is not None:
+                tasks.discard(asyncio.current_task())
+
+    def _apply_backpressure(self) -> None:
+        """Pause what is over its limit, resume what is under; polling never stops."""
+        assert self._consumer is not None
+        assigned = set(self._consumer.assignment()) - self._revoking
+        if self._in_flight >= self.settings.max_in_flight:
+            want = assigned
+        else:
+            limit = self.settings.max_in_flight_per_partition
+            want = {tp for tp in assigned if self.tracker.in_flight(tp) >= limit}
+        if pause := want - self._paused:
+            self._consumer.pause(*pause)
+        if resume := (self._paused - want) & assigned:
+            self._consumer.resume(*resume)
+        self._paused = want
+
+    # --- commits ---
+
+    async def _commit_loop(self) -> None:
+        interval = self.settings.commit_interval_ms / 1000
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._commit_now.wait(), interval)
+            self._commit_now.clear()
+            await self.commit()
+
+    async def commit(self, tps: Iterable[TopicPartition] | None = None) -> None:
+        """Commit the contiguous done-watermark of the given (default: all) partitions."""
+        if self._consumer is None:
+            return
+        async with self._commit_lock:
+            offsets = self.tracker.committable(tps)
+            if not offsets:
+                return
+            self._completed_since_commit = 0
+            try:
+                await self._consumer.commit(
+                    {tp: OffsetAndMetadata(off, "") for tp, (off, _) in offsets.items()}
+                )
+            except (CommitFailedError, IllegalStateError, KafkaError) as exc:
+                # A rebalance took the partitions (or the broker hiccuped): the next owner
+                # starts from the last successful commit, and idempotency absorbs repeats.
+                self.metrics.commit_failures.inc()
+                log.warning("offset commit failed", extra={"error": repr(exc)})
+                return
+            for tp, (off, epoch) in offsets.items():
+                self.tracker.committed(tp, epoch, off)
+                self.metrics.committed_offset.labels(tp.topic, str(tp.partition)).set(off)
+
+    # --- rebalance ---
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        revoked &= set(self.tracker.partitions())
+        if not revoked:
+            return
+        self._revoking |= revoked
+        running = {t for tp in revoked for t in self._tasks.get(tp, ())}
+        if running:
+            _, abandoned = await asyncio.wait(running, timeout=self.settings.revoke_grace_s)
+            if abandoned:
+                log.warning(
+                    "revoke grace over; abandoning in-flight records to the next owner",
+                    extra={"count": len(abandoned)},
+                )
+        await self.commit(revoked)
+        for tp in revoked:
+            self.tracker.revoke(tp)  # ends the epoch: late completions are ignored
+            self._lanes.pop(tp, None)
+            self._tasks.pop(tp, None)
+            self.metrics.forget_partition(tp.topic, tp.partition)
+        self._paused -= revoked
+        self._revoking -= revoked
+        self.health.assigned_partitions = len(self.tracker.partitions())
+        log.info("partitions revoked", extra={"partitions": _names(revoked)})
+
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        for tp in assigned:
+            if self.tracker.epoch(tp) is None:
+                self.tracker.assign(tp)
+        self.health.joined_group = True
+        self.health.assigned_partitions = len(self.tracker.partitions())
+        log.info("partitions assigned", extra={"partitions": _names(assigned)})
+
+    # --- observation ---
+
+    def _redis_failed(self) -> None:
+        self.health.redis_ok = False
+        self.metrics.redis_errors.inc()
+
+    def _set_retry_depth(self, due: int, inflight: int) -> None:
+        self.metrics.retry_depth.labels("due").set(due)
+        self.metrics.retry_depth.labels("inflight").set(inflight)
+
+    async def _observe_loop(self) -> None:
+        """Refresh partition gauges and dependency health every few seconds."""
+        while not self._stop.is_set():
+            if self._consumer is not None:
+                await self._observe_partitions(self._consumer)
+            self.metrics.in_flight.set(self._in_flight)
+            try:
+                await asyncio.wait_for(self.redis.ping(), 2.0)
+                self.health.redis_ok = True
+            except Exception:
+                self.health.redis_ok = False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 5.0)
+
+    async def _observe_partitions(self, consumer: AIOKafkaConsumer) -> None:
+        for tp in list(consumer.assignment()):
+            labels = (tp.topic, str(tp.partition))
+            high = consumer.highwater(tp)
+            progress = self.tracker.progress(tp)
+            with contextlib.suppress(KafkaError, IllegalStateError, AssertionError):
+                self.metrics.position.labels(*labels).set(await consumer.position(tp))
+            if high is not None:
+                self.metrics.high_watermark.labels(*labels).set(high)
+                if progress is not None and progress.committed is not None:
+                    self.metrics.lag.labels(*labels).set(max(0, high - progress.committed))
+
+    # --- shutdown ---
+
+    async def _shutdown(self) -> None:
+        self.health.stopping = True
+        self._stop.set()
+        grace = self.settings.shutdown_grace_s
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        running = {t for tasks in self._tasks.values() for t in tasks}
+        if running:
+            _, pending = await asyncio.wait(running, timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.warning(
+                    "shutdown grace over; in-flight records left to redelivery",
+                    extra={"count": len(pending)},
+                )
+                await asyncio.wait(pending)
+        if self.scheduler is not None:
+            await self.scheduler.drain(timeout_s=min(grace, 5.0))
+        await self.commit()  # the final synchronous commit
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if hasattr(self, "ops"):
+            self.ops.stopping = True
+        if hasattr(self, "idempotency"):
+            await self.idempotency.close()
+            await self.retries.close()
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                await self._producer.stop()  # flushes what is buffered
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()  # leaves the group
+        if hasattr(self, "redis"):
+            await self.redis.aclose()
+        if self._http is not None:
+            self._http.stop()
+        log.info("worker stopped")
+
+
+def _forget_lane(
+    lane: dict[bytes, asyncio.Task[None]], key: bytes, task: asyncio.Task[None]
+) -> None:
+    if lane.get(key) is task:
+        del lane[key]
+
+
+def _names(tps: Iterable[TopicPartition]) -> list[str]:
+    return sorted(f"{tp.topic}[{tp.partition}]" for tp in tps)
+
+
+async def _until_started(start: Any, stop: asyncio.Event) -> None:
+    """Connect with backoff until the broker answers or a stop is requested."""
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type((KafkaError, OSError)),
+        wait=wait_random_exponential(multiplier=0.2, max=5.0),
+        stop=lambda _: stop.is_set(),
+        reraise=True,
+    ):
+        with attempt:
+            await start()

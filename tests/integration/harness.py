@@ -1,0 +1,150 @@
+"""Running workers against the session's real broker and Redis, and checking the invariants."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from service import audit, sample
+from service.devstack import create_topics
+from service.kafka_client import connection_kwargs
+from service.settings import Settings
+from service.worker import Worker
+from tests.helpers import await_until
+
+
+def make_settings(bootstrap: str, redis_url: str, name: str, **overrides: Any) -> Settings:
+    """Settings for one isolated run: its own topic, group and key prefix."""
+    values: dict[str, Any] = {
+        "kafka": {
+            "bootstrap_servers": bootstrap,
+            "group_id": f"{name}-g",
+            "client_id": name,
+            "session_timeout_ms": 10_000,
+            "heartbeat_interval_ms": 1_000,
+        },
+        "redis": {"url": redis_url, "key_prefix": name},
+        "topics": {"payments": name},
+        "retry": {
+            "base_delay_ms": 50,
+            "max_delay_ms": 500,
+            "max_attempts": 4,
+            "lease_ms": 5_000,
+            "poll_interval_ms": 50,
+            "busy_delay_ms": 200,
+        },
+        "idempotency": {"lease_ms": 5_000},
+        "handler_timeout_s": 2.0,
+        "commit_interval_ms": 100,
+        "http": {"enabled": False},
+        "fault_injection": True,
+        "log_format": "console",
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
+    return Settings(**values)
+
+
+async def prepare_topics(settings: Settings, partitions: int = 3) -> None:
+    topic = settings.topics["payments"]
+    outcomes = settings.outcomes_topic()
+    topics = {topic: partitions, settings.dead_letter_topic(topic): 1}
+    if outcomes:
+        topics[outcomes] = 1
+    await create_topics(settings.kafka.bootstrap_servers, topics)
+
+
+async def produce(settings: Settings, records: list[sample.SampleRecord]) -> None:
+    producer = AIOKafkaProducer(linger_ms=5, **connection_kwargs(settings.kafka))
+    await producer.start()
+    try:
+        await sample.produce(producer, settings.topics["payments"], records)
+    finally:
+        await producer.stop()
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings) -> AsyncIterator[Worker]:
+    """A worker running in this event loop; stopped gracefully on exit."""
+    worker = Worker(settings)
+    task = asyncio.create_task(worker.run())
+    try:
+        await await_until(lambda: worker.health.started or task.done(), 30, message="start")
+        if task.done():
+            task.result()
+        yield worker
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 60)
+
+
+@dataclass
+class RunState:
+    offsets: list[audit.PartitionOffsets]
+    grants: dict[str, int]
+    dead_letters: dict[str, str]  # source "partition/offset" -> reason
+    retry_depth: tuple[int, int, int]
+
+    def settled(self) -> bool:
+        return all(p.committed == p.high_watermark for p in self.offsets) and self.retry_depth == (
+            0,
+            0,
+            0,
+        )
+
+
+async def observe(settings: Settings) -> RunState:
+    topic = settings.topics["payments"]
+    prefix = settings.redis.key_prefix
+    url = settings.redis.url.get_secret_value()
+    offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
+    grants = await audit.ledger_grants(url, prefix)
+    dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(topic))
+    dead = {
+        f"{audit.header(r, 'x-dlq-source-partition')}/{audit.header(r, 'x-dlq-source-offset')}": audit.header(
+            r, "x-dlq-reason"
+        )
+        or ""
+        for r in dlq
+    }
+    return RunState(offsets, dict(grants), dead, await audit.retry_queue_depth(url, prefix))
+
+
+async def wait_settled(settings: Settings, timeout: float = 60) -> RunState:
+    last: list[RunState] = []
+
+    async def check() -> bool:
+        state = await observe(settings)
+        last[:] = [state]
+        return state.settled()
+
+    await await_until(check, timeout, interval=0.3, message=lambda: f"not settled: {last}")
+    return last[0]
+
+
+def assert_invariants(
+    state: RunState, records: list[sample.SampleRecord], dlq_count: int | None = None
+) -> None:
+    """Every valid payment granted exactly once; every bad record dead-lettered."""
+    expected = {r.payment_id for r in records if r.expect_grant}
+    assert set(state.grants) == expected, (
+        f"missing {sorted(expected - set(state.grants))[:10]}, "
+        f"unexpected {sorted(set(state.grants) - expected)[:10]}"
+    )
+    doubled = {k: v for k, v in state.grants.items() if v != 1}
+    assert not doubled, f"granted more than once: {doubled}"
+    reasons = sorted(state.dead_letters.values())
+    want = sorted(r.expect_dead_letter or "" for r in records if r.expect_dead_letter)
+    if dlq_count is None:
+        assert reasons == want, f"dead letters {reasons} != expected {want}"
+    for p in state.offsets:
+        assert p.committed == p.high_watermark, f"partition {p.partition}: {p}"
+    assert state.retry_depth == (0, 0, 0), f"retry queue not empty: {state.retry_depth}"

@@ -1,0 +1,303 @@
+"""The embedded dev stack starts real servers that keep the promises the service relies on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from service.devstack import DevStack, DevStackError, KafkaBroker, RedisServer, create_topics
+from tests.helpers import await_until, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def pid_exists(pid: int) -> bool:
+    """True while `pid` is a live (non-zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state != "Z"
+
+
+def sync_client(server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(server.url, socket_timeout=5)
+
+
+# -- Redis --------------------------------------------------------------------------------
+
+
+def test_redis_data_survives_graceful_restart(redis_server: RedisServer) -> None:
+    client = sync_client(redis_server)
+    client.set("order:1", "granted")
+    port, old_pid = redis_server.port, redis_server.pid
+
+    redis_server.restart()
+
+    assert redis_server.port == port
+    assert redis_server.pid != old_pid
+    assert sync_client(redis_server).get("order:1") == b"granted"
+
+
+def test_acknowledged_write_survives_sigkill(redis_server: RedisServer) -> None:
+    """A SET that returned OK is in the AOF before a crash.
+
+    A process kill keeps the kernel page cache, so this passes for any `appendonly yes`; what
+    `appendfsync always` adds (surviving power loss) is checked via the config test below.
+    """
+    client = sync_client(redis_server)
+    assert client.set("order:2", "granted") is True
+    old_pid = redis_server.pid
+    assert old_pid is not None
+
+    redis_server.kill()
+
+    assert not redis_server.is_running()
+    assert not pid_exists(old_pid)
+    redis_server.restart()
+    assert sync_client(redis_server).get("order:2") == b"granted"
+
+
+def test_without_aof_a_kill_loses_the_write(
+    redis_server_factory: Callable[..., RedisServer],
+) -> None:
+    """Control for the test above: proves kill() really is a crash and extra_config applies."""
+    server = redis_server_factory("no-aof", extra_config={"appendonly": "no"})
+    sync_client(server).set("order:3", "granted")
+
+    server.kill()
+    server.restart()
+
+    assert sync_client(server).get("order:3") is None
+
+
+def test_redis_config_is_loopback_and_fsyncs_always(redis_server: RedisServer) -> None:
+    config = sync_client(redis_server).config_get("*")
+    assert config["bind"] == "127.0.0.1"
+    assert config["appendonly"] == "yes"
+    assert config["appendfsync"] == "always"
+    assert config["save"] == ""
+    assert config["protected-mode"] == "yes"
+    assert Path(str(config["dir"])) == redis_server.data_dir
+    assert redis_server.url == f"redis://127.0.0.1:{redis_server.port}/0"
+
+
+def test_sigkilled_owner_leaves_no_orphan_server(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: a pytest killed with SIGKILL (no atexit) must not leak redis-server."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux-only")
+    owner_script = (
+        "import sys, pathlib\n"
+        "from service.devstack import RedisServer\n"
+        "server = RedisServer(pathlib.Path(sys.argv[1])).start()\n"
+        "print(server.pid, flush=True)\n"
+        "sys.stdin.read()\n"  # block until killed
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", owner_script, str(tmp_path / "orphan")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        server_pid = int(owner.stdout.readline())
+        assert pid_exists(server_pid)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=10)
+        wait_until(
+            lambda: not pid_exists(server_pid),
+            timeout=10,
+            message=f"redis-server {server_pid} outlived its SIGKILLed owner",
+        )
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        if owner.stdin is not None:
+            owner.stdin.close()
+        if owner.stdout is not None:
+            owner.stdout.close()
+
+
+# -- Kafka --------------------------------------------------------------------------------
+
+
+async def test_broker_creates_topics_and_round_trips_records(
+    kafka_broker: KafkaBroker, unique_name: str
+) -> None:
+    topic, group = unique_name, f"{unique_name}-group"
+    await create_topics(kafka_broker.bootstrap, {topic: 3})
+    await create_topics(kafka_broker.bootstrap, {topic: 3})  # existing topic: not an error
+
+    sent = {f"key-{i}".encode(): f"value-{i}".encode() for i in range(12)}
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_broker.bootstrap, acks="all")
+    await producer.start()
+    try:
+        for key, value in sent.items():
+            await producer.send_and_wait(topic, value, key=key)
+    finally:
+        await producer.stop()
+
+    received: dict[bytes, bytes] = {}
+    partitions_seen: set[int] = set()
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=kafka_broker.bootstrap,
+        group_id=group,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
+    await consumer.start()
+    try:
+
+        async def drained() -> bool:
+            batches = await consumer.getmany(timeout_ms=200)
+            for tp, records in batches.items():
+                partitions_seen.add(tp.partition)
+                received.update({r.key: r.value for r in records if r.key is not None})
+            return len(received) >= len(sent)
+
+        await await_until(
+            drained, timeout=30, message=lambda: f"got {len(received)}/{len(sent)} records"
+        )
+        assert consumer.partitions_for_topic(topic) == {0, 1, 2}
+        await consumer.commit()
+        committed = [await consumer.committed(TopicPartition(topic, p)) for p in partitions_seen]
+        assert all(offset is not None and offset > 0 for offset in committed)
+    finally:
+        await consumer.stop()
+
+    assert received == sent
+    assert len(partitions_seen) > 1  # keys were spread over partitions
+
+
+def test_broker_start_fails_when_its_port_is_taken(
+    tmp_path: Path, kafka_broker: KafkaBroker
+) -> None:
+    """A broker asked for a port someone else serves must fail, not 'succeed' via the other one.
+
+    Tansu exits 0 on EADDRINUSE, and the session broker would answer the readiness probe.
+    """
+    intruder = KafkaBroker(tmp_path / "intruder", kafka_broker.port, start_timeout=10)
+    with pytest.raises(DevStackError, match=r"exited|another process"):
+        intruder.start()
+    assert not intruder.is_running()
+
+
+# -- DevStack -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    directory = tmp_path / "devstack"
+    try:
+        yield directory
+    finally:
+        DevStack.down(directory)
+
+
+async def test_devstack_up_status_down_round_trip(state_dir: Path) -> None:
+    info = DevStack.up(state_dir)
+    assert info.healthy, info
+    state = json.loads((state_dir / "state.json").read_text())
+    assert state["bootstrap"] == info.bootstrap
+    assert state["redis_url"] == info.redis_url
+    assert {state["broker"]["pid"], state["redis"]["pid"]} == {info.broker_pid, info.redis_pid}
+
+    again = DevStack.up(state_dir)
+    assert (again.broker_pid, again.redis_pid) == (info.broker_pid, info.redis_pid)
+    assert (again.bootstrap, again.redis_url) == (info.bootstrap, info.redis_url)
+
+    status = DevStack.status(state_dir)
+    assert status is not None and status.healthy
+    client = redis.Redis.from_url(info.redis_url, socket_timeout=5)
+    client.set("still-here", "yes")
+    client.close()
+    await create_topics(info.bootstrap, {"devstack-smoke": 1})
+
+    assert DevStack.down(state_dir) is True
+
+    assert not pid_exists(info.broker_pid)
+    assert not pid_exists(info.redis_pid)
+    assert not (state_dir / "state.json").exists()
+    assert DevStack.status(state_dir) is None
+    assert DevStack.down(state_dir) is False
+
+    # Redis data lives in the state dir, so it survives down/up (the broker is memory-only).
+    back = DevStack.up(state_dir)
+    client = redis.Redis.from_url(back.redis_url, socket_timeout=5)
+    assert client.get("still-here") == b"yes"
+    client.close()
+
+
+def test_devstack_up_heals_a_dead_server_on_the_same_port(state_dir: Path) -> None:
+    info = DevStack.up(state_dir)
+    os.kill(info.broker_pid, signal.SIGKILL)
+    wait_until(
+        lambda: (s := DevStack.status(state_dir)) is not None and not s.broker_healthy,
+        timeout=10,
+        message="status() still reports a SIGKILLed broker as healthy",
+    )
+
+    healed = DevStack.up(state_dir)
+
+    assert healed.healthy
+    assert healed.broker_pid != info.broker_pid
+    assert healed.bootstrap == info.bootstrap
+    assert healed.redis_pid == info.redis_pid or not pid_exists(info.redis_pid)
+
+
+def test_devstack_down_ignores_a_recycled_pid(state_dir: Path) -> None:
+    """down() must never signal a process that merely reuses a recorded pid."""
+    info = DevStack.up(state_dir)
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        state_file = state_dir / "state.json"
+        state = json.loads(state_file.read_text())
+        state["broker"]["pid"] = bystander.pid
+        state_file.write_text(json.dumps(state))
+
+        DevStack.down(state_dir)
+
+        assert bystander.poll() is None, "down() killed an unrelated process"
+        assert not pid_exists(info.redis_pid)
+    finally:
+        bystander.kill()
+        bystander.wait()
+        if bystander.stdin is not None:
+            bystander.stdin.close()
+        # The real broker was hidden from down(): stop and reap it here (it is our child).
+        if pid_exists(info.broker_pid):
+            os.kill(info.broker_pid, signal.SIGKILL)
+            os.waitpid(info.broker_pid, 0)
+
+
+def test_start_times_are_short(tmp_path: Path) -> None:
+    """Guards the suite's speed: both servers come up in well under a few seconds."""
+    started = time.monotonic()
+    with RedisServer(tmp_path / "timed") as server:
+        assert server.last_start_seconds is not None
+        assert server.last_start_seconds < 5
+    with KafkaBroker(tmp_path / "timed-broker") as broker:
+        assert broker.last_start_seconds is not None
+        assert broker.last_start_seconds < 5
+    assert time.monotonic() - started < 20
