@@ -1,0 +1,76 @@
+# syntax=docker/dockerfile:1
+#
+# payments-worker image.
+#
+#   docker build -t payments-worker:dev .
+#   docker run --rm -p 8080:8080 -e WORKER_KAFKA__BOOTSTRAP_SERVERS=... payments-worker:dev
+#
+# Configuration comes only from WORKER_* environment variables (docs/contracts.md);
+# nothing is baked into the image. The default command is `service run`; pass
+# `retry-scheduler` as the command to run only the retry scheduler.
+#
+# Both stages use the same pinned base so the virtualenv built in the first one
+# (which records the interpreter path /usr/local/bin/python3) works in the second.
+# For reproducible production builds, also pin the digest:
+#   FROM python:3.11.14-slim-bookworm@sha256:<digest>
+
+############################ builder ############################
+FROM python:3.11.14-slim-bookworm AS builder
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+
+WORKDIR /src
+
+# A self-contained virtualenv that the runtime stage copies as a whole.
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+# Only what the wheel needs: the build metadata, the readme it references, and the package.
+COPY pyproject.toml README.md ./
+COPY service ./service
+
+# Build the project's wheel (hatchling runs in pip's isolated build environment and
+# does not end up in /opt/venv), then install it with its runtime dependencies only:
+# no extras, so nothing from the `dev` or `devstack` groups reaches the image.
+RUN pip wheel --no-deps --wheel-dir /wheels . \
+ && pip install /wheels/payments_worker-*.whl \
+ && pip check
+
+############################ runtime ############################
+FROM python:3.11.14-slim-bookworm AS runtime
+
+LABEL org.opencontainers.image.title="payments-worker" \
+      org.opencontainers.image.description="Reliable Kafka consumer: idempotent handlers, Redis retries, dead letters" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PATH=/opt/venv/bin:$PATH
+
+# Fixed UID/GID so Kubernetes can assert runAsUser: 10001 / runAsNonRoot.
+RUN groupadd --system --gid 10001 worker \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home \
+      --home-dir /nonexistent --shell /usr/sbin/nologin worker
+
+# Owned by root and read-only for the worker: the image works with a read-only root filesystem.
+COPY --from=builder /opt/venv /opt/venv
+
+WORKDIR /app
+USER 10001:10001
+
+EXPOSE 8080
+
+# Liveness over the stdlib (the slim image has no curl). Any exception, including an
+# HTTP 503 from /healthz, exits 1 = unhealthy.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('WORKER_HTTP__PORT', '8080') + '/healthz', timeout=3)"]
+
+# Exec form: the Python process is PID 1 and receives SIGTERM directly. The worker
+# installs its own SIGTERM handler and drains within WORKER_SHUTDOWN_GRACE_S; keep the
+# orchestrator's grace period (compose stop_grace_period, k8s
+# terminationGracePeriodSeconds) longer than that.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["service"]
+CMD ["run"]
