@@ -12,7 +12,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
@@ -133,9 +133,9 @@ async def ledger_grants(redis_url: str, prefix: str) -> Counter[str]:
         stream = RedisKeys(prefix).effect("ledger", "purchases")
         start = "-"
         while True:
-            entries = await client.xrange(stream, min=start, count=10_000)
+            entries = cast(list[Any], await client.xrange(stream, min=start, count=10_000))
             for _entry_id, fields in entries:
-                counts[bytes(fields[b"payment_id"]).decode()] += 1
+                counts[fields[b"payment_id"].decode()] += 1
             if len(entries) < 10_000:
                 return counts
             start = "(" + entries[-1][0].decode()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -129,9 +130,8 @@ class Idempotency:
     # --- batch flushes: one script call for many records ---
 
     async def _flush_claims(self, batch: list[ClaimRequest]) -> list[ClaimStatus]:
-        args: list[EffectArg] = [self._lease_ms]
-        for r in batch:
-            args += [r.key, r.token, r.fingerprint, "1" if r.over_dead else "0"]
+        records = [[r.key, r.token, r.fingerprint, "1" if r.over_dead else "0"] for r in batch]
+        args: list[EffectArg] = [self._lease_ms, _json(records)]
         # Claims need no durability wait: a lost claim only means a later duplicate claim,
         # which the done-marker check still stops.
         replies = await self._ops.call(lambda: self._claim_script(keys=[], args=args))
@@ -140,12 +140,11 @@ class Idempotency:
     async def _flush_finishes(
         self, batch: list[FinishRequest]
     ) -> list[tuple[FinishStatus, str | None]]:
-        args: list[EffectArg] = [self._ttl_s]
-        for r in batch:
-            args += [r.key, r.token, r.fingerprint, r.retry_id, len(r.effects)]
-            for command in r.effects:
-                args.append(len(command))
-                args.extend(command)
+        records = [
+            [r.key, r.token, r.fingerprint, r.retry_id, [_command(c) for c in r.effects]]
+            for r in batch
+        ]
+        args: list[EffectArg] = [self._ttl_s, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         replies = await self._ops.call(
             lambda: self._finish_script(keys=keys, args=args), durable=True
@@ -160,12 +159,23 @@ class Idempotency:
         return out
 
     async def _flush_deaths(self, batch: list[DeadRequest]) -> list[None]:
-        args: list[EffectArg] = [self._ttl_s]
-        for r in batch:
-            args += [r.key, r.token, r.fingerprint, r.retry_id]
+        records = [[r.key, r.token, r.fingerprint, r.retry_id] for r in batch]
+        args: list[EffectArg] = [self._ttl_s, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         await self._ops.call(lambda: self._dead_script(keys=keys, args=args), durable=True)
         return [None] * len(batch)
+
+
+def _command(command: tuple[EffectArg, ...]) -> list[str]:
+    """Effect arguments as text: Lua would print large numbers in exponent form."""
+    return [
+        a.decode("utf-8") if isinstance(a, bytes) else a if isinstance(a, str) else repr(a)
+        for a in command
+    ]
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _text(reply: object) -> str:

@@ -21,7 +21,12 @@ class RedisKeys:
         self.retry_items = f"{prefix}:retry:items"
 
     def idempotency(self, handler: str, dedupe_key: str) -> str:
-        raw = dedupe_key.encode("utf-8", "surrogatepass")
+        try:
+            raw = dedupe_key.encode("utf-8")
+        except UnicodeEncodeError:
+            # A lone surrogate cannot be sent to Redis as text: hash its lossless bytes.
+            raw = dedupe_key.encode("utf-8", "surrogatepass")
+            return f"{self.prefix}:idem:{handler}:#{hashlib.sha256(raw).hexdigest()}"
         if len(raw) <= MAX_INLINE_KEY_BYTES:
             return f"{self.prefix}:idem:{handler}:={dedupe_key}"
         return f"{self.prefix}:idem:{handler}:#{hashlib.sha256(raw).hexdigest()}"

@@ -31,6 +31,7 @@ class PartitionProgress:
     last_fetched: int | None = None
     _pending: deque[int] = field(default_factory=deque)  # fetched, at or above the watermark
     _done: set[int] = field(default_factory=set)  # done, but above a not-done offset
+    _open: set[int] = field(default_factory=set)  # fetched and not yet done
 
     def fetched(self, offset: int) -> bool:
         """Track a fetched offset; False for an offset at or below one already fetched."""
@@ -39,13 +40,17 @@ class PartitionProgress:
         if self.committed is not None and offset < self.committed:
             return False
         self._pending.append(offset)
+        self._open.add(offset)
         self.last_fetched = offset
         return True
 
     def done(self, offset: int) -> None:
-        pending = self._pending
-        if not pending or offset < pending[0] or offset in self._done:
+        # Only a fetched, not-yet-done offset counts: a duplicate or an offset never fetched
+        # (in a gap, or not fetched yet) must not mark anything done.
+        if offset not in self._open:
             return
+        self._open.discard(offset)
+        pending = self._pending
         if offset == pending[0]:
             pending.popleft()
             while pending and pending[0] in self._done:
@@ -63,7 +68,7 @@ class PartitionProgress:
 
     @property
     def in_flight(self) -> int:
-        return len(self._pending) - len(self._done)
+        return len(self._open)
 
 
 class OffsetTracker(Generic[TPKey]):

@@ -13,18 +13,24 @@ import json
 import logging
 import os
 import socket
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
+from service.batching import Batcher
 from service.records import Delivery, Outcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_ERROR_BYTES = 1024
+# Added to a dead letter that had to leave parts of the record out to fit the size limit.
+DROPPED_HEADER = "x-dlq-dropped"
+ORIGINAL_BYTES_HEADER = "x-dlq-original-bytes"
+_TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError)
 WORKER_ID = f"{socket.gethostname()}-{os.getpid()}"
 
 
@@ -45,6 +51,11 @@ class Publisher:
         self._producer = producer
         self._dead_letter_topic = dead_letter_topic
         self._outcomes_topic = outcomes_topic
+        # Outcome events of concurrent records go out together, one producer batch per
+        # partition: producing them one by one cost more CPU than the rest of a record's path.
+        self._outcomes = Batcher(
+            self._flush_outcomes, max_batch=5000, max_in_flight=2, name="outcomes"
+        )
         self.stopping = False
 
     async def _send(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -78,10 +89,15 @@ class Publisher:
         dedupe_key: str | None,
         at_ms: int,
     ) -> None:
-        """Copy the record verbatim to its dead-letter topic, with why and where from."""
+        """Copy the record verbatim to its dead-letter topic, with why and where from.
+
+        When the copy is too large for the producer or the broker, the record is
+        dead-lettered without its value (then also without its key and original
+        headers), marked with ``x-dlq-dropped``: the source coordinates still point at
+        the original, and a refused dead letter must never stall the partition.
+        """
         detail = error.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-        headers = [
-            *delivery.headers,
+        ours = [
             ("x-dlq-reason", reason.encode()),
             ("x-dlq-error", detail),
             ("x-dlq-source-topic", delivery.topic.encode()),
@@ -93,14 +109,51 @@ class Publisher:
             ("x-dlq-at", str(at_ms).encode()),
         ]
         topic = self._dead_letter_topic(delivery.topic)
+        original = [*delivery.headers]
+        sizes = (
+            f"value={len(delivery.value or b'')},key={len(delivery.key or b'')},"
+            f"headers={sum(len(k.encode()) + len(v) for k, v in original)}"
+        ).encode()
+        shrunk = [*ours[:7], ("x-dlq-dedupe-key", ours[7][1][:MAX_ERROR_BYTES]), ours[8]]
+        tiers: list[tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]] = [
+            ("", delivery.key, delivery.value, [*original, *ours])
+        ]
+        if delivery.value is not None:
+            tiers.append(("value", delivery.key, None, [*original, *ours]))
+        tiers.append(("value,key,headers", None, None, shrunk))
 
-        async def send() -> None:
-            fut = await self._producer.send(
-                topic, key=delivery.key, value=delivery.value, headers=headers
-            )
-            await fut
+        for n, (dropped, key, value, headers) in enumerate(tiers):
+            if dropped:
+                headers = [
+                    *headers,
+                    (DROPPED_HEADER, dropped.encode()),
+                    (ORIGINAL_BYTES_HEADER, sizes),
+                ]
 
-        await self._send(send)
+            async def send(
+                key: bytes | None = key,
+                value: bytes | None = value,
+                headers: list[tuple[str, bytes]] = headers,
+            ) -> None:
+                fut = await self._producer.send(topic, key=key, value=value, headers=headers)
+                await fut
+
+            try:
+                await self._send(send)
+            except _TOO_LARGE as exc:
+                if n == len(tiers) - 1:
+                    raise
+                log.warning(
+                    "dead letter too large for Kafka; retrying with less of the record",
+                    extra={"topic": topic, "error": repr(exc), "sizes": sizes.decode()},
+                )
+                continue
+            if dropped:
+                log.warning(
+                    "dead-lettered without parts of the record",
+                    extra={"topic": topic, "dropped": dropped, "sizes": sizes.decode()},
+                )
+            return
 
     async def outcome(
         self,
@@ -130,10 +183,33 @@ class Publisher:
         }
         value = json.dumps(doc, separators=(",", ":")).encode()
         key = dedupe_key.encode("utf-8", "replace") if dedupe_key is not None else None
+        await self._outcomes.submit((key, value))
+
+    async def close(self) -> None:
+        await self._outcomes.close()
+
+    async def _flush_outcomes(self, events: list[tuple[bytes | None, bytes]]) -> list[None]:
+        await self._send(lambda: self._write_outcomes(events))
+        return [None] * len(events)
+
+    async def _write_outcomes(self, events: list[tuple[bytes | None, bytes]]) -> None:
+        """Append events to per-partition batches (by key hash), send, await every ack."""
         topic = self._outcomes_topic
-
-        async def send() -> None:
-            fut = await self._producer.send(topic, key=key, value=value)
-            await fut
-
-        await self._send(send)
+        assert topic is not None
+        partitions = sorted(await self._producer.partitions_for(topic))
+        open_batches: dict[int, Any] = {}
+        ready: list[tuple[int, Any]] = []
+        for i, (key, value) in enumerate(events):
+            slot = zlib.crc32(key) if key is not None else i
+            partition = partitions[slot % len(partitions)]
+            batch = open_batches.get(partition)
+            if batch is None or batch.append(timestamp=None, key=key, value=value) is None:
+                if batch is not None:
+                    ready.append((partition, batch))
+                batch = open_batches[partition] = self._producer.create_batch()
+                if batch.append(timestamp=None, key=key, value=value) is None:
+                    raise ValueError("an outcome event does not fit in an empty producer batch")
+        ready.extend(open_batches.items())
+        acks = [await self._producer.send_batch(b, topic, partition=p) for p, b in ready]
+        for ack in acks:
+            await ack

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from tenacity import (
     AsyncRetrying,
@@ -60,7 +60,9 @@ def make_client(settings: RedisSettings) -> aioredis.Redis:
         "decode_responses": False,
     }
     if url.startswith("rediss://"):
+        # Verify the server's certificate and its name; redis-py 5 did not check names.
         kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+        kwargs["ssl_check_hostname"] = True
         if settings.ssl_ca_certs:
             kwargs["ssl_ca_certs"] = settings.ssl_ca_certs
         if settings.ssl_certfile:
@@ -93,9 +95,20 @@ class RedisOps:
             self._note(exc, state.attempt_number + 1)
 
     async def call(self, fn: Callable[[], Awaitable[T]], *, durable: bool = False) -> T:
-        """Run ``fn`` until it succeeds; with ``durable``, also wait for the durability mode."""
+        """Run ``fn`` until it succeeds; with ``durable``, also wait for the durability mode.
+
+        The durability wait is retried on its own: a write that succeeded is never re-sent
+        just because its replicas or its fsync were late (a re-run script could answer
+        differently, e.g. a rescheduled retry would find its lease already gone).
+        """
+        result = await self._retrying(fn)
+        if durable and self.settings.durability != "local":
+            await self._retrying(self.wait_durable)
+        return result
+
+    async def _retrying(self, fn: Callable[[], Awaitable[T]]) -> T:
         try:  # the common case costs no retry machinery
-            return await self._once(fn, durable)
+            return await fn()
         except Exception as exc:
             if not _is_transient(exc) or self.stopping:
                 raise
@@ -112,14 +125,8 @@ class RedisOps:
             reraise=True,
         ):
             with attempt:
-                return await self._once(fn, durable)
+                return await fn()
         raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _once(self, fn: Callable[[], Awaitable[T]], durable: bool) -> T:
-        result = await fn()
-        if durable:
-            await self.wait_durable()
-        return result
 
     def _note(self, exc: BaseException, attempt: int) -> None:
         if self._on_error:
@@ -130,51 +137,94 @@ class RedisOps:
         )
 
     async def wait_durable(self) -> None:
+        """Return once every write Redis had accepted so far meets the durability mode.
+
+        WAIT and WAITAOF only count the writes of the connection they are sent on, and the
+        connection pool gives no say over which connection that is. So a fence write goes
+        first, on the same connection (one pipeline = one connection): it comes after every
+        write whose reply we already have, and replication and the AOF keep that order, so
+        the fence being acknowledged means those writes are too.
+        """
         mode = self.settings.durability
+        if mode == "local":
+            return
+        pipe = self.client.pipeline(transaction=False)
+        pipe.incr(self.fence_key)
         if mode == "wait_replicas":
-            acked = await self.client.execute_command(  # type: ignore[no-untyped-call]
-                "WAIT", self.settings.wait_replicas, self.settings.wait_timeout_ms
-            )
+            pipe.execute_command("WAIT", self.settings.wait_replicas, self.settings.wait_timeout_ms)
+            _, acked = await pipe.execute()
             if int(acked) < self.settings.wait_replicas:
                 raise DurabilityError(
-                    f"WAIT: {acked} of {self.settings.wait_replicas} replicas acknowledged"
+                    f"WAIT: {acked} of {self.settings.wait_replicas} replicas acknowledged "
+                    f"within {self.settings.wait_timeout_ms} ms"
                 )
-        elif mode == "wait_aof":
-            local, _replicas = await self.client.execute_command(  # type: ignore[no-untyped-call]
-                "WAITAOF", 1, 0, self.settings.wait_timeout_ms
-            )
+        else:  # wait_aof
+            pipe.execute_command("WAITAOF", 1, 0, self.settings.wait_timeout_ms)
+            _, (local, _replicas) = await pipe.execute()
             if int(local) < 1:
                 raise DurabilityError("WAITAOF: the write is not yet fsynced to the local AOF")
 
+    @property
+    def fence_key(self) -> str:
+        return f"{self.settings.key_prefix}:durability:fence"
+
     async def check_persistence(self) -> list[str]:
-        """Refuse (raise) or warn when Redis cannot keep a parked retry through a restart."""
-        info = await self.client.info("persistence")
+        """Refuse (raise) or warn when Redis cannot keep a parked retry through a restart.
+
+        Returns the warnings to log. Raises ConfigurationError when the settings demand
+        what this Redis cannot give (see docs/durability.md).
+        """
+        mode = self.settings.durability
+        try:
+            info = await self.client.info("persistence")
+        except NoPermissionError:
+            message = (
+                "the Redis user may not run INFO, so Redis persistence cannot be checked "
+                "(grant +info to the worker's ACL user)"
+            )
+            if mode == "wait_aof":
+                raise ConfigurationError(
+                    f"{message}; WORKER_REDIS__DURABILITY=wait_aof needs it"
+                ) from None
+            if self.settings.require_persistence:
+                raise ConfigurationError(
+                    message + "; refusing to start (WORKER_REDIS__REQUIRE_PERSISTENCE=true)"
+                ) from None
+            return [message]
         warnings: list[str] = []
         aof_on = int(info.get("aof_enabled", 0)) == 1
         if not aof_on:
             message = (
-                "Redis has AOF persistence off: parked retries and done-markers would not "
+                "Redis has AOF persistence off (appendonly no; RDB snapshots alone lose every "
+                "write since the last snapshot): parked retries and done-markers would not "
                 "survive a Redis restart (set appendonly yes, appendfsync always)"
             )
+            if mode == "wait_aof":
+                raise ConfigurationError(
+                    "WORKER_REDIS__DURABILITY=wait_aof needs appendonly yes on Redis; " + message
+                )
             if self.settings.require_persistence:
                 raise ConfigurationError(
                     message + "; refusing to start (WORKER_REDIS__REQUIRE_PERSISTENCE=true)"
                 )
             warnings.append(message)
-        else:
+        elif mode == "local":
             fsync = await self._config_get("appendfsync")
-            if fsync and fsync != "always" and self.settings.durability == "local":
+            if fsync and fsync != "always":
                 warnings.append(
-                    f"Redis appendfsync is {fsync!r}: a Redis crash may lose up to ~1 s of "
-                    "acknowledged writes; use appendfsync always or a durability mode"
+                    f"Redis appendfsync is {fsync!r}: a crash of the Redis host may lose up to "
+                    "~1-2 s of acknowledged writes (parked retries among them); use "
+                    "appendfsync always, or WORKER_REDIS__DURABILITY=wait_aof/wait_replicas"
                 )
-        if self.settings.durability == "wait_aof":
+        if mode == "wait_aof":
             version = str((await self.client.info("server")).get("redis_version", "0"))
-            if tuple(int(p) for p in version.split(".")[:2]) < (7, 2):
+            if _version(version) < (7, 2):
                 raise ConfigurationError(
-                    f"WORKER_REDIS__DURABILITY=wait_aof needs Redis >= 7.2 (server is {version})"
+                    f"WORKER_REDIS__DURABILITY=wait_aof needs Redis >= 7.2 for WAITAOF "
+                    f"(this server is {version}); use wait_replicas, or local with "
+                    "appendfsync always"
                 )
-        if self.settings.durability == "wait_replicas":
+        if mode == "wait_replicas":
             replication = await self.client.info("replication")
             if int(replication.get("connected_slaves", 0)) < self.settings.wait_replicas:
                 warnings.append(
@@ -193,3 +243,12 @@ class RedisOps:
         if isinstance(value, bytes):
             return value.decode()
         return value if isinstance(value, str) else None
+
+
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a Redis version string; (0, 0) when it cannot be read."""
+    parts = text.split(".")
+    try:
+        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        return (0, 0)

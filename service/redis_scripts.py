@@ -2,8 +2,10 @@
 
 Each script works on a batch of records so one fetched batch costs one round trip,
 and each is idempotent when re-run after a lost reply (the reconnect path re-sends
-the whole call). Fixed keys are passed in KEYS; per-record keys travel in ARGV with
-their record, which is fine on a standalone Redis or a primary with replicas.
+the whole call). Fixed keys are passed in KEYS; the batch travels as one JSON array
+in ARGV[1] (decoded with cjson), because packing hundreds of separate arguments
+costs more client CPU than the script itself. Per-record keys travel inside that
+array, which is fine on a standalone Redis or a primary with replicas.
 
 Idempotency key states (one string per dedupe key):
     c|<token>|<fingerprint>   claimed by one delivery; expires with its lease (PX)
@@ -43,15 +45,15 @@ local function drop_item(inflight, due, items, id)
 end
 """
 
-# ARGV: lease_ms, then per record: idem_key, token, fingerprint, allow_over_dead (0|1)
+# ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, allow_over_dead (0|1)], ...]
 # Returns per record: claimed | busy | done | dead | conflict
 CLAIM = (
     _PARSE
     + """
 local lease = ARGV[1]
 local out = {}
-for pos = 2, #ARGV, 4 do
-  local key, token, fp, over_dead = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3]
+for _, r in ipairs(cjson.decode(ARGV[2])) do
+  local key, token, fp, over_dead = r[1], r[2], r[3], r[4]
   local v = redis.call('GET', key)
   local kind, f1, f2 = parse(v)
   local status
@@ -78,25 +80,42 @@ return out
 )
 
 # KEYS: inflight, due, items
-# ARGV: ttl_s, then per record: idem_key, token, fingerprint, retry_id, n_cmds,
-#       then per command: n_args, args...
+# ARGV[1]: ttl_s; ARGV[2]: [[idem_key, token, fingerprint, retry_id, [[cmd, arg...], ...]], ...]
 # Returns per record: ok | done | dead | superseded | error:<message>
 FINISH = (
     _PARSE
     + """
-local ttl = ARGV[1]
-local pos = 2
-local out = {}
-while pos <= #ARGV do
-  local key, token, fp, retry_id = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3]
-  local ncmds = tonumber(ARGV[pos + 4])
-  pos = pos + 5
-  local cmds = {}
-  for c = 1, ncmds do
-    local nargs = tonumber(ARGV[pos])
-    cmds[c] = {unpack(ARGV, pos + 1, pos + nargs)}
-    pos = pos + 1 + nargs
+-- Redis never rolls back a script's earlier writes when a later command fails, so the
+-- effects are checked before any is applied: a record's effects then fail as a whole
+-- (nothing written) instead of half applied, and re-applied by every retry.
+local NEEDS = {
+  xadd = 'stream', hset = 'hash', hsetnx = 'hash', hincrby = 'hash', hdel = 'hash',
+  sadd = 'set', srem = 'set', zadd = 'zset', zincrby = 'zset', lpush = 'list',
+  rpush = 'list', incr = 'string', incrby = 'string', decr = 'string', decrby = 'string',
+}
+local COUNTERS = {incr = true, incrby = true, decr = true, decrby = true}
+local function effects_error(cmds)
+  for _, cmd in ipairs(cmds) do
+    local name = string.lower(cmd[1])
+    local want = NEEDS[name]
+    if want then
+      local have = redis.call('TYPE', cmd[2])['ok']
+      if have ~= 'none' and have ~= want then
+        return 'WRONGTYPE ' .. string.upper(name) .. ' needs a ' .. want
+          .. ', the key holds a ' .. have
+      end
+      local value = COUNTERS[name] and have == 'string' and redis.call('GET', cmd[2])
+      if value and value ~= '0' and not (#value <= 20 and string.match(value, '^-?[1-9]%d*$')) then
+        return 'ERR ' .. string.upper(name) .. ': the key does not hold an integer'
+      end
+    end
   end
+  return nil
+end
+local ttl = ARGV[1]
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[2])) do
+  local key, token, fp, retry_id, cmds = r[1], r[2], r[3], r[4], r[5]
   local v = redis.call('GET', key)
   local kind, f1, f2 = parse(v)
   local status
@@ -108,6 +127,11 @@ while pos <= #ARGV do
     status = 'superseded'
   else
     status = 'ok'
+    local problem = effects_error(cmds)
+    if problem then
+      status = 'error:' .. problem
+      cmds = {}
+    end
     for _, cmd in ipairs(cmds) do
       local r = redis.pcall(unpack(cmd))
       if type(r) == 'table' and r.err then
@@ -129,17 +153,16 @@ return out
 )
 
 # KEYS: inflight, due, items
-# ARGV per record: id, item_json, due_ms, idem_key, token, lease
+# ARGV[1]: [[id, item_json, due_ms, idem_key, token, lease], ...]
 #   lease '' for a fresh delivery (park unless already parked), else the fencing
-#   deadline of the retry claim being rescheduled.
+#   deadline of the retry claim being rescheduled. due_ms and lease are strings.
 # Returns per record: parked | exists | lost_lease
 PARK = (
     _PARSE
     + """
 local out = {}
-for pos = 1, #ARGV, 6 do
-  local id, item, due_ms, key, token, lease =
-    ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3], ARGV[pos + 4], ARGV[pos + 5]
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local id, item, due_ms, key, token, lease = r[1], r[2], r[3], r[4], r[5], r[6]
   local status
   if lease == '' then
     if redis.call('HEXISTS', KEYS[3], id) == 1 then
@@ -168,15 +191,15 @@ return out
 )
 
 # KEYS: inflight, due, items
-# ARGV: ttl_s, then per record: idem_key ('' when undecodable), token, fingerprint, retry_id
+# ARGV[1]: ttl_s; ARGV[2]: [[idem_key ('' when undecodable), token, fingerprint, retry_id], ...]
 # Marks the key dead-lettered (unless someone completed it meanwhile), drops the retry item.
 MARK_DEAD = (
     _PARSE
     + """
 local ttl = ARGV[1]
 local out = {}
-for pos = 2, #ARGV, 4 do
-  local key, token, fp, retry_id = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3]
+for _, r in ipairs(cjson.decode(ARGV[2])) do
+  local key, token, fp, retry_id = r[1], r[2], r[3], r[4]
   local status = 'marked'
   if key ~= '' then
     local v = redis.call('GET', key)

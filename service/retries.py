@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -24,7 +25,6 @@ from redis.commands.core import AsyncScript
 
 from service import redis_scripts
 from service.batching import Batcher
-from service.context import EffectArg
 from service.keys import RedisKeys
 from service.records import Delivery
 from service.redis_client import RedisOps
@@ -118,11 +118,18 @@ class RetryQueue:
         await self._parks.close()
 
     async def _flush_parks(self, batch: list[ParkRequest]) -> list[ParkStatus]:
-        args: list[EffectArg] = []
-        for r in batch:
-            d = r.delivery
-            lease = "" if d.retry_lease is None else d.retry_lease
-            args += [d.retry_id, d.to_json(), r.due_ms, r.idem_key, r.token, lease]
+        records = [
+            [
+                r.delivery.retry_id,
+                r.delivery.to_json(),
+                str(r.due_ms),
+                r.idem_key,
+                r.token,
+                "" if r.delivery.retry_lease is None else str(r.delivery.retry_lease),
+            ]
+            for r in batch
+        ]
+        args = [json.dumps(records, separators=(",", ":"), ensure_ascii=False)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         replies = await self._ops.call(
             lambda: self._park_script(keys=keys, args=args), durable=True

@@ -8,29 +8,28 @@ appear in reprs, logs or error messages.
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# Kafka's legal topic names: ASCII letters, digits, '.', '_', '-'; at most 249 characters.
-TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-HANDLER_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+from service import project
+from service.naming import HANDLER_NAME, KEY_PREFIX, TOPIC_NAME
+from service.naming import check_topic as _check_topic
 
 
-def _check_topic(value: str) -> str:
-    if not TOPIC_NAME.match(value) or value in {".", ".."}:
-        raise ValueError(f"{value!r} is not a legal Kafka topic name")
-    return value
+def _secret_text(value: str | SecretStr | None) -> str:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    return value or ""
 
 
 class KafkaSettings(BaseModel):
     """How to reach the brokers and which group to join."""
 
     bootstrap_servers: str = "localhost:9092"
-    client_id: str = "payments-worker"
-    group_id: str = "payments-worker"
+    client_id: str = project.SERVICE_NAME
+    group_id: str = project.CONSUMER_GROUP
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username: str | None = None
@@ -63,25 +62,26 @@ class KafkaSettings(BaseModel):
     @field_validator("group_id")
     @classmethod
     def _group_id_legal(cls, value: str) -> str:
-        if not TOPIC_NAME.match(value):
+        if not TOPIC_NAME.fullmatch(value):
             raise ValueError(f"{value!r}: use letters, digits, '.', '_' or '-' (1-249)")
         return value
 
     @model_validator(mode="after")
     def _sasl_complete(self) -> KafkaSettings:
         if self.security_protocol.startswith("SASL"):
+            # An empty value (an unset secret rendered as "") is as missing as no value.
             missing = [
                 name
                 for name in ("sasl_mechanism", "sasl_username", "sasl_password")
-                if getattr(self, name) is None
+                if not _secret_text(getattr(self, name))
             ]
             if missing:
                 raise ValueError(
-                    f"security_protocol={self.security_protocol} needs "
-                    + ", ".join(f"kafka.{m}" for m in missing)
+                    f"WORKER_KAFKA__SECURITY_PROTOCOL={self.security_protocol} needs "
+                    + ", ".join(f"WORKER_KAFKA__{m.upper()}" for m in missing)
                 )
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("kafka.ssl_certfile and kafka.ssl_keyfile go together")
+            raise ValueError("WORKER_KAFKA__SSL_CERTFILE and WORKER_KAFKA__SSL_KEYFILE go together")
         return self
 
 
@@ -89,7 +89,7 @@ class RedisSettings(BaseModel):
     """Where idempotency markers, the retry queue and handler effects live."""
 
     url: SecretStr = SecretStr("redis://localhost:6379/0")
-    key_prefix: str = "payments-worker"
+    key_prefix: str = project.REDIS_KEY_PREFIX
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -113,7 +113,7 @@ class RedisSettings(BaseModel):
     @field_validator("key_prefix")
     @classmethod
     def _prefix_plain(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
+        if not KEY_PREFIX.fullmatch(value):
             raise ValueError("use 1-64 letters, digits, '.', '_' or '-' (no ':' or braces)")
         return value
 
@@ -136,7 +136,7 @@ class RetrySettings(BaseModel):
     @model_validator(mode="after")
     def _delays_ordered(self) -> RetrySettings:
         if self.max_delay_ms < self.base_delay_ms:
-            raise ValueError("retry.max_delay_ms must be >= retry.base_delay_ms")
+            raise ValueError("WORKER_RETRY__MAX_DELAY_MS must be >= WORKER_RETRY__BASE_DELAY_MS")
         return self
 
 
@@ -195,8 +195,9 @@ class Settings(BaseSettings):
     dead_letter: DeadLetterSettings = DeadLetterSettings()
     http: HttpSettings = HttpSettings()
 
-    # Handler name -> the topic it consumes. Adding a topic: a handler module and an entry here.
-    topics: dict[str, str] = {"payments": "payments"}
+    # Handler name -> the topic it consumes; the default is service/project.py's TOPICS, where
+    # `service new-handler` binds new handlers.
+    topics: dict[str, str] = Field(default_factory=lambda: dict(project.TOPICS))
     # Concurrency: records in flight at once, in total and per partition.
     max_in_flight: int = Field(default=1000, ge=1)
     max_in_flight_per_partition: int = Field(default=500, ge=1)
@@ -222,7 +223,7 @@ class Settings(BaseSettings):
         if not value:
             raise ValueError("bind at least one handler to a topic")
         for name, topic in value.items():
-            if not HANDLER_NAME.match(name):
+            if not HANDLER_NAME.fullmatch(name):
                 raise ValueError(f"handler name {name!r} must match {HANDLER_NAME.pattern}")
             _check_topic(topic)
         if len(set(value.values())) != len(value):
@@ -232,14 +233,14 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.max_in_flight_per_partition > self.max_in_flight:
-            raise ValueError("max_in_flight_per_partition must be <= max_in_flight")
+            raise ValueError("WORKER_MAX_IN_FLIGHT_PER_PARTITION must be <= WORKER_MAX_IN_FLIGHT")
         if self.handler_timeout_s * 1000 >= self.idempotency.lease_ms:
             raise ValueError(
-                "idempotency.lease_ms must exceed handler_timeout_s, or a slow handler's "
-                "claim expires while it still runs"
+                "WORKER_IDEMPOTENCY__LEASE_MS must exceed WORKER_HANDLER_TIMEOUT_S (in ms), "
+                "or a slow handler's claim expires while it still runs"
             )
         if self.handler_timeout_s * 1000 >= self.retry.lease_ms:
-            raise ValueError("retry.lease_ms must exceed handler_timeout_s")
+            raise ValueError("WORKER_RETRY__LEASE_MS must exceed WORKER_HANDLER_TIMEOUT_S (in ms)")
         return self
 
     def dead_letter_topic(self, topic: str) -> str:
@@ -254,6 +255,7 @@ class Settings(BaseSettings):
 def load_settings(**overrides: object) -> Settings:
     """Load settings, turning validation errors into one readable ConfigurationError."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from service.errors import ConfigurationError
 
@@ -261,6 +263,10 @@ def load_settings(**overrides: object) -> Settings:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise ConfigurationError(describe_validation_error(exc)) from None
+    except SettingsError as exc:
+        # e.g. WORKER_KAFKA='{not json': the message names the field, never the value; the
+        # cause (which holds the raw text, secrets included) is dropped.
+        raise ConfigurationError(f"invalid settings:\n  {exc}") from None
 
 
 def describe_validation_error(exc: object) -> str:

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 POLL_TIMEOUT_MS = 200
 PAUSED_POLL_TIMEOUT_MS = 20
+CAPACITY_WAIT_S = 1.0
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -75,12 +76,14 @@ class Worker:
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._stop = asyncio.Event()
         self._commit_now = asyncio.Event()
+        self._capacity_freed = asyncio.Event()
         self._commit_lock = asyncio.Lock()
         self._tasks: dict[TopicPartition, set[asyncio.Task[None]]] = {}
         self._lanes: dict[TopicPartition, dict[bytes, asyncio.Task[None]]] = {}
         self._revoking: set[TopicPartition] = set()
         self._paused: set[TopicPartition] = set()
         self._in_flight = 0
+        self._starved = False  # no room freed up during a whole capacity wait
         self._completed_since_commit = 0
         self._background: list[asyncio.Task[Any]] = []
         self._consumer: AIOKafkaConsumer | None = None
@@ -169,6 +172,18 @@ class Worker:
         consumer = self._consumer
         while not self._stop.is_set():
             capacity = self.settings.max_in_flight - self._in_flight
+            if capacity <= 0:
+                # Wait for room rather than pausing: aiokafka drops a paused partition's
+                # prefetched records, so pausing at every full moment would refetch them.
+                # Only when no room frees up for a while are all partitions paused, and
+                # getmany keeps being called so the group never sees a missed poll.
+                self._capacity_freed.clear()
+                try:
+                    await asyncio.wait_for(self._capacity_freed.wait(), CAPACITY_WAIT_S)
+                    self._starved = False
+                except TimeoutError:
+                    self._starved = True
+                capacity = self.settings.max_in_flight - self._in_flight
             timeout = PAUSED_POLL_TIMEOUT_MS if self._paused else POLL_TIMEOUT_MS
             try:
                 batches = await consumer.getmany(timeout_ms=timeout, max_records=max(1, capacity))
@@ -247,6 +262,7 @@ class Worker:
                     self._commit_now.set()
         finally:
             self._in_flight -= 1
+            self._capacity_freed.set()
             tasks = self._tasks.get(tp)
             if tasks is not None:
                 tasks.discard(asyncio.current_task())
@@ -255,8 +271,8 @@ class Worker:
         """Pause what is over its limit, resume what is under; polling never stops."""
         assert self._consumer is not None
         assigned = set(self._consumer.assignment()) - self._revoking
-        if self._in_flight >= self.settings.max_in_flight:
-            want = assigned
+        if self._starved and self._in_flight >= self.settings.max_in_flight:
+            want = assigned  # full for a whole wait: pause everything, keep polling
         else:
             limit = self.settings.max_in_flight_per_partition
             want = {tp for tp in assigned if self.tracker.in_flight(tp) >= limit}
@@ -401,6 +417,8 @@ class Worker:
         if hasattr(self, "idempotency"):
             await self.idempotency.close()
             await self.retries.close()
+        if hasattr(self, "publisher"):  # absent when stopped before Kafka answered
+            await self.publisher.close()
         if self._producer is not None:
             with contextlib.suppress(Exception):
                 await self._producer.stop()  # flushes what is buffered

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
 from service import Context, PermanentError, handler
 
@@ -33,7 +33,8 @@ class PaymentSucceeded(BaseModel):
     payment_id: Identifier
     user_id: Identifier
     product_id: Identifier
-    amount_minor: int = Field(gt=0, le=MAX_AMOUNT_MINOR)
+    # Strict: JSON true, 12.0 or "12" is not an amount (lax mode would grant 1, 12, 12).
+    amount_minor: StrictInt = Field(gt=0, le=MAX_AMOUNT_MINOR)
     currency: Annotated[str, StringConstraints(pattern=r"^[A-Z]{3}$")]
     status: Literal["succeeded"] = "succeeded"
     occurred_at: datetime | None = None

@@ -105,26 +105,35 @@ async def observe(settings: Settings) -> RunState:
     topic = settings.topics["payments"]
     prefix = settings.redis.key_prefix
     url = settings.redis.url.get_secret_value()
+    # The retry queue first: once it reads empty and every offset is committed, nothing can
+    # change any more, so what is read after it (dead letters included) is final. Read last,
+    # a retry dead-lettered between the reads would look settled without its dead letter.
+    retry_depth = await audit.retry_queue_depth(url, prefix)
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
     grants = await audit.ledger_grants(url, prefix)
     dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(topic))
     dead = {
-        f"{audit.header(r, 'x-dlq-source-partition')}/{audit.header(r, 'x-dlq-source-offset')}": audit.header(
-            r, "x-dlq-reason"
-        )
-        or ""
+        "/".join(
+            str(audit.header(r, name)) for name in ("x-dlq-source-partition", "x-dlq-source-offset")
+        ): audit.header(r, "x-dlq-reason") or ""
         for r in dlq
     }
-    return RunState(offsets, dict(grants), dead, await audit.retry_queue_depth(url, prefix))
+    return RunState(offsets, dict(grants), dead, retry_depth)
 
 
-async def wait_settled(settings: Settings, timeout: float = 60) -> RunState:
+async def wait_settled(settings: Settings, timeout: float = 60) -> RunState:  # noqa: ASYNC109
+    """Wait for two settled observations in a row that agree.
+
+    One observation is a sequence of reads, and a retry can start and finish between
+    them; a second, identical observation shows nothing was moving.
+    """
     last: list[RunState] = []
 
     async def check() -> bool:
         state = await observe(settings)
+        previous = last[0] if last else None
         last[:] = [state]
-        return state.settled()
+        return state.settled() and previous is not None and previous == state
 
     await await_until(check, timeout, interval=0.3, message=lambda: f"not settled: {last}")
     return last[0]
