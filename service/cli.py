@@ -13,13 +13,22 @@ from rich.console import Console
 
 from service.errors import ConfigurationError
 from service.observability import configure_logging
+from service.scaffold import new_handler_command
 from service.settings import Settings, load_settings
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+# Never print local variables in a crash report: they hold unwrapped secrets (the Redis URL,
+# the SASL password in the aiokafka arguments). Older typer versions showed them by default.
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help=__doc__,
+    pretty_exceptions_show_locals=False,
+)
 dev_app = typer.Typer(no_args_is_help=True, help="The embedded broker and Redis for development.")
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead-letter topic tools.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(dlq_app, name="dlq")
+app.command("new-handler")(new_handler_command)  # scaffold: service/scaffold.py
 console = Console()
 err = Console(stderr=True)
 

@@ -1,0 +1,415 @@
+"""What the post-generation hook does: bring in the shared code, then apply the answers.
+
+The template repository *is* a runnable service, and it is the only copy of the code:
+cookiecutter renders just the files that vary per project (the folder
+``{{cookiecutter.project_slug}}/``), and this module copies everything else from the
+template checkout into the new project and rewrites the few places in those shared
+files that name the project (``SITES`` below). Generated with the default answers,
+every shared file is byte-identical to the repository's (tests/template proves it).
+
+Loaded by ``hooks/post_gen_project.py`` from the checkout, by file path, and run in
+whatever interpreter runs cookiecutter: standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+import re
+import shutil
+import sys
+import types
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+TEMPLATE_DIR = "{{cookiecutter.project_slug}}"
+# Copied from the template checkout into every generated project.
+SHARED = ("service", "tests", "docs", "deploy", "Dockerfile", ".dockerignore", ".gitignore")
+# Inside SHARED, but about the template itself: never copied.
+TEMPLATE_ONLY = ("tests/template",)
+# Dropped when the answer is "no".
+OPTIONAL = {
+    "include_k8s": ("deploy/k8s",),
+    "include_pipeline": ("service/pipeline", "tests/pipeline"),
+}
+# Test modules elsewhere under tests/ that need a dropped part are dropped with it. Today
+# tests/deploy/test_deploy_artifacts.py reads deploy/k8s at import time, so a project
+# without Kubernetes manifests loses that whole module (docs/template.md).
+OPTIONAL_TESTS = {
+    "include_k8s": re.compile(r"""["']k8s["']|deploy/k8s"""),
+    "include_pipeline": re.compile(r"\bservice\.pipeline\b|from service import pipeline"),
+}
+# The worked example every project keeps (make run, the integration tests use it).
+EXAMPLE_HANDLER = "payments"
+
+
+class GenerationError(Exception):
+    """Generation cannot complete; cookiecutter then removes the half-made project."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Answers:
+    """The answers, plus what follows from them once the first handler is bound."""
+
+    slug: str
+    group: str
+    prefix: str
+    image: str
+    topic: str
+    python: str
+    include_k8s: bool
+    include_pipeline: bool
+    first_handler: str = EXAMPLE_HANDLER
+    topics: tuple[tuple[str, str], ...] = ((EXAMPLE_HANDLER, "payments"),)
+
+    @classmethod
+    def from_context(cls, context: Mapping[str, Any]) -> Answers:
+        return cls(
+            slug=context["project_slug"],
+            group=context["consumer_group"],
+            prefix=context["redis_key_prefix"],
+            image=context["image_name"],
+            topic=context["first_topic"],
+            python=context["python_version"],
+            include_k8s=context["include_k8s"] == "yes",
+            include_pipeline=context["include_pipeline"] == "yes",
+        )
+
+    @property
+    def wheel(self) -> str:
+        """The wheel file's name prefix (PEP 427 escapes '-' and '.')."""
+        return re.sub(r"[-_.]+", "_", self.slug).lower()
+
+    @property
+    def topics_json(self) -> str:
+        """WORKER_TOPICS as the deploy files spell it."""
+        return json.dumps(dict(self.topics))
+
+    @property
+    def python_regex(self) -> str:
+        return self.python.replace(".", "\\.")
+
+
+# The repository's own values: what the shared files say, and what the default answers are.
+DEFAULTS = Answers(
+    slug="payments-worker",
+    group="payments-worker",
+    prefix="payments-worker",
+    image="registry.example.com/payments-worker",
+    topic="payments",
+    python="3.11",
+    include_k8s=True,
+    include_pipeline=True,
+)
+
+Value = Callable[[Answers, str], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A place in the shared files that names the project: the regex group ``old``
+    becomes ``value(answers, old)``.
+
+    ``required`` sites must match somewhere in their files (when any of those files
+    exist): if a shared file changes and a site vanishes, generation stops and says
+    which, instead of shipping a project that still names the payments worker.
+    Sites in tests and prose are best-effort; the generated project's own test run is
+    their check. ``yaml_scalar`` quotes a value YAML would not read as a string.
+    """
+
+    paths: tuple[str, ...]
+    pattern: str
+    value: Value
+    required: bool = False
+    yaml_scalar: bool = False
+
+
+def _token(literal: str) -> str:
+    """``literal`` as a whole name: not part of a longer name (names use . _ -)."""
+    return rf"(?<![A-Za-z0-9._-])(?P<old>{re.escape(literal)})(?![A-Za-z0-9_-])"
+
+
+def _slug(a: Answers, old: str) -> str:
+    return a.slug
+
+
+def _group(a: Answers, old: str) -> str:
+    return a.group
+
+
+def _prefix(a: Answers, old: str) -> str:
+    return a.prefix
+
+
+def _image(a: Answers, old: str) -> str:
+    return a.image
+
+
+def _wheel(a: Answers, old: str) -> str:
+    return a.wheel
+
+
+def _topic(a: Answers, old: str) -> str:
+    return a.topic
+
+
+def _topics_json(a: Answers, old: str) -> str:
+    return a.topics_json
+
+
+def _first_handler(a: Answers, old: str) -> str:
+    return a.first_handler
+
+
+def _part_of(a: Answers, old: str) -> str:
+    # The system the service belongs to; the template's is "payments", a new one is its own.
+    return old if a.slug == DEFAULTS.slug else a.slug
+
+
+def _python_image(a: Answers, old: str) -> str:
+    # The repository pins a patch release; for another minor version pin the minor.
+    return old if a.python == DEFAULTS.python else a.python
+
+
+def _python_regex(a: Answers, old: str) -> str:
+    return a.python_regex
+
+
+# fnmatch patterns on POSIX paths relative to the project; `*` also matches `/`.
+YAML = ("deploy/*.yml", "deploy/*.yaml")
+COMPOSE = ("deploy/docker-compose.yml",)
+K8S = ("deploy/k8s/*.yaml",)
+DEPLOY = ("deploy/*",)
+DOCKERFILE = ("Dockerfile",)
+DOCS = ("docs/*.md", "deploy/README.md")
+TESTS = ("tests/*.py",)
+PIPELINE = ("service/pipeline/*.py",)
+NAME = "payments-worker"
+NAME_TOKEN = _token(NAME)
+# The project's name, also inside longer names: payments-worker-config, payments-worker.json.
+NAME_ANYWHERE = r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?![A-Za-z0-9_])"
+OUTCOMES = r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?=\.outcomes\b)"
+TOPICS_LITERAL = r"(?P<old>\{\"payments\": \"payments\"\})"
+
+# Where sites overlap the first one listed wins: the specific ones come before the
+# generic project name at the end.
+SITES: tuple[Site, ...] = (
+    # The image: the wheel the Dockerfile installs, the base image, the image name.
+    Site(DOCKERFILE, r"/wheels/(?P<old>payments_worker)-\*\.whl", _wheel, required=True),
+    Site(DOCKERFILE, r"python:(?P<old>3\.11\.\d+)-slim", _python_image, required=True),
+    Site(DOCS, r"python:(?P<old>3\.11\.\d+)-slim", _python_image),
+    Site(TESTS, r"python:(?P<old>3\\\.11)", _python_regex),
+    Site(DEPLOY, r"(?P<old>registry\.example\.com/payments-worker)(?![\w./-])", _image, True),
+    # The consumer group, and the outcomes topic named after it.
+    Site(YAML, r"WORKER_KAFKA__GROUP_ID:\s*\"?" + NAME_TOKEN, _group, True, yaml_scalar=True),
+    Site(K8S, r"consumerGroup:\s*\"?" + NAME_TOKEN, _group, required=True),
+    Site(COMPOSE, OUTCOMES, _group, required=True),
+    Site((*DOCS, *TESTS, *PIPELINE), OUTCOMES, _group),
+    Site(DOCS, r"WORKER_KAFKA__GROUP_ID \|[^|\n]*\| " + NAME_TOKEN, _group),
+    Site(DOCS, r"WORKER_KAFKA__CLIENT_ID \|[^|\n]*\| " + NAME_TOKEN, _slug),
+    Site(TESTS, r"group_id == \"(?P<old>payments-worker)\"", _group),
+    Site(PIPELINE, r"WORKER_KAFKA__GROUP_ID', '(?P<old>payments-worker)'", _group),
+    # The Redis key prefix.
+    Site(YAML, r"WORKER_REDIS__KEY_PREFIX:\s*\"?" + NAME_TOKEN, _prefix, True, yaml_scalar=True),
+    Site(DOCS, r"WORKER_REDIS__KEY_PREFIX \|[^|\n]*\| " + NAME_TOKEN, _prefix),
+    Site(DOCS, r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?=:ledger:)", _prefix),
+    Site(TESTS, r"key_prefix == \"(?P<old>payments-worker)\"", _prefix),
+    Site(PIPELINE, r"key_prefix: str = \"(?P<old>payments-worker)\"", _prefix),
+    Site(PIPELINE, r"KEY_PREFIX\"[^\]]*\]\s*=\s*\"(?P<old>payments-worker)\"", _prefix),
+    # The topic bindings and the first topic.
+    Site(YAML, r"WORKER_TOPICS:\s*'" + TOPICS_LITERAL + "'", _topics_json, required=True),
+    Site(DOCS, r"WORKER_TOPICS \|[^|\n]*\| " + TOPICS_LITERAL, _topics_json),
+    Site(TESTS, r"topics == " + TOPICS_LITERAL, _topics_json),
+    Site(COMPOSE, r"create (?P<old>payments)(?= \d| *\n)", _topic, required=True),
+    Site(COMPOSE, r"create (?P<old>payments)(?=\.dlq\b)", _topic, required=True),
+    Site(COMPOSE, r"--topic (?P<old>payments)(?![\w.-])", _topic, required=True),
+    Site(K8S, r"\btopic:\s*\"(?P<old>payments)\"", _topic, required=True),
+    Site(DEPLOY, r"`(?P<old>payments)(?=(\.dlq)?`)", _topic),
+    Site(DEPLOY, r"--topic (?P<old>payments)(?![\w.-])", _topic),
+    Site(TESTS, r"PAYMENTS_TOPIC = \"(?P<old>payments)\"", _topic),
+    Site(TESTS, r"topics == \{\"(?P<old>payments)\": PAYMENTS_TOPIC\}", _first_handler),
+    # Everything else that names the project: Kubernetes names, labels, compose, Grafana.
+    Site(K8S, r"part-of: (?P<old>payments)$", _part_of),
+    Site((*DEPLOY, *DOCKERFILE), NAME_ANYWHERE, _slug, required=True),
+)
+
+YAML_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
+YAML_WORDS = {"y", "n", "yes", "no", "on", "off", "true", "false", "null"}
+
+
+def post_generate(project: Path, template: Path, context: Mapping[str, Any]) -> None:
+    """Turn the freshly rendered folder into a complete project."""
+    answers = Answers.from_context(context)
+    copy_shared(template, project, answers)
+    answers = bind_first_topic(project, answers)
+    apply_answers(project, answers)
+
+
+def copy_shared(template: Path, project: Path, answers: Answers) -> None:
+    """Copy the shared files in; the template's rendered files take precedence."""
+    rendered_root = template / TEMPLATE_DIR
+    rendered = {
+        p.relative_to(rendered_root).as_posix() for p in rendered_root.rglob("*") if p.is_file()
+    }
+    skip = set(TEMPLATE_ONLY)
+    dropped = [answer for answer in OPTIONAL if not getattr(answers, answer)]
+    for answer in dropped:
+        skip.update(OPTIONAL[answer])
+    ignored = _gitignore(template / ".gitignore")
+    for top in SHARED:
+        if not (template / top).exists():
+            raise GenerationError(f"the template checkout has no {top}")
+        for relative in _walk(template, top, skip, ignored):
+            if relative in rendered or _needs_dropped_part(template, relative, dropped):
+                continue
+            target = project / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(template / relative, target)
+
+
+def _needs_dropped_part(template: Path, relative: str, dropped: list[str]) -> bool:
+    if not dropped or not relative.startswith("tests/") or not relative.endswith(".py"):
+        return False
+    source = (template / relative).read_text(encoding="utf-8")
+    return any(OPTIONAL_TESTS[answer].search(source) for answer in dropped)
+
+
+def bind_first_topic(project: Path, answers: Answers) -> Answers:
+    """Give the first topic its own handler (scaffolded), or bind the example to it.
+
+    The default answer (``payments``) is bound by the rendered service/project.py. Any
+    other topic gets a handler named after it, written by the project's own
+    ``service new-handler`` code, so what generation writes and what the scaffold writes
+    can never differ.
+    """
+    scaffold = _import_scaffold(project)
+    if answers.topic != DEFAULTS.topic:
+        name = scaffold.handler_name_for_topic(answers.topic)
+        if name == EXAMPLE_HANDLER:  # e.g. `Payments`: the example is the right handler
+            scaffold.bind(project, name, answers.topic)
+        else:
+            scaffold.new_handler(project, name, answers.topic)
+    bindings: dict[str, str] = scaffold.read_bindings(project)
+    first = next(n for n, t in bindings.items() if t == answers.topic)
+    return dataclasses.replace(answers, first_handler=first, topics=tuple(bindings.items()))
+
+
+def apply_answers(project: Path, answers: Answers) -> None:
+    """Rewrite every site in the shared files; fail if a required site has gone."""
+    counts = dict.fromkeys(range(len(SITES)), 0)
+    present = dict.fromkeys(range(len(SITES)), False)
+    for path in sorted(p for p in project.rglob("*") if p.is_file()):
+        relative = path.relative_to(project).as_posix()
+        sites = [i for i, s in enumerate(SITES) if _matches(relative, s.paths)]
+        if not sites:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # not text: nothing to rewrite
+            continue
+        claimed: list[tuple[int, int, str]] = []
+        for i in sites:
+            present[i] = True
+            site = SITES[i]
+            for match in re.finditer(site.pattern, text, flags=re.MULTILINE):
+                start, end = match.span("old")
+                if any(s < end and start < e for s, e, _ in claimed):
+                    continue
+                counts[i] += 1
+                new = site.value(answers, match["old"])
+                quoted = start > 0 and text[start - 1] in "\"'"
+                if site.yaml_scalar and not quoted and not _yaml_plain(new):
+                    new = json.dumps(new)
+                claimed.append((start, end, new))
+        for start, end, new in sorted(claimed, reverse=True):
+            text = text[:start] + new + text[end:]
+        path.write_text(text, encoding="utf-8")
+    missing = [SITES[i] for i in counts if SITES[i].required and present[i] and not counts[i]]
+    if missing:
+        listed = "\n".join(f"  {', '.join(s.paths)}: {s.pattern}" for s in missing)
+        raise GenerationError(
+            "the shared files no longer contain these answer sites; update SITES in "
+            f"hooks/generation.py (docs/template.md):\n{listed}"
+        )
+    _rename_named_files(project / "deploy", answers.slug)
+
+
+def _rename_named_files(root: Path, slug: str) -> None:
+    for path in sorted(root.rglob(f"*{NAME}*"), reverse=True):
+        path.rename(path.with_name(path.name.replace(NAME, slug)))
+
+
+def _yaml_plain(value: str) -> bool:
+    return bool(YAML_PLAIN.match(value)) and value.lower() not in YAML_WORDS
+
+
+def _matches(relative: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(relative, p) for p in patterns)
+
+
+def _gitignore(path: Path) -> list[str]:
+    """The template's .gitignore, so local clutter (.venv, caches, .env) is never copied."""
+    if not path.is_file():
+        return []
+    lines = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line and not line.startswith(("#", "!"))]
+
+
+def _ignored(relative: str, is_dir: bool, patterns: list[str]) -> bool:
+    """A subset of gitignore: name globs anywhere, ``dir/`` for directories, ``a/b`` anchored."""
+    name = relative.rsplit("/", 1)[-1]
+    for pattern in patterns:
+        dir_only = pattern.endswith("/")
+        pattern = pattern.rstrip("/")
+        if dir_only and not is_dir:
+            continue
+        if "/" in pattern:
+            if fnmatch.fnmatchcase(relative, pattern.lstrip("/")):
+                return True
+        elif fnmatch.fnmatchcase(name, pattern):
+            return True
+    return False
+
+
+def _walk(root: Path, top: str, skip: set[str], ignored: list[str]) -> Iterator[str]:
+    """Files under ``root/top`` (or ``top`` itself), as POSIX paths relative to ``root``."""
+    if (root / top).is_file():
+        yield top
+        return
+    for current, dirs, files in os.walk(root / top):
+        base = Path(current).relative_to(root).as_posix()
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if f"{base}/{d}" not in skip and not _ignored(f"{base}/{d}", True, ignored)
+        )
+        for name in sorted(files):
+            relative = f"{base}/{name}"
+            if not _ignored(relative, False, ignored):
+                yield relative
+
+
+def _import_scaffold(project: Path) -> types.ModuleType:
+    """The generated project's ``service.scaffold``, without running ``service/__init__``.
+
+    That package imports pydantic and the rest of the project's dependencies, which
+    the interpreter running cookiecutter does not have; the scaffold and the naming
+    rules it uses need only the standard library.
+    """
+    saved = {k: v for k, v in sys.modules.items() if k == "service" or k.startswith("service.")}
+    for key in saved:
+        del sys.modules[key]
+    package = types.ModuleType("service")
+    package.__path__ = [str(project / "service")]
+    sys.modules["service"] = package
+    try:
+        import importlib
+
+        return importlib.import_module("service.scaffold")
+    finally:
+        for key in [k for k in sys.modules if k == "service" or k.startswith("service.")]:
+            del sys.modules[key]
+        sys.modules.update(saved)

@@ -1,0 +1,341 @@
+"""``service new-handler NAME --topic TOPIC``: one business topic, one handler module.
+
+It writes what every handler needs so that adding a topic is filling in blanks, not
+copying the payments example by hand: ``service/handlers/NAME.py`` (a payload model,
+the ``@handler`` declaration with its dedupe key, a handler that queues its effect on
+``ctx.effects``), ``tests/unit/test_handler_NAME.py`` (passes as generated), and the
+binding NAME -> TOPIC in ``service/project.py``'s ``TOPICS``, the default of
+``WORKER_TOPICS``. That file is the project's own (rendered once by the template), so
+the binding survives ``cruft update``; docs/template.md explains.
+
+The template's post-generation hook uses this module to write a project's first
+handler, in whatever interpreter runs cookiecutter: so the logic below needs only the
+standard library and :mod:`service.naming`, and typer only for the command itself.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+from typing import Annotated
+
+from service.naming import check_handler_name, check_topic
+
+try:  # the command needs typer; the template's hook imports this module without it
+    import typer
+except ModuleNotFoundError:  # pragma: no cover - only in the hook's interpreter
+    typer = None  # type: ignore[assignment]
+
+HANDLERS_DIR = Path("service/handlers")
+TESTS_DIR = Path("tests/unit")
+PROJECT_FILE = Path("service/project.py")
+BINDINGS = "TOPICS"
+MAX_LINE = 100  # the project's ruff line length
+
+
+class ScaffoldError(ValueError):
+    """A scaffold request that cannot be honoured; the message names the argument."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scaffolded:
+    """What ``new_handler`` wrote, relative to the project root."""
+
+    name: str
+    topic: str
+    handler_module: Path
+    test_module: Path
+    project_file: Path
+
+
+def handler_name_for_topic(topic: str) -> str:
+    """A handler (and module) name for a topic: ``orders.created`` -> ``orders_created``."""
+    check_topic(topic)
+    chars = [c if c.isascii() and c.isalnum() else "_" for c in topic.lower()]
+    name = "_".join(part for part in "".join(chars).split("_") if part)
+    if not name or not name[0].isalpha():
+        name = f"topic_{name}".rstrip("_")
+    name = name[:64].rstrip("_")
+    try:
+        return check_handler_name(name)
+    except ValueError:  # a Python keyword such as `import`
+        return check_handler_name(f"{name[:63]}_")
+
+
+def model_name(name: str) -> str:
+    """The payload model's class name: ``orders_created`` -> ``OrdersCreatedEvent``."""
+    return "".join(part.capitalize() for part in name.split("_") if part) + "Event"
+
+
+def read_bindings(root: Path) -> dict[str, str]:
+    """The ``TOPICS`` literal of ``service/project.py``."""
+    source = (root / PROJECT_FILE).read_text(encoding="utf-8")
+    node = _bindings_node(source)
+    value = ast.literal_eval(node)
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ScaffoldError(f"{PROJECT_FILE}: {BINDINGS} must be a dict of str to str")
+    return value
+
+
+def bind(root: Path, name: str, topic: str) -> Path:
+    """Add ``name: topic`` to ``TOPICS``, keeping the file's comments and layout."""
+    path = root / PROJECT_FILE
+    source = path.read_text(encoding="utf-8")
+    path.write_text(_with_binding(source, name, topic), encoding="utf-8")
+    return PROJECT_FILE
+
+
+def new_handler(root: Path, name: str, topic: str) -> Scaffolded:
+    """Write the handler module, its test and its binding; all of them or none.
+
+    Refuses a name or topic that the settings would refuse, a name that is already a
+    handler module or binding, and a topic already bound (two handlers on one topic is
+    a configuration error in the settings too).
+    """
+    _check_request(root, name, topic)
+    handler_path = HANDLERS_DIR / f"{name}.py"
+    test_path = TESTS_DIR / f"test_handler_{name}.py"
+    project_source = (root / PROJECT_FILE).read_text(encoding="utf-8")
+    new_project_source = _with_binding(project_source, name, topic)
+    files = {
+        handler_path: render_handler(name),
+        test_path: render_test(name, topic),
+    }
+    created: list[Path] = []
+    try:
+        if not (root / TESTS_DIR).is_dir():
+            (root / TESTS_DIR).mkdir(parents=True)
+            init = root / TESTS_DIR / "__init__.py"
+            init.touch()
+            created.append(init)
+        for relative, text in files.items():
+            with (root / relative).open("x", encoding="utf-8") as f:  # never overwrite
+                created.append(root / relative)
+                f.write(text)
+        (root / PROJECT_FILE).write_text(new_project_source, encoding="utf-8")
+    except BaseException:
+        for path in reversed(created):
+            path.unlink(missing_ok=True)
+        (root / PROJECT_FILE).write_text(project_source, encoding="utf-8")
+        raise
+    return Scaffolded(name, topic, handler_path, test_path, PROJECT_FILE)
+
+
+def _check_request(root: Path, name: str, topic: str) -> None:
+    try:
+        check_handler_name(name)
+    except ValueError as exc:
+        raise ScaffoldError(f"NAME: {exc}") from None
+    try:
+        check_topic(topic)
+    except ValueError as exc:
+        raise ScaffoldError(f"--topic: {exc}") from None
+    if not (root / PROJECT_FILE).is_file() or not (root / HANDLERS_DIR).is_dir():
+        raise ScaffoldError(
+            f"{root.resolve()} is not a service project (no {PROJECT_FILE} or {HANDLERS_DIR}/)"
+        )
+    bindings = read_bindings(root)
+    handlers = root / HANDLERS_DIR
+    if (handlers / f"{name}.py").exists() or (handlers / name).exists() or name in bindings:
+        raise ScaffoldError(f"NAME: a handler named {name!r} already exists")
+    bound = [n for n, t in bindings.items() if t == topic]
+    if bound:
+        raise ScaffoldError(f"--topic: {topic!r} is already bound to handler {bound[0]!r}")
+    for path in (HANDLERS_DIR / f"{name}.py", TESTS_DIR / f"test_handler_{name}.py"):
+        if (root / path).exists():
+            raise ScaffoldError(f"NAME: {path} already exists")
+
+
+def _bindings_node(source: str) -> ast.Dict:
+    """The dict literal assigned to ``TOPICS`` at the top level of the project file."""
+    for stmt in ast.parse(source).body:
+        if isinstance(stmt, ast.Assign):
+            targets, value = stmt.targets, stmt.value
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            targets, value = [stmt.target], stmt.value
+        else:
+            continue
+        named = any(isinstance(t, ast.Name) and t.id == BINDINGS for t in targets)
+        if named and isinstance(value, ast.Dict):
+            return value
+    raise ScaffoldError(f"{PROJECT_FILE} has no `{BINDINGS} = {{...}}` dict literal")
+
+
+def _with_binding(source: str, name: str, topic: str) -> str:
+    """``source`` with one more entry in the ``TOPICS`` dict literal."""
+    node = _bindings_node(source)
+    assert node.end_lineno is not None and node.end_col_offset is not None
+    lines = source.splitlines(keepends=True)
+    entry = f"    {name!r}: {topic!r},".replace("'", '"')
+    if len(entry) > MAX_LINE:
+        entry += "  # noqa: E501"
+    closing = lines[node.end_lineno - 1]
+    brace = node.end_col_offset - 1
+    if node.lineno != node.end_lineno and not closing[:brace].strip():
+        # The usual layout: closing brace on its own line. Insert above it; comments stay.
+        lines.insert(node.end_lineno - 1, entry + "\n")
+        updated = "".join(lines)
+    else:
+        # A one-line dict: write it out again, one entry per line.
+        bindings = {**ast.literal_eval(node), name: topic}
+        body = "".join(f"    {k!r}: {v!r},\n".replace("'", '"') for k, v in bindings.items())
+        start = sum(len(line) for line in lines[: node.lineno - 1]) + node.col_offset
+        end = sum(len(line) for line in lines[: node.end_lineno - 1]) + node.end_col_offset
+        updated = source[:start] + "{\n" + body + "}" + source[end:]
+    if ast.literal_eval(_bindings_node(updated)).get(name) != topic:  # pragma: no cover
+        raise ScaffoldError(f"could not add {name!r} to {PROJECT_FILE}'s {BINDINGS}")
+    return updated
+
+
+HANDLER_TEMPLATE = Template('''\
+"""Handler `$name`.
+
+TODO: say what it does for the business, and which field identifies an event.
+
+Scaffolded by `service new-handler`; bound to its topic in service/project.py. The
+handler queues its Redis writes on ``ctx.effects``: the worker applies them in the
+same atomic step as the record's done-marker, so each effect happens once per dedupe
+key however often the record is delivered.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service import Context, handler
+
+# The effects' Redis keys are `{key_prefix}:{NAMESPACE}:...`.
+NAMESPACE = "$name"
+
+
+class $model(BaseModel):
+    """One record of this handler's topic. TODO: the real fields."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # The event's business identity: a redelivery or a retry carries the same value.
+    event_id: str = Field(min_length=1, max_length=128)
+
+
+@handler(
+    "$name",
+    model=$model,
+    dedupe_key="event_id",
+)
+async def handle_$name(
+    event: $model,
+    ctx: Context,
+) -> None:
+    # TODO: the business effect. Queue Redis writes on ctx.effects (applied exactly once,
+    # together with the done-marker). Raise RetryableError to retry later, PermanentError
+    # to dead-letter the record now.
+    ctx.effects.hset(
+        ctx.redis_key(NAMESPACE, event.event_id),
+        {"source": f"{ctx.topic}/{ctx.partition}/{ctx.offset}"},
+    )
+''')
+
+TEST_TEMPLATE = Template('''\
+"""Scaffolded tests: the handler is declared, bound to its topic, and queues its effect."""
+
+from __future__ import annotations
+
+import pytest
+from fakeredis import FakeAsyncRedis
+from pydantic import ValidationError
+
+from service import project
+from service.context import Context, Effects
+from service.handlers.$name import (
+    NAMESPACE,
+    $model,
+    handle_$name,
+)
+from service.registry import Registry, discover
+
+HANDLER = handle_$name
+MODEL = $model
+TOPIC = "$topic"$topic_noqa
+
+
+def test_declared_and_bound_to_its_topic() -> None:
+    assert project.TOPICS[HANDLER.name] == TOPIC
+    registry = Registry(discover(), project.TOPICS)
+    assert registry.for_topic(TOPIC) is HANDLER
+
+
+def test_payload_model_and_dedupe_key() -> None:
+    event = MODEL.model_validate({"event_id": "evt-1", "not_a_field": "ignored"})
+    assert HANDLER.key_of(event) == "evt-1"
+    with pytest.raises(ValidationError):
+        MODEL.model_validate({"event_id": ""})
+
+
+async def test_effect_is_queued_not_written() -> None:
+    event = MODEL(event_id="evt-1")
+    ctx = Context(
+        topic=TOPIC,
+        partition=0,
+        offset=41,
+        key=None,
+        headers=(),
+        timestamp_ms=0,
+        attempt=1,
+        dedupe_key=HANDLER.key_of(event),
+        effects=Effects(),
+        redis=FakeAsyncRedis(),
+        key_prefix="test",
+    )
+    await HANDLER(event, ctx)
+    # Queued for the worker to apply with the done-marker; nothing written by the handler.
+    assert ctx.effects.commands == [
+        ("HSET", f"test:{NAMESPACE}:evt-1", "source", f"{TOPIC}/0/41"),
+    ]
+    assert await ctx.redis.dbsize() == 0
+''')
+
+
+def render_handler(name: str) -> str:
+    return HANDLER_TEMPLATE.substitute(name=name, model=model_name(name))
+
+
+def render_test(name: str, topic: str) -> str:
+    long = len(f'TOPIC = "{topic}"') > MAX_LINE
+    return TEST_TEMPLATE.substitute(
+        name=name, model=model_name(name), topic=topic, topic_noqa="  # noqa: E501" if long else ""
+    )
+
+
+def new_handler_command(
+    name: Annotated[
+        str,
+        typer.Argument(
+            metavar="NAME", help="Handler name, also its module: service/handlers/NAME.py."
+        ),
+    ],
+    topic: Annotated[str, typer.Option("--topic", help="The Kafka topic it consumes.")],
+    root: Annotated[
+        Path, typer.Option(help="The project directory.", file_okay=False, exists=True)
+    ] = Path("."),
+) -> None:
+    """Scaffold a handler for a topic: module, payload model, binding, and a passing test."""
+    try:
+        done = new_handler(root, name, topic)
+    except ScaffoldError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    model = model_name(name)
+    typer.echo(f"created {done.handler_module}  (model {model}, handler {name!r})")
+    typer.echo(f"created {done.test_module}")
+    typer.echo(f"bound   {name} -> {topic} in {done.project_file} (the WORKER_TOPICS default)")
+    typer.echo(
+        "\nnext:\n"
+        f"  1. fill in {model} and the effect in {done.handler_module}\n"
+        f"  2. make test\n"
+        f"  3. where WORKER_TOPICS is set explicitly (deploy/, your environments), add\n"
+        f'     "{name}": "{topic}", and create the topic {topic} and its dead-letter topic'
+    )

@@ -1,0 +1,172 @@
+"""`service new-handler`: what it writes works, what it refuses leaves no trace.
+
+Each test scaffolds into a copy of this project's ``service/`` (and its unit tests'
+folder), never into the project itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import service
+from service import scaffold
+from service.cli import app
+from service.project import TOPICS
+
+PROJECT = Path(service.__file__).resolve().parents[1]
+# This project's first binding (payments -> payments here; another in a generated project).
+BOUND_NAME, BOUND_TOPIC = next(iter(TOPICS.items()))
+BOUND_LINE = f'    "{BOUND_NAME}": "{BOUND_TOPIC}",'
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    root = tmp_path / "project"
+    shutil.copytree(
+        PROJECT / "service", root / "service", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (root / "tests" / "unit").mkdir(parents=True)
+    (root / "tests" / "unit" / "__init__.py").touch()
+    shutil.copy2(PROJECT / "pyproject.toml", root / "pyproject.toml")
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def run_in(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "PYTEST_"))}
+    env["PYTHONPATH"] = str(root)
+    return subprocess.run(
+        [sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("topic", "name"),
+    [
+        ("payments", "payments"),
+        ("orders.created", "orders_created"),
+        ("Payments.Refunds-v2", "payments_refunds_v2"),
+        ("2024-events", "topic_2024_events"),
+        ("__consumer", "consumer"),
+        ("import", "import_"),
+        ("a" * 249, "a" * 64),
+    ],
+)
+def test_handler_name_for_topic(topic: str, name: str) -> None:
+    assert scaffold.handler_name_for_topic(topic) == name
+
+
+def test_new_handler_writes_module_test_and_binding(project: Path) -> None:
+    done = scaffold.new_handler(project, "refunds_v2", "payments.refunds")
+    assert done.handler_module == Path("service/handlers/refunds_v2.py")
+    assert done.test_module == Path("tests/unit/test_handler_refunds_v2.py")
+    assert scaffold.read_bindings(project) == {**TOPICS, "refunds_v2": "payments.refunds"}
+    module = (project / "service/handlers/refunds_v2.py").read_text()
+    assert "class RefundsV2Event(BaseModel):" in module
+    assert 'dedupe_key="event_id"' in module and "ctx.effects." in module
+
+    # The generated test passes, in this project's interpreter, against the copy.
+    result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(done.test_module))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+
+
+def test_generated_code_is_lint_clean(project: Path) -> None:
+    long_name = "h" + "_x" * 31  # 63 characters: the longest lines the templates produce
+    scaffold.new_handler(project, long_name, "t" * 249)
+    files = [
+        f"service/handlers/{long_name}.py",
+        f"tests/unit/test_handler_{long_name}.py",
+        "service/project.py",
+    ]
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.exists():
+        pytest.skip("ruff is not installed next to this interpreter")
+    for command in (["check"], ["format", "--check"]):
+        result = subprocess.run(
+            [str(ruff), *command, "--config", str(PROJECT / "pyproject.toml"), *files],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "topic", "message"),
+    [
+        ("Refunds", "refunds", "NAME: handler name 'Refunds' must match"),
+        ("class", "refunds", "NAME: handler name 'class' is a Python keyword"),
+        ("refunds\n", "refunds", "NAME: handler name 'refunds\\n' must match"),
+        ("refunds", "refunds\n", "--topic: 'refunds\\n' is not a legal Kafka topic name"),
+        ("payments", "refunds", "NAME: a handler named 'payments' already exists"),
+        ("refunds", "pay ments", "--topic: 'pay ments' is not a legal Kafka topic name"),
+        ("refunds", "..", "--topic: '..' is not a legal Kafka topic name"),
+        (
+            "refunds",
+            BOUND_TOPIC,
+            f"--topic: {BOUND_TOPIC!r} is already bound to handler {BOUND_NAME!r}",
+        ),
+    ],
+)
+def test_refusals_name_the_argument_and_write_nothing(
+    project: Path, name: str, topic: str, message: str
+) -> None:
+    before = snapshot(project)
+    with pytest.raises(scaffold.ScaffoldError) as refused:
+        scaffold.new_handler(project, name, topic)
+    assert str(refused.value).startswith(message)
+    assert snapshot(project) == before
+
+
+def test_existing_test_module_is_never_overwritten(project: Path) -> None:
+    (project / "tests/unit/test_handler_fees.py").write_text("# mine\n")
+    before = snapshot(project)
+    with pytest.raises(scaffold.ScaffoldError, match="already exists"):
+        scaffold.new_handler(project, "fees", "fees")
+    assert snapshot(project) == before
+
+
+def test_binding_keeps_comments_and_handles_a_one_line_dict(project: Path) -> None:
+    path = project / "service/project.py"
+    text = path.read_text()
+    assert text.count(BOUND_LINE + "\n") == 1
+    path.write_text(text.replace(BOUND_LINE + "\n", BOUND_LINE + "  # ours\n"))
+    scaffold.bind(project, "fees", "fees")
+    assert BOUND_LINE + '  # ours\n    "fees": "fees",\n}' in path.read_text()
+
+    path.write_text('TOPICS = {"payments": "payments"}  # compact\nOTHER = 1\n')
+    scaffold.bind(project, "fees", "fees")
+    assert path.read_text() == (
+        'TOPICS = {\n    "payments": "payments",\n    "fees": "fees",\n}  # compact\nOTHER = 1\n'
+    )
+
+
+def test_cli_command(project: Path) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(
+        app, ["new-handler", "fees", "--topic", "billing.fees", "--root", str(project)]
+    )
+    assert ok.exit_code == 0, ok.output
+    assert "created service/handlers/fees.py" in ok.output
+    assert "bound   fees -> billing.fees" in ok.output
+    refused = runner.invoke(app, ["new-handler", "fees", "--topic", "x", "--root", str(project)])
+    assert refused.exit_code == 2
+    assert "NAME: a handler named 'fees' already exists" in refused.output
+    missing = runner.invoke(app, ["new-handler", "fees2", "--root", str(project)])
+    assert missing.exit_code == 2 and "--topic" in missing.output

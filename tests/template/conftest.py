@@ -1,0 +1,48 @@
+"""Projects generated once per session and shared by the template tests (read-only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.template.support import generate
+
+# A new team's answers: spaces and capitals in the name, a slug with dashes, another topic
+# and group, and no Kubernetes manifests.
+ORDERS = {
+    "project_name": "Order Events Service",
+    "project_slug": "order-events",
+    "author": 'Ada O\'Brien "Platform"',
+    "first_topic": "orders.created",
+    "consumer_group": "order-events.consumers",
+    "redis_key_prefix": "orders",
+    "image_name": "ghcr.io/acme/order-events",
+    "include_k8s": "no",
+}
+# The slug derived from the name, a topic whose handler name differs from it, a group id
+# that YAML would read as a number, and no Spark pipeline.
+REFUNDS = {
+    "project_name": "Refund Desk",
+    "first_topic": "Payments.Refunds-v2",
+    "consumer_group": "2024",
+    "redis_key_prefix": "rd",
+    "image_name": "registry.example.org/team/refund-desk",
+    "include_pipeline": "no",
+}
+
+
+@pytest.fixture(scope="session")
+def default_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`cookiecutter <repo> --no-input`: the payments service."""
+    return generate(tmp_path_factory.mktemp("default") / "out", {})
+
+
+@pytest.fixture(scope="session")
+def orders_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("orders") / "out", ORDERS)
+
+
+@pytest.fixture(scope="session")
+def refunds_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("refunds") / "out", REFUNDS)
