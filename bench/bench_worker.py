@@ -4,7 +4,8 @@ Prints records/s for:
   1. a raw aiokafka loop: getmany + json.loads + commit per batch (the ceiling here);
   2. this worker, trivial handler, the full reliability path (claim, done-marker,
      outcome event, watermark commits) on a real Redis with appendfsync always;
-  3. this worker with a handler that awaits 10 ms, against in-flight limit / 10 ms.
+  3. this worker with a handler that awaits 10 ms, against concurrency limit / 10 ms
+     (WORKER_MAX_CONCURRENT_HANDLERS: how many handlers run at once).
 
     python -m bench.bench_worker --records 200000 --partitions 6
 """
@@ -41,7 +42,7 @@ class Payment(BaseModel):
 
 
 @handler("trivial", model=Payment, dedupe_key="payment_id")
-async def trivial(payment: Payment, ctx: Context) -> None:
+def trivial(payment: Payment, ctx: Context) -> None:
     return None
 
 
@@ -106,7 +107,12 @@ async def raw_loop(bootstrap: str, topic: str, n: int) -> float:
 
 
 async def worker_run(
-    bootstrap: str, redis_url: str, topic: str, n: int, name: str, max_in_flight: int
+    bootstrap: str,
+    redis_url: str,
+    topic: str,
+    n: int,
+    name: str,
+    concurrency: int,
 ) -> tuple[float, dict[str, Any]]:
     settings = Settings(
         kafka={
@@ -117,8 +123,9 @@ async def worker_run(
         redis={"url": redis_url, "key_prefix": f"bench-{topic}-{name}"},  # type: ignore[arg-type]
         topics={name: topic},
         http={"enabled": False},  # type: ignore[arg-type]
-        max_in_flight=max_in_flight,
-        max_in_flight_per_partition=max_in_flight,
+        max_in_flight=10_000,
+        max_in_flight_per_partition=10_000,
+        max_concurrent_handlers=concurrency,
         log_format="console",
         log_level="WARNING",
     )
@@ -159,7 +166,7 @@ async def worker_run(
         await task
 
 
-async def main(records: int, partitions: int, in_flight_sleepy: int) -> None:
+async def main(records: int, partitions: int, concurrency: int) -> None:
     console = Console()
     with tempfile.TemporaryDirectory() as tmp:
         broker = KafkaBroker(Path(tmp) / "kafka").start()
@@ -177,12 +184,12 @@ async def main(records: int, partitions: int, in_flight_sleepy: int) -> None:
             console.print(f"worker, trivial handler: {full:,.0f} records/s {extras}")
             sleepy_n = min(records, 40_000)
             slow, _ = await worker_run(
-                broker.bootstrap, redis_server.url, topic, sleepy_n, "sleepy", in_flight_sleepy
+                broker.bootstrap, redis_server.url, topic, sleepy_n, "sleepy", concurrency
             )
         finally:
             redis_server.stop()
             broker.stop()
-    ideal = in_flight_sleepy / 0.010
+    ideal = concurrency / 0.010
     table = Table(title=f"{records} records, {partitions} partitions, Tansu + Redis (AOF always)")
     table.add_column("run")
     table.add_column("records/s", justify="right")
@@ -196,7 +203,7 @@ async def main(records: int, partitions: int, in_flight_sleepy: int) -> None:
         f"{full / raw:.2f} of raw",
     )
     table.add_row(
-        f"3. worker, 10 ms handler, in-flight {in_flight_sleepy}",
+        f"3. worker, 10 ms handler, concurrency {concurrency}",
         f"{slow:,.0f}",
         f">= {0.8 * ideal:,.0f}",
         f"{slow / ideal:.2f} of ideal",
@@ -208,6 +215,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--partitions", type=int, default=6)
-    parser.add_argument("--in-flight", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=200)
     args = parser.parse_args()
-    asyncio.run(main(args.records, args.partitions, args.in_flight))
+    asyncio.run(main(args.records, args.partitions, args.concurrency))

@@ -29,6 +29,18 @@ dlq_app = typer.Typer(no_args_is_help=True, help="Dead-letter topic tools.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(dlq_app, name="dlq")
 app.command("new-handler")(new_handler_command)  # scaffold: service/scaffold.py
+
+
+def _mount_pipeline() -> None:
+    """`service pipeline ...` when the Spark extra is installed (it is not in the image)."""
+    try:
+        from service.pipeline.cli import pipeline_app
+    except ImportError:  # pyspark absent: the worker does not need it
+        return
+    app.add_typer(pipeline_app, name="pipeline", help="Spark: reconcile and replay topics.")
+
+
+_mount_pipeline()
 console = Console()
 err = Console(stderr=True)
 

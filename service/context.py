@@ -20,7 +20,11 @@ EffectArg = str | bytes | int | float
 
 @dataclass(slots=True)
 class Effects:
-    """Redis commands queued by a handler, applied atomically with the done-marker."""
+    """Redis commands queued by a handler, applied atomically with the done-marker.
+
+    Arguments travel to Redis as text, so bytes must be UTF-8: a handler learns that
+    when it queues the effect (a handler error like any other), not at commit time.
+    """
 
     commands: list[tuple[EffectArg, ...]] = field(default_factory=list)
 
@@ -28,6 +32,9 @@ class Effects:
         """Queue any single-key write command, e.g. ``command("HINCRBY", key, "n", 1)``."""
         if len(args) < 2:
             raise ValueError("an effect needs a command name and a key")
+        for arg in args:
+            if isinstance(arg, bytes):
+                arg.decode("utf-8")  # raises UnicodeDecodeError for binary values
         self.commands.append(tuple(args))
 
     def xadd(self, stream: str, fields: dict[str, EffectArg], maxlen: int | None = None) -> None:
@@ -37,25 +44,25 @@ class Effects:
         args.append("*")
         for name, value in fields.items():
             args += [name, value]
-        self.commands.append(tuple(args))
+        self.command(*args)
 
     def hset(self, key: str, mapping: dict[str, EffectArg]) -> None:
         args: list[EffectArg] = ["HSET", key]
         for name, value in mapping.items():
             args += [name, value]
-        self.commands.append(tuple(args))
+        self.command(*args)
 
     def set(self, key: str, value: EffectArg, ex_s: int | None = None) -> None:
         args: list[EffectArg] = ["SET", key, value]
         if ex_s is not None:
             args += ["EX", ex_s]
-        self.commands.append(tuple(args))
+        self.command(*args)
 
     def incrby(self, key: str, amount: int) -> None:
-        self.commands.append(("INCRBY", key, amount))
+        self.command("INCRBY", key, amount)
 
     def sadd(self, key: str, *members: EffectArg) -> None:
-        self.commands.append(("SADD", key, *members))
+        self.command("SADD", key, *members)
 
     def __len__(self) -> int:
         return len(self.commands)

@@ -10,18 +10,17 @@ failures without touching the handler's code:
 
 from __future__ import annotations
 
-import asyncio
-
 from service.context import Context
 from service.errors import PermanentError, RetryableError
 
 HEADER = "x-fault"
 
 
-async def inject(ctx: Context) -> None:
+def inject(ctx: Context) -> bool:
+    """Raise the failure the header asks for; True when the record should hang instead."""
     raw = ctx.header(HEADER)
     if raw is None:
-        return
+        return False
     spec = raw.decode("utf-8", "replace")
     if spec.startswith("transient:"):
         failures = int(spec.split(":", 1)[1] or 0)
@@ -29,5 +28,4 @@ async def inject(ctx: Context) -> None:
             raise RetryableError(f"injected transient failure {ctx.attempt}/{failures}")
     elif spec == "permanent":
         raise PermanentError("injected permanent failure")
-    elif spec == "hang":
-        await asyncio.Event().wait()
+    return spec == "hang"

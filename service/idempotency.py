@@ -3,28 +3,31 @@
 A delivery first claims its dedupe key (a lease, so a crashed worker's claim
 expires), runs its handler, then finishes: one script checks the claim is still
 ours, applies the handler's queued effects, writes the done-marker and drops the
-retry item if there was one. Either all of that happens or none does. Calls from
-concurrent records are batched into one script call (see ``batching``).
+retry item if there was one. Either all of that happens or none does. Every call
+takes a whole batch of records: one script call per stage of a fetched batch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypeVar
 
+import orjson
 from pydantic import BaseModel
 from redis.commands.core import AsyncScript
 
 from service import redis_scripts
-from service.batching import Batcher
 from service.context import EffectArg
 from service.keys import RedisKeys
 from service.redis_client import RedisOps
+
+R = TypeVar("R")
 
 
 class ClaimStatus(StrEnum):
@@ -103,42 +106,51 @@ class Idempotency:
         self._finish_script: AsyncScript = client.register_script(redis_scripts.FINISH)
         self._dead_script: AsyncScript = client.register_script(redis_scripts.MARK_DEAD)
         self._release_script: AsyncScript = client.register_script(redis_scripts.RELEASE)
-        self._claims = Batcher(self._flush_claims, max_batch=max_batch, name="claim")
-        self._finishes = Batcher(self._flush_finishes, max_batch=max_batch, name="finish")
-        self._deaths = Batcher(self._flush_deaths, max_batch=max_batch, name="dead")
+        self._max_batch = max_batch
         self.tokens = TokenSource()
 
     def key(self, handler: str, dedupe_key: str) -> str:
         return self._keys.idempotency(handler, dedupe_key)
 
     async def claim(self, request: ClaimRequest) -> ClaimStatus:
-        return await self._claims.submit(request)
+        return (await self.claim_many([request]))[0]
 
     async def finish(self, request: FinishRequest) -> tuple[FinishStatus, str | None]:
-        return await self._finishes.submit(request)
+        return (await self.finish_many([request]))[0]
 
     async def mark_dead(self, request: DeadRequest) -> None:
-        await self._deaths.submit(request)
+        await self.mark_dead_many([request])
 
     async def release(self, key: str, token: str) -> None:
         await self._ops.call(lambda: self._release_script(keys=[], args=[key, token]))
 
-    async def close(self) -> None:
-        for batcher in (self._claims, self._finishes, self._deaths):
-            await batcher.close()
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimStatus]:
+        return [s for chunk in self._chunks(requests) for s in await self._claim_chunk(chunk)]
 
-    # --- batch flushes: one script call for many records ---
+    async def finish_many(
+        self, requests: Sequence[FinishRequest]
+    ) -> list[tuple[FinishStatus, str | None]]:
+        return [s for chunk in self._chunks(requests) for s in await self._finish_chunk(chunk)]
 
-    async def _flush_claims(self, batch: list[ClaimRequest]) -> list[ClaimStatus]:
+    async def mark_dead_many(self, requests: Sequence[DeadRequest]) -> None:
+        for chunk in self._chunks(requests):
+            await self._dead_chunk(chunk)
+
+    def _chunks(self, items: Sequence[R]) -> list[Sequence[R]]:
+        """Slices small enough that one script never blocks Redis for long."""
+        size = self._max_batch
+        return [items[i : i + size] for i in range(0, len(items), size)]
+
+    async def _claim_chunk(self, batch: Sequence[ClaimRequest]) -> list[ClaimStatus]:
         records = [[r.key, r.token, r.fingerprint, "1" if r.over_dead else "0"] for r in batch]
         args: list[EffectArg] = [self._lease_ms, _json(records)]
         # Claims need no durability wait: a lost claim only means a later duplicate claim,
         # which the done-marker check still stops.
         replies = await self._ops.call(lambda: self._claim_script(keys=[], args=args))
-        return [ClaimStatus(_text(r)) for r in replies]
+        return [_CLAIM_STATUS[r] for r in replies]
 
-    async def _flush_finishes(
-        self, batch: list[FinishRequest]
+    async def _finish_chunk(
+        self, batch: Sequence[FinishRequest]
     ) -> list[tuple[FinishStatus, str | None]]:
         records = [
             [r.key, r.token, r.fingerprint, r.retry_id, [_command(c) for c in r.effects]]
@@ -158,12 +170,11 @@ class Idempotency:
                 out.append((FinishStatus(text), None))
         return out
 
-    async def _flush_deaths(self, batch: list[DeadRequest]) -> list[None]:
+    async def _dead_chunk(self, batch: Sequence[DeadRequest]) -> None:
         records = [[r.key, r.token, r.fingerprint, r.retry_id] for r in batch]
         args: list[EffectArg] = [self._ttl_s, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         await self._ops.call(lambda: self._dead_script(keys=keys, args=args), durable=True)
-        return [None] * len(batch)
 
 
 def _command(command: tuple[EffectArg, ...]) -> list[str]:
@@ -174,8 +185,11 @@ def _command(command: tuple[EffectArg, ...]) -> list[str]:
     ]
 
 
-def _json(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+def _json(value: object) -> bytes:
+    return orjson.dumps(value)
+
+
+_CLAIM_STATUS = {s.value.encode(): s for s in ClaimStatus}
 
 
 def _text(reply: object) -> str:

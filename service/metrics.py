@@ -16,7 +16,7 @@ class Metrics:
         )
         self.handler_seconds = Histogram(
             "worker_handler_seconds",
-            "Handler run time",
+            "Handler run time (inline def handlers: one observation per batch, its mean)",
             ["handler"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,

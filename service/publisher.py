@@ -9,19 +9,27 @@ record's failure.
 
 from __future__ import annotations
 
-import json
+import asyncio
+import functools
 import logging
 import os
 import socket
+import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordTooLargeError
+from aiokafka.errors import (
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+)
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
-from service.batching import Batcher
 from service.records import Delivery, Outcome
 
 log = logging.getLogger(__name__)
@@ -35,9 +43,41 @@ WORKER_ID = f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _retriable(exc: BaseException) -> bool:
-    return (isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))) or isinstance(
-        exc, ConnectionError | TimeoutError
-    )
+    """Errors where sending again can succeed.
+
+    aiokafka does not flag KafkaTimeoutError as retriable, but it is raised when the
+    producer's queue for a partition stays full too long (under load), which passes.
+    """
+    if isinstance(exc, KafkaTimeoutError | ConnectionError | TimeoutError):
+        return True
+    return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
+
+
+@dataclass(slots=True, frozen=True)
+class OutcomeEvent:
+    """What became of one record (docs/contracts.md, "Outcome event")."""
+
+    delivery: Delivery
+    event: Outcome
+    handler: str
+    dedupe_key: str | None
+    reason: str | None
+
+    def document(self, at_ms: int) -> dict[str, Any]:
+        d = self.delivery
+        return {
+            "event": self.event.value,
+            "handler": self.handler,
+            "dedupe_key": self.dedupe_key,
+            "topic": d.topic,
+            "partition": d.partition,
+            "offset": d.offset,
+            "attempt": d.attempt,
+            "reason": self.reason,
+            "record_ts": d.timestamp_ms,
+            "finished_at": at_ms,
+            "worker": WORKER_ID,
+        }
 
 
 class Publisher:
@@ -51,11 +91,8 @@ class Publisher:
         self._producer = producer
         self._dead_letter_topic = dead_letter_topic
         self._outcomes_topic = outcomes_topic
-        # Outcome events of concurrent records go out together, one producer batch per
-        # partition: producing them one by one cost more CPU than the rest of a record's path.
-        self._outcomes = Batcher(
-            self._flush_outcomes, max_batch=5000, max_in_flight=2, name="outcomes"
-        )
+        self._queued: list[tuple[list[tuple[bytes | None, bytes]], asyncio.Future[None]]] = []
+        self._writer: asyncio.Task[None] | None = None
         self.stopping = False
 
     async def _send(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -155,45 +192,53 @@ class Publisher:
                 )
             return
 
-    async def outcome(
-        self,
-        delivery: Delivery,
-        *,
-        event: Outcome,
-        handler: str,
-        dedupe_key: str | None,
-        reason: str | None,
-        at_ms: int,
-    ) -> None:
-        """The audit event for this record; a no-op when outcomes are disabled."""
-        if self._outcomes_topic is None:
+    async def outcomes(self, events: Sequence[OutcomeEvent]) -> None:
+        """The audit events of a batch, acknowledged; a no-op when outcomes are disabled.
+
+        Events of concurrent batches are coalesced: while one write is in flight, the next
+        ones queue and go together, one producer batch per partition. aiokafka holds at most
+        one pending batch per partition, so many small writes would queue behind each other
+        (and run into its enqueue timeout under load).
+        """
+        if self._outcomes_topic is None or not events:
             return
-        doc: dict[str, Any] = {
-            "event": event.value,
-            "handler": handler,
-            "dedupe_key": dedupe_key,
-            "topic": delivery.topic,
-            "partition": delivery.partition,
-            "offset": delivery.offset,
-            "attempt": delivery.attempt,
-            "reason": reason,
-            "record_ts": delivery.timestamp_ms,
-            "finished_at": at_ms,
-            "worker": WORKER_ID,
-        }
-        value = json.dumps(doc, separators=(",", ":")).encode()
-        key = dedupe_key.encode("utf-8", "replace") if dedupe_key is not None else None
-        await self._outcomes.submit((key, value))
+        at_ms = int(time.time() * 1000)
+        encoded = [
+            (
+                e.dedupe_key.encode("utf-8", "replace") if e.dedupe_key is not None else None,
+                orjson.dumps(e.document(at_ms)),
+            )
+            for e in events
+        ]
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queued.append((encoded, done))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_queued(), name="outcomes")
+        await done
 
-    async def close(self) -> None:
-        await self._outcomes.close()
-
-    async def _flush_outcomes(self, events: list[tuple[bytes | None, bytes]]) -> list[None]:
-        await self._send(lambda: self._write_outcomes(events))
-        return [None] * len(events)
+    async def _write_queued(self) -> None:
+        while self._queued:
+            taken, self._queued = self._queued, []
+            events = [event for encoded, _ in taken for event in encoded]
+            try:
+                await self._send(functools.partial(self._write_outcomes, events))
+            except BaseException as exc:
+                for _, done in taken:
+                    if not done.done():
+                        done.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            for _, done in taken:
+                if not done.done():
+                    done.set_result(None)
 
     async def _write_outcomes(self, events: list[tuple[bytes | None, bytes]]) -> None:
-        """Append events to per-partition batches (by key hash), send, await every ack."""
+        """Append events to per-partition batches (by key hash), send, await every ack.
+
+        One producer batch per partition instead of a send per event: producing events one
+        by one cost more CPU than all the rest of a record's path.
+        """
         topic = self._outcomes_topic
         assert topic is not None
         partitions = sorted(await self._producer.partitions_for(topic))

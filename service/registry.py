@@ -11,6 +11,7 @@ the declaration is a plain object in its module.
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from service.context import Context
 from service.errors import ConfigurationError, PermanentError, RetryableError
 
 M = TypeVar("M", bound=BaseModel)
-HandlerFunc = Callable[[M, Context], Awaitable[None]]
+# A handler is ``async def`` when it awaits I/O, or plain ``def`` when it only decides and
+# queues effects: a plain one runs inline, without a task, which is most of a fast path.
+HandlerFunc = Callable[[M, Context], Awaitable[None] | None]
 Classification = Literal["retry", "fail"]
 
 
@@ -38,6 +41,7 @@ class Handler(Generic[M]):
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
     timeout_s: float | None = None
+    is_async: bool = False  # set by ``handler``: ``async def`` runs as a task, ``def`` inline
 
     def key_of(self, payload: M) -> str:
         """The dedupe key: the idempotency identity of the business event."""
@@ -59,7 +63,14 @@ class Handler(Generic[M]):
         return "retry"
 
     async def __call__(self, payload: M, ctx: Context) -> None:
-        await self.func(payload, ctx)
+        """Run the handler, awaiting it when it is ``async def``."""
+        result = self.func(payload, ctx)
+        if result is not None:
+            await result
+
+    def run_sync(self, payload: M, ctx: Context) -> None:
+        """Run a plain ``def`` handler inline (the worker's fast path)."""
+        self.func(payload, ctx)
 
 
 def handler(
@@ -87,6 +98,7 @@ def handler(
             retry_on=tuple(retry_on),
             fail_on=tuple(fail_on),
             timeout_s=timeout_s,
+            is_async=inspect.iscoroutinefunction(func),
         )
 
     return wrap

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import orjson
 from redis.commands.core import AsyncScript
 
 from service import redis_scripts
-from service.batching import Batcher
 from service.keys import RedisKeys
 from service.records import Delivery
 from service.redis_client import RedisOps
@@ -69,10 +68,17 @@ class RetryQueue:
         self._park_script: AsyncScript = client.register_script(redis_scripts.PARK)
         self._claim_script: AsyncScript = client.register_script(redis_scripts.CLAIM_DUE)
         self._reap_script: AsyncScript = client.register_script(redis_scripts.REAP)
-        self._parks = Batcher(self._flush_parks, max_batch=max_batch, name="park")
+        self._max_batch = max_batch
 
     async def park(self, request: ParkRequest) -> ParkStatus:
-        return await self._parks.submit(request)
+        return (await self.park_many([request]))[0]
+
+    async def park_many(self, requests: Sequence[ParkRequest]) -> list[ParkStatus]:
+        size = self._max_batch
+        out: list[ParkStatus] = []
+        for i in range(0, len(requests), size):
+            out += await self._park_chunk(requests[i : i + size])
+        return out
 
     async def claim_due(self, *, now: int, lease_ms: int, limit: int) -> list[Delivery]:
         keys = [self._keys.retry_due, self._keys.retry_inflight, self._keys.retry_items]
@@ -114,10 +120,7 @@ class RetryQueue:
         head = await self._ops.call(first)
         return int(head[0][1]) if head else None
 
-    async def close(self) -> None:
-        await self._parks.close()
-
-    async def _flush_parks(self, batch: list[ParkRequest]) -> list[ParkStatus]:
+    async def _park_chunk(self, batch: Sequence[ParkRequest]) -> list[ParkStatus]:
         records = [
             [
                 r.delivery.retry_id,
@@ -129,7 +132,7 @@ class RetryQueue:
             ]
             for r in batch
         ]
-        args = [json.dumps(records, separators=(",", ":"), ensure_ascii=False)]
+        args = [orjson.dumps(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         replies = await self._ops.call(
             lambda: self._park_script(keys=keys, args=args), durable=True
@@ -138,21 +141,22 @@ class RetryQueue:
 
 
 class RetryScheduler:
-    """Claims due retries and runs them through the same path as fresh records."""
+    """Claims due retries and runs them, a batch at a time, through the fresh records' path."""
 
     def __init__(
         self,
         queue: RetryQueue,
-        process: Callable[[Delivery], Awaitable[object]],
+        process_batch: Callable[[list[Delivery]], Awaitable[object]],
         policy: RetrySettings,
         *,
-        max_concurrency: int,
+        max_in_flight: int,
         on_depth: Callable[[int, int], None] | None = None,
     ) -> None:
         self._queue = queue
-        self._process = process
+        self._process_batch = process_batch
         self._policy = policy
-        self._max_concurrency = max_concurrency
+        self._max_in_flight = max_in_flight
+        self._in_flight = 0
         self._running: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._on_depth = on_depth
@@ -163,7 +167,7 @@ class RetryScheduler:
 
     @property
     def in_flight(self) -> int:
-        return len(self._running)
+        return self._in_flight
 
     async def run(self) -> None:
         """Loop until stopped: reap expired leases, claim what is due, run it."""
@@ -178,7 +182,7 @@ class RetryScheduler:
                 if self._on_depth:
                     self._on_depth(*await self._queue.depth())
                 next_reap = loop_now + reap_every_s
-            free = self._max_concurrency - len(self._running)
+            free = self._max_in_flight - self._in_flight
             claimed: list[Delivery] = []
             if free > 0:
                 claimed = await self._queue.claim_due(
@@ -186,8 +190,9 @@ class RetryScheduler:
                     lease_ms=self._policy.lease_ms,
                     limit=min(free, self._policy.claim_batch),
                 )
-            for delivery in claimed:
-                task = asyncio.create_task(self._run_one(delivery))
+            if claimed:
+                self._in_flight += len(claimed)
+                task = asyncio.create_task(self._run_batch(claimed))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
             self.claimed_total += len(claimed)
@@ -203,14 +208,19 @@ class RetryScheduler:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), timeout=max(wait_s, 0.005))
 
-    async def _run_one(self, delivery: Delivery) -> None:
+    async def _run_batch(self, batch: list[Delivery]) -> None:
         try:
-            await self._process(delivery)
+            await self._process_batch(batch)
         except asyncio.CancelledError:
             raise
         except Exception:
-            # The item stays in flight; its lease expires and the reaper re-queues it.
-            log.exception("retry processing failed", extra={"retry_id": delivery.retry_id})
+            # The items stay in flight; their leases expire and the reaper re-queues them.
+            log.exception(
+                "retry batch processing failed",
+                extra={"retry_ids": [d.retry_id for d in batch[:10]], "count": len(batch)},
+            )
+        finally:
+            self._in_flight -= len(batch)
 
     async def drain(self, timeout_s: float) -> None:
         """Wait for running retries up to ``timeout_s``, then cancel the rest."""

@@ -230,7 +230,7 @@ async def handle_$name(
     event: $model,
     ctx: Context,
 ) -> None:
-    # TODO: the business effect. Queue Redis writes on ctx.effects (applied exactly once,
+    # The business effect goes here. Queue Redis writes on ctx.effects (applied exactly once,
     # together with the done-marker). Raise RetryableError to retry later, PermanentError
     # to dead-letter the record now.
     ctx.effects.hset(

@@ -198,9 +198,13 @@ class Settings(BaseSettings):
     # Handler name -> the topic it consumes; the default is service/project.py's TOPICS, where
     # `service new-handler` binds new handlers.
     topics: dict[str, str] = Field(default_factory=lambda: dict(project.TOPICS))
-    # Concurrency: records in flight at once, in total and per partition.
-    max_in_flight: int = Field(default=1000, ge=1)
-    max_in_flight_per_partition: int = Field(default=500, ge=1)
+    # Records fetched and not yet done, in total and per partition (memory and redelivery bound).
+    max_in_flight: int = Field(default=5000, ge=1)
+    max_in_flight_per_partition: int = Field(default=2500, ge=1)
+    # A partition's fetched records are processed in batches of at most this many.
+    max_batch_records: int = Field(default=500, ge=1, le=10_000)
+    # Async handlers running at once (what the services they call see as concurrency).
+    max_concurrent_handlers: int = Field(default=200, ge=1)
     # Order guarantee inside a partition: per Kafka key (default), whole partition, or none.
     ordering: Literal["key", "partition", "none"] = "key"
     # Commit the contiguous watermark this often, or after this many completions.

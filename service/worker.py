@@ -26,14 +26,12 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
 
-from service.idempotency import Idempotency
 from service.kafka_client import make_consumer, make_producer
 from service.keys import RedisKeys
 from service.metrics import Metrics
 from service.observability import HealthState, HttpServer
 from service.offsets import OffsetTracker
 from service.processing import Processor
-from service.publisher import Publisher
 from service.records import Delivery
 from service.redis_client import RedisOps, make_client
 from service.registry import Registry
@@ -79,7 +77,8 @@ class Worker:
         self._capacity_freed = asyncio.Event()
         self._commit_lock = asyncio.Lock()
         self._tasks: dict[TopicPartition, set[asyncio.Task[None]]] = {}
-        self._lanes: dict[TopicPartition, dict[bytes, asyncio.Task[None]]] = {}
+        # Per partition, the running batches and the Kafka keys each holds (for ordering).
+        self._batches: dict[TopicPartition, list[tuple[asyncio.Task[None], frozenset[bytes]]]] = {}
         self._revoking: set[TopicPartition] = set()
         self._paused: set[TopicPartition] = set()
         self._in_flight = 0
@@ -122,26 +121,10 @@ class Worker:
         for warning in await self.ops.call(self.ops.check_persistence):
             log.warning(warning)
         self.health.redis_ok = True
-        keys = RedisKeys(s.redis.key_prefix)
-        self.idempotency = Idempotency(
-            self.ops, keys, ttl_s=s.idempotency.ttl_s, lease_ms=s.idempotency.lease_ms
-        )
-        self.retries = RetryQueue(self.ops, keys)
         self._producer = make_producer(s.kafka)
         await _until_started(self._producer.start, self._stop)
-        self.publisher = Publisher(
-            self._producer,
-            dead_letter_topic=s.dead_letter_topic,
-            outcomes_topic=s.outcomes_topic(),
-        )
-        self.processor = Processor(
-            s,
-            self.registry,
-            self.idempotency,
-            self.retries,
-            self.publisher,
-            self.redis,
-            self.metrics,
+        self.processor = Processor.build(
+            s, self.registry, ops=self.ops, producer=self._producer, metrics=self.metrics
         )
         if self.consume:
             self._consumer = make_consumer(s.kafka)
@@ -154,10 +137,10 @@ class Worker:
         self._background.append(asyncio.create_task(self._observe_loop(), name="observe"))
         if s.run_retry_scheduler or not self.consume:
             self.scheduler = RetryScheduler(
-                self.retries,
-                self.processor.process,
+                RetryQueue(self.ops, RedisKeys(s.redis.key_prefix)),
+                lambda batch: self.processor.process_batch(batch, ordered=False),
                 s.retry,
-                max_concurrency=max(1, s.max_in_flight // 4),
+                max_in_flight=max(1, s.max_in_flight // 4),
                 on_depth=self._set_retry_depth,
             )
             self._background.append(asyncio.create_task(self.scheduler.run(), name="retries"))
@@ -199,69 +182,69 @@ class Worker:
                 epoch = self.tracker.epoch(tp)
                 if epoch is None or tp in self._revoking:
                     continue  # fetched before a revoke: the next owner reads it again
-                for record in records:
-                    if self.tracker.fetched(tp, epoch, record.offset):
-                        self._dispatch(tp, epoch, record)
+                fresh = [r for r in records if self.tracker.fetched(tp, epoch, r.offset)]
+                size = self.settings.max_batch_records
+                for i in range(0, len(fresh), size):
+                    self._dispatch(tp, epoch, fresh[i : i + size])
             self._apply_backpressure()
 
     # --- dispatch ---
 
-    def _dispatch(self, tp: TopicPartition, epoch: int, record: ConsumerRecord[Any, Any]) -> None:
-        delivery = Delivery(
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            key=record.key,
-            value=record.value,
-            headers=tuple((k, v or b"") for k, v in (record.headers or ())),
-            timestamp_ms=record.timestamp,
-        )
-        lane_key = self._lane_key(record.key)
-        lane = self._lanes.setdefault(tp, {})
-        previous = lane.get(lane_key) if lane_key is not None else None
-        task = asyncio.create_task(self._handle(tp, epoch, delivery, previous))
-        if lane_key is not None:
-            lane[lane_key] = task
-            task.add_done_callback(lambda t: _forget_lane(lane, lane_key, t))
-        self._tasks.setdefault(tp, set()).add(task)
-        self._in_flight += 1
-
-    def _lane_key(self, key: bytes | None) -> bytes | None:
-        """Records sharing a lane key run one after another, in offset order."""
+    def _dispatch(
+        self, tp: TopicPartition, epoch: int, records: list[ConsumerRecord[Any, Any]]
+    ) -> None:
+        """Start one batch; it waits for earlier batches of the partition it must follow."""
+        deliveries = [
+            Delivery(
+                topic=r.topic,
+                partition=r.partition,
+                offset=r.offset,
+                key=r.key,
+                value=r.value,
+                headers=tuple((k, v or b"") for k, v in (r.headers or ())),
+                timestamp_ms=r.timestamp,
+            )
+            for r in records
+        ]
         ordering = self.settings.ordering
+        running = [(t, k) for t, k in self._batches.get(tp, ()) if not t.done()]
+        keys = frozenset(d.key for d in deliveries if d.key is not None)
         if ordering == "partition":
-            return b""
-        if ordering == "key" and key is not None:
-            return key
-        return None
+            before = [t for t, _ in running]
+        elif ordering == "key":
+            before = [t for t, k in running if not keys.isdisjoint(k)]
+        else:
+            before = []
+        task = asyncio.create_task(self._handle(tp, epoch, deliveries, before))
+        running.append((task, keys))
+        self._batches[tp] = running
+        self._tasks.setdefault(tp, set()).add(task)
+        self._in_flight += len(deliveries)
 
     async def _handle(
         self,
         tp: TopicPartition,
         epoch: int,
-        delivery: Delivery,
-        previous: asyncio.Task[None] | None,
+        deliveries: list[Delivery],
+        before: list[asyncio.Task[None]],
     ) -> None:
+        def give_up() -> bool:  # shutdown, or the partition moved on to another owner
+            return self._stop.is_set() or self.tracker.epoch(tp) != epoch
+
         try:
-            if previous is not None and not previous.done():
-                await asyncio.wait([previous])
-            await self.processor.process(delivery)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            # Not the record's failure (those are decided in processing), so the offset is
-            # not marked done: it is committed by nobody and redelivered after a restart.
-            log.exception(
-                "record processing aborted",
-                extra={"topic": tp.topic, "partition": tp.partition, "offset": delivery.offset},
-            )
-        else:
-            if self.tracker.done(tp, epoch, delivery.offset):
-                self._completed_since_commit += 1
-                if self._completed_since_commit >= self.settings.commit_every_records:
-                    self._commit_now.set()
+            if before:
+                await asyncio.wait(before)
+            finished = await self.processor.process_reliably(deliveries, give_up=give_up)
+            if not finished:  # left uncommitted: the next owner or run redelivers them
+                return
+            completed = 0
+            for d in deliveries:
+                completed += self.tracker.done(tp, epoch, d.offset)
+            self._completed_since_commit += completed
+            if self._completed_since_commit >= self.settings.commit_every_records:
+                self._commit_now.set()
         finally:
-            self._in_flight -= 1
+            self._in_flight -= len(deliveries)
             self._capacity_freed.set()
             tasks = self._tasks.get(tp)
             if tasks is not None:
@@ -333,7 +316,7 @@ class Worker:
         await self.commit(revoked)
         for tp in revoked:
             self.tracker.revoke(tp)  # ends the epoch: late completions are ignored
-            self._lanes.pop(tp, None)
+            self._batches.pop(tp, None)
             self._tasks.pop(tp, None)
             self.metrics.forget_partition(tp.topic, tp.partition)
         self._paused -= revoked
@@ -414,11 +397,6 @@ class Worker:
                 await task
         if hasattr(self, "ops"):
             self.ops.stopping = True
-        if hasattr(self, "idempotency"):
-            await self.idempotency.close()
-            await self.retries.close()
-        if hasattr(self, "publisher"):  # absent when stopped before Kafka answered
-            await self.publisher.close()
         if self._producer is not None:
             with contextlib.suppress(Exception):
                 await self._producer.stop()  # flushes what is buffered
@@ -430,13 +408,6 @@ class Worker:
         if self._http is not None:
             self._http.stop()
         log.info("worker stopped")
-
-
-def _forget_lane(
-    lane: dict[bytes, asyncio.Task[None]], key: bytes, task: asyncio.Task[None]
-) -> None:
-    if lane.get(key) is task:
-        del lane[key]
 
 
 def _names(tps: Iterable[TopicPartition]) -> list[str]:

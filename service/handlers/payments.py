@@ -49,7 +49,7 @@ def ledger_key(ctx: Context) -> str:
 
 
 @handler("payments", model=PaymentSucceeded, dedupe_key="payment_id")
-async def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
+def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
     if payment.currency not in SUPPORTED_CURRENCIES:
         raise UnsupportedCurrency(f"currency {payment.currency} is not sold")
     ctx.effects.xadd(

@@ -29,7 +29,6 @@ async def idem(redis_url: str) -> AsyncIterator[tuple[Idempotency, aioredis.Redi
     try:
         yield idempotency, client
     finally:
-        await idempotency.close()
         await client.aclose()
 
 

@@ -86,8 +86,6 @@ async def test_a_dead_workers_retry_runs_again_after_its_lease(
         )
         assert await idem.claim(claim) is ClaimStatus.CLAIMED
     finally:
-        await idem.close()
-        await queue.close()
         await client.aclose()
 
     others = sample.generate(

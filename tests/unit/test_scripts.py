@@ -56,8 +56,6 @@ async def env() -> AsyncIterator[Env]:
     try:
         yield Env(redis, keys, idem, queue)
     finally:
-        await idem.close()
-        await queue.close()
         await redis.aclose()
 
 
