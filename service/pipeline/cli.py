@@ -1,0 +1,394 @@
+"""`service pipeline ...`: the Spark jobs, as typer commands (`pipeline_app`).
+
+Imports stay light here (no pyspark at import time) so the main CLI starts fast; each command
+imports Spark when it runs. Defaults follow the worker's environment (docs/contracts.md), so
+on a box configured for the worker `service pipeline reconcile` needs no flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["parse_duration", "pipeline_app"]
+
+pipeline_app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Spark jobs over what the worker wrote: reconcile and replay.",
+)
+err = Console(stderr=True)
+
+
+@pipeline_app.callback()
+def _group() -> None:
+    """Spark jobs over what the worker wrote (a callback keeps this a command group)."""
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`"15m"`, `"900s"`, `"2h"`, `"500ms"`; a bare number means seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise typer.BadParameter(f"not a duration: {text!r} (try 15m, 900s, 2h)")
+    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
+
+
+def _default_topics() -> list[str]:
+    raw = os.environ.get("WORKER_TOPICS")
+    if raw:
+        try:
+            bound = json.loads(raw)
+            if isinstance(bound, dict) and bound:
+                return [str(t) for t in bound.values()]
+        except json.JSONDecodeError:
+            pass
+    return ["payments"]
+
+
+def _default_outcomes_topic() -> str:
+    explicit = os.environ.get("WORKER_OUTCOMES__TOPIC")
+    if explicit:
+        return explicit
+    return f"{os.environ.get('WORKER_KAFKA__GROUP_ID', 'payments-worker')}.outcomes"
+
+
+def _dlq_topics(topics: list[str]) -> list[str]:
+    template = os.environ.get("WORKER_DEAD_LETTER__TOPIC_TEMPLATE", "{topic}.dlq")
+    return [template.format(topic=t) for t in topics]
+
+
+def _kafka_options() -> dict[str, str]:
+    """Security settings from the worker's environment, as `kafka_py` options."""
+    mapping = {
+        "WORKER_KAFKA__SECURITY_PROTOCOL": "kafka.security.protocol",
+        "WORKER_KAFKA__SASL_MECHANISM": "kafka.sasl.mechanism",
+        "WORKER_KAFKA__SASL_USERNAME": "kafka.sasl.username",
+        "WORKER_KAFKA__SASL_PASSWORD": "kafka.sasl.password",
+        "WORKER_KAFKA__SSL_CAFILE": "kafka.ssl.cafile",
+        "WORKER_KAFKA__SSL_CERTFILE": "kafka.ssl.certfile",
+        "WORKER_KAFKA__SSL_KEYFILE": "kafka.ssl.keyfile",
+    }
+    return {opt: os.environ[env] for env, opt in mapping.items() if os.environ.get(env)}
+
+
+def _as_of(text: str) -> int | None:
+    if text == "newest":
+        return None
+    if text == "now":
+        import time
+
+        return int(time.time() * 1000)
+    try:
+        return int(text)
+    except ValueError:
+        raise typer.BadParameter("--as-of takes newest, now or epoch milliseconds") from None
+
+
+@pipeline_app.command()
+def reconcile(
+    bootstrap: Annotated[
+        str, typer.Option(envvar="WORKER_KAFKA__BOOTSTRAP_SERVERS", help="Kafka bootstrap servers.")
+    ] = "localhost:9092",
+    topic: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--topic", "-t", help="Source topic (repeatable). Default: WORKER_TOPICS, or payments."
+        ),
+    ] = None,
+    outcomes_topic: Annotated[
+        str | None,
+        typer.Option(
+            help="Outcomes topic. Default: WORKER_OUTCOMES__TOPIC or {group_id}.outcomes."
+        ),
+    ] = None,
+    dlq_topic: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--dlq-topic", help="Dead-letter topic (repeatable). Default: {topic}.dlq per topic."
+        ),
+    ] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="WORKER_REDIS__URL", help="Redis with the ledger stream; skipped if unreachable."
+        ),
+    ] = None,
+    no_ledger: Annotated[
+        bool,
+        typer.Option("--no-ledger", help="Do not read the ledger even if Redis is configured."),
+    ] = False,
+    key_prefix: Annotated[
+        str,
+        typer.Option(
+            envvar="WORKER_REDIS__KEY_PREFIX", help="Key prefix of the worker's Redis keys."
+        ),
+    ] = "payments-worker",
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Output directory (Parquet: payments/, summary/).")
+    ] = Path("reconcile-out"),
+    stuck_after: Annotated[
+        str, typer.Option(help="A payment retrying longer than this is stuck (15m, 900s, 2h).")
+    ] = "15m",
+    as_of: Annotated[
+        str,
+        typer.Option(help="Reference time for stuck/pending: newest (outcome), now, or epoch ms."),
+    ] = "newest",
+    grace: Annotated[
+        str, typer.Option(help="Records younger than this with no outcome are pending, not lost.")
+    ] = "0s",
+    master: Annotated[
+        str | None,
+        typer.Option(help="Spark master URL. Default: local[*], or spark-submit's --master."),
+    ] = None,
+    conf: Annotated[
+        list[str] | None, typer.Option("--conf", help="Spark config key=value (repeatable).")
+    ] = None,
+    implementation: Annotated[
+        str,
+        typer.Option(help="Kafka source: auto (official connector if present), official, python."),
+    ] = "auto",
+    max_listed: Annotated[int, typer.Option(help="Keys listed per problem kind.")] = 1000,
+    chart: Annotated[
+        Path | None,
+        typer.Option(help="Also draw states over time and the latency histogram into this PNG."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as JSON instead of tables.")
+    ] = False,
+) -> None:
+    """Reconcile source, outcomes, dead letters and ledger; exit 1 if anything is lost or
+    granted twice."""
+    from service.pipeline.reconcile import ReconcileConfig, print_report, run_reconcile
+    from service.pipeline.spark import parse_conf
+
+    topics = topic or _default_topics()
+    try:
+        spark_conf = parse_conf(conf or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    rc = ReconcileConfig(
+        bootstrap=bootstrap,
+        out_dir=out,
+        topics=tuple(topics),
+        outcomes_topic=outcomes_topic or _default_outcomes_topic(),
+        dlq_topics=tuple(dlq_topic) if dlq_topic else tuple(_dlq_topics(topics)),
+        redis_url=None if no_ledger else redis_url,
+        key_prefix=key_prefix,
+        stuck_after=parse_duration(stuck_after),
+        as_of_ms=_as_of(as_of),
+        grace_ms=int(parse_duration(grace).total_seconds() * 1000),
+        max_listed=max_listed,
+        kafka_options=_kafka_options(),
+        implementation=implementation,
+    )
+    from pyspark.sql import SparkSession
+
+    # Inside a process that already runs Spark (a notebook, the tests) reuse its session and
+    # leave it running; --master then has no effect.
+    owned = SparkSession.getActiveSession() is None
+    spark = _session(master, spark_conf, "payments-reconcile")
+    try:
+        report = run_reconcile(spark, rc)
+        if chart is not None:
+            from service.pipeline.chart import write_chart
+
+            write_chart(spark.read.parquet(str(out / "payments")), chart)
+    finally:
+        if owned:
+            spark.stop()
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        print_report(report)
+        if chart is not None:
+            Console().print(f"chart: {chart}")
+    raise typer.Exit(report.exit_code)
+
+
+def _session(master: str | None, conf: dict[str, str], app_name: str) -> SparkSession:
+    """A new session: `build_spark`'s local defaults, unless spark-submit launched us.
+
+    Under spark-submit (it hands this process its JVM through PYSPARK_GATEWAY_PORT) the
+    master and configuration given to spark-submit are the cluster's and must win: the
+    loopback-only local defaults would hide the driver from every executor.
+    """
+    from pyspark.sql import SparkSession
+
+    from service.pipeline.spark import build_spark
+
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return build_spark(master or "local[*]", conf, app_name=app_name)
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+def _parse_time(text: str | None, flag: str) -> int | None:
+    """Epoch milliseconds, or an ISO 8601 time (UTC when it names no zone)."""
+    if text is None:
+        return None
+    from datetime import UTC, datetime
+
+    stripped = text.strip()
+    if stripped.lstrip("-").isdigit():
+        return int(stripped)
+    try:
+        when = datetime.fromisoformat(stripped)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{flag} takes epoch milliseconds or an ISO time like 2026-11-21T10:00:00Z"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
+
+
+_REPLAY_HELP = (
+    "Run a range of records through the handlers again, exactly as the worker would.\n\n"
+    "Configured by the worker's WORKER_* environment. Every record goes unchanged through "
+    "the same claims, done-markers, effects, dead letters and outcome events as in the "
+    "worker, so it behaves like a redelivery: records already done are skipped (duplicate), "
+    "only the others take effect.\n\n"
+    "Records that fail retryably are parked in the Redis delay queue and retried by the "
+    "worker's retry scheduler (service run, or service retry-scheduler) as usual. "
+    "Undecodable records have no dedupe key: each replay dead-letters them again.\n\n"
+    "Exits 1 if any partition's processing raised (re-running is safe), 2 on bad settings."
+)
+
+
+@pipeline_app.command(help=_REPLAY_HELP)
+def replay(
+    topic: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--topic",
+            "-t",
+            help="Topic to replay (repeatable). Default: every WORKER_TOPICS topic.",
+        ),
+    ] = None,
+    from_offset: Annotated[
+        str | None,
+        typer.Option(
+            help='Start (inclusive): earliest, or Spark-style JSON {"payments":{"0":120}}; '
+            "partitions not named start at the earliest offset."
+        ),
+    ] = None,
+    to_offset: Annotated[
+        str | None,
+        typer.Option(
+            help='End (exclusive): latest, or JSON {"payments":{"0":180}}; partitions not named '
+            "end at the high watermark as of the start of the replay."
+        ),
+    ] = None,
+    from_time: Annotated[
+        str | None,
+        typer.Option(help="Start at the first record with timestamp >= this (ISO or epoch ms)."),
+    ] = None,
+    to_time: Annotated[
+        str | None,
+        typer.Option(help="End before the first record with timestamp >= this (ISO or epoch ms)."),
+    ] = None,
+    partition: Annotated[
+        list[int] | None,
+        typer.Option("--partition", "-p", help="Only these partitions (repeatable)."),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Write nothing: count the records in range and how many are already done "
+            "according to the Redis done-markers.",
+        ),
+    ] = False,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Records per process_batch call. Default: WORKER_MAX_BATCH_RECORDS."
+        ),
+    ] = None,
+    master: Annotated[
+        str | None,
+        typer.Option(help="Spark master URL. Default: local[*], or spark-submit's --master."),
+    ] = None,
+    conf: Annotated[
+        list[str] | None, typer.Option("--conf", help="Spark config key=value (repeatable).")
+    ] = None,
+    implementation: Annotated[
+        str,
+        typer.Option(help="Kafka source: auto (official connector if present), official, python."),
+    ] = "auto",
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as JSON instead of tables.")
+    ] = False,
+) -> None:
+    """Replay a range through the worker's record path (help text: _REPLAY_HELP)."""
+    from service.errors import ConfigurationError
+    from service.pipeline.replay import print_report, run_replay
+    from service.pipeline.spark import parse_conf
+    from service.settings import load_settings
+
+    if from_offset is not None and from_time is not None:
+        raise typer.BadParameter("--from-offset and --from-time exclude each other")
+    if to_offset is not None and to_time is not None:
+        raise typer.BadParameter("--to-offset and --to-time exclude each other")
+    starting_ts = _parse_time(from_time, "--from-time")
+    ending_ts = _parse_time(to_time, "--to-time")
+    try:
+        spark_conf = parse_conf(conf or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        settings = load_settings()
+    except ConfigurationError as exc:
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+
+    from pyspark.sql import SparkSession
+
+    # Inside a process that already runs Spark (a notebook, the tests) use its session as it
+    # is and leave it running; --master and --conf then have no effect.
+    active = SparkSession.getActiveSession()
+    owned = active is None
+    spark = active or _session(master, spark_conf, "payments-replay")
+    try:
+        report = run_replay(
+            spark,
+            settings,
+            topics=topic,
+            starting_offsets=from_offset,
+            ending_offsets=to_offset,
+            starting_timestamp=starting_ts,
+            ending_timestamp=ending_ts,
+            partitions=partition,
+            dry_run=dry_run,
+            batch_size=batch_size,
+            implementation=implementation,
+        )
+    except (ValueError, ConfigurationError) as exc:
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    finally:
+        if owned:
+            spark.stop()
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_report(report)
+    raise typer.Exit(report.exit_code)

@@ -1,0 +1,823 @@
+"""Reconcile: did every payment notification end in exactly one grant or a dead letter?
+
+The worker's own metrics cannot answer that question: a record it never saw, or a grant it
+made twice, is by definition invisible to it. This job re-derives the truth from what the
+worker wrote (docs/contracts.md): the source topic(s), the outcomes topic, the dead-letter
+topic(s) and, when Redis is reachable, the ledger stream. Per payment (the `payment_id` of the
+source record's JSON, the worker's dedupe key) it decides one final state:
+
+| state | meaning |
+| --- | --- |
+| granted | a `succeeded` outcome or a ledger entry (or, without a ledger, a `duplicate`) |
+| dead_lettered | a dead-letter record or `dead_lettered` outcome, and no grant |
+| retrying | `retry_scheduled` outcomes and nothing terminal yet (`stuck` when too long) |
+| pending | no outcome yet, but younger than the grace period (only with `grace_ms` > 0) |
+| lost | in the source topic, yet none of the above |
+
+and flags `doubled` (more than one `succeeded` outcome or ledger entry). Records whose value
+is not JSON or has no `payment_id` are "malformed" entities named `@topic/partition/offset`
+and are matched to dead letters and outcomes by those source coordinates.
+
+The heavy lifting is Spark DataFrame work (parse, groupBy, full outer joins); the driver only
+reads the ledger (a Redis stream, the grant log) and collects the small summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from service.pipeline.kafka_reader import (
+    EARLIEST,
+    LATEST,
+    KafkaConfig,
+    OffsetSpec,
+    offsets_to_json,
+    resolve_ranges,
+)
+from service.pipeline.source import KAFKA_SCHEMA, read_topic
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame, SparkSession
+    from rich.console import Console
+
+__all__ = [
+    "STATES",
+    "ReconcileConfig",
+    "ReconcileReport",
+    "parse_dead_letters",
+    "parse_outcomes",
+    "parse_source",
+    "print_report",
+    "read_ledger",
+    "reconcile_frames",
+    "run_reconcile",
+]
+
+log = logging.getLogger(__name__)
+
+STATES = ("granted", "dead_lettered", "retrying", "pending", "lost")
+# The outcome fields reconcile reads (handler and worker are ignored: fewer fields, less parsing).
+OUTCOME_SCHEMA = (
+    "event string, dedupe_key string, topic string, partition int, offset long, attempt int, "
+    "reason string, record_ts long, finished_at long"
+)
+LEDGER_PAGE = 10_000
+BROADCAST_MAX_ROWS = 1_000_000
+"""Unkeyed (undecodable) events up to this many are joined to the source by broadcast."""
+
+
+@dataclass(frozen=True)
+class ReconcileConfig:
+    """What to reconcile and how; defaults match the worker's defaults in contracts.md."""
+
+    bootstrap: str
+    out_dir: Path
+    topics: tuple[str, ...] = ("payments",)
+    outcomes_topic: str = "payments-worker.outcomes"
+    dlq_topics: tuple[str, ...] | None = None
+    """Dead-letter topics; None means `{topic}.dlq` for every source topic."""
+    redis_url: str | None = None
+    key_prefix: str = "payments-worker"
+    ledger_key: str | None = None
+    """Overrides `{key_prefix}:ledger:purchases`."""
+    stuck_after: timedelta = timedelta(minutes=15)
+    as_of_ms: int | None = None
+    """Reference time for `stuck` and `pending`; None = the newest outcome's finished_at."""
+    grace_ms: int = 0
+    max_listed: int = 1000
+    kafka_options: Mapping[str, str] = field(default_factory=dict)
+    implementation: str = "auto"
+
+    @property
+    def dead_letter_topics(self) -> tuple[str, ...]:
+        if self.dlq_topics is not None:
+            return self.dlq_topics
+        return tuple(f"{t}.dlq" for t in self.topics)
+
+    @property
+    def ledger_stream(self) -> str:
+        return self.ledger_key or f"{self.key_prefix}:ledger:purchases"
+
+
+@dataclass
+class ReconcileReport:
+    """The summary of one reconcile run; `exit_code` is what the CLI exits with."""
+
+    payments: int
+    states: dict[str, int]
+    lost: int
+    doubled: int
+    stuck: int
+    malformed: int
+    lost_keys: list[str]
+    doubled_keys: list[str]
+    stuck_keys: list[str]
+    dead_letter_reasons: dict[str, int]
+    attempts: dict[int, int]
+    latency_ms: dict[str, float | None]
+    source_records: int
+    outcome_events: int
+    dead_letters: int
+    ledger_entries: int | None
+    unverified_grants: int
+    ledger_mismatches: int
+    records_without_outcome: int
+    unreadable_events: int
+    snapshot: dict[str, dict[str, int]]
+    as_of_ms: int
+    out_dir: str
+    elapsed_s: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase (snapshot, ledger, outcomes, payments, summary), for tuning."""
+
+    @property
+    def ledger_available(self) -> bool:
+        return self.ledger_entries is not None
+
+    @property
+    def clean(self) -> bool:
+        """Nothing lost and nothing granted twice: the two promises of the worker."""
+        return self.lost == 0 and self.doubled == 0
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.clean else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["attempts"] = {str(k): v for k, v in self.attempts.items()}
+        data.update(clean=self.clean, ledger_available=self.ledger_available)
+        return data
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+def read_ledger(
+    redis_url: str, stream: str, page: int = LEDGER_PAGE
+) -> list[tuple[str, int | None, str | None]] | None:
+    """(payment_id, granted_at ms, source) per ledger entry, or None if Redis is unreachable.
+
+    Read in XRANGE pages so a large ledger never needs one huge reply; the ledger is the grant
+    log, small enough to hold on the driver even at millions of entries.
+    """
+    import redis
+
+    client: Any = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=30)
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        log.warning("ledger skipped: Redis at %s is unreachable (%s)", redis_url, exc)
+        return None
+    entries: list[tuple[str, int | None, str | None]] = []
+    start = "-"
+    try:
+        while True:
+            chunk: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(
+                stream, min=start, max="+", count=page
+            )
+            for entry_id, fields in chunk:
+                pid = fields.get(b"payment_id")
+                granted = fields.get(b"granted_at")
+                source = fields.get(b"source")
+                entries.append(
+                    (
+                        pid.decode() if pid is not None else f"@ledger/{entry_id.decode()}",
+                        int(granted) if granted is not None else None,
+                        source.decode() if source is not None else None,
+                    )
+                )
+            if len(chunk) < page:
+                return entries
+            start = "(" + chunk[-1][0].decode()
+    finally:
+        client.close()
+
+
+def _snapshot(
+    config: KafkaConfig, topics: Sequence[str], required: bool
+) -> dict[str, dict[str, int]] | None:
+    """End offsets (high watermarks) of `topics` now; None if optional topics are missing."""
+    if not required:
+        topics = [t for t in topics if _exists(config, t)]
+    if not topics:
+        return None
+    ranges = resolve_ranges(config, topics, OffsetSpec(EARLIEST), OffsetSpec(LATEST))
+    return offsets_to_json({r.tp: r.end for r in ranges})
+
+
+def _read(
+    spark: SparkSession, rc: ReconcileConfig, ending: dict[str, dict[str, int]] | None
+) -> DataFrame:
+    """The topics of an `ending` snapshot, from their start up to it (empty if None)."""
+    if ending is None:
+        return spark.createDataFrame([], KAFKA_SCHEMA)
+    import json
+
+    return read_topic(
+        spark,
+        rc.bootstrap,
+        list(ending),
+        implementation=rc.implementation,
+        startingOffsets="earliest",
+        endingOffsets=json.dumps(ending),
+        **dict(rc.kafka_options),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The DataFrame work
+# --------------------------------------------------------------------------------------------
+
+
+def _coord(topic: Column, partition: Column, offset: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.when(
+        topic.isNotNull() & partition.isNotNull() & offset.isNotNull(),
+        F.concat_ws("/", topic, partition.cast("string"), offset.cast("string")),
+    )
+
+
+def _nonempty(col: Column) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.when(F.trim(col) != "", col)
+
+
+def _header(name: str) -> Column:
+    """The last value of header `name` as a string (a redriven record may repeat headers)."""
+    from pyspark.sql import functions as F
+
+    matching = F.filter("headers", lambda h: h["key"] == F.lit(name))
+    return F.try_element_at(matching, F.lit(-1))["value"].cast("string")
+
+
+def _attribute(rows: DataFrame, mapping: DataFrame, broadcast: bool) -> DataFrame:
+    """Give each event or dead letter an `entity`: its dedupe key, else its source record's.
+
+    Rows the worker could not key (undecodable records) carry only source coordinates;
+    `mapping` (coord -> src_entity, for exactly those coordinates) finds the payment even when
+    the source JSON had a payment_id the worker never got to (say, an invalid amount).
+    """
+    from pyspark.sql import functions as F
+
+    keyed = rows.where(F.col("dedupe_key").isNotNull()).withColumn("entity", F.col("dedupe_key"))
+    unkeyed = (
+        rows.where(F.col("dedupe_key").isNull())
+        .join(F.broadcast(mapping) if broadcast else mapping, on="coord", how="left")
+        .withColumn("entity", F.coalesce("src_entity", F.concat(F.lit("@"), "coord")))
+        .drop("src_entity")
+    )
+    return keyed.unionByName(unkeyed).where(F.col("entity").isNotNull())
+
+
+def parse_source(source: DataFrame) -> DataFrame:
+    """One row per source record: coordinates, record_ts and its entity (payment or @coord)."""
+    from pyspark.sql import functions as F
+
+    payment_id = _nonempty(F.get_json_object(F.col("value").cast("string"), "$.payment_id"))
+    coord = _coord(F.col("topic"), F.col("partition"), F.col("offset"))
+    return source.select(
+        coord.alias("coord"),
+        F.unix_millis("timestamp").alias("record_ts"),
+        payment_id.alias("payment_id"),
+    ).withColumn("entity", F.coalesce("payment_id", F.concat(F.lit("@"), "coord")))
+
+
+def parse_outcomes(outcomes: DataFrame) -> DataFrame:
+    """One row per outcome record; `event` is null where the value was not an outcome JSON."""
+    from pyspark.sql import functions as F
+
+    o = F.from_json(F.col("value").cast("string"), OUTCOME_SCHEMA)
+    return outcomes.select(o.alias("o"), F.col("offset").alias("event_offset")).select(
+        F.col("o.event").alias("event"),
+        F.col("o.attempt").alias("attempt"),
+        F.col("o.reason").alias("reason"),
+        F.col("o.record_ts").alias("record_ts"),
+        F.col("o.finished_at").alias("finished_at"),
+        "event_offset",
+        _nonempty(F.col("o.dedupe_key")).alias("dedupe_key"),
+        _coord(F.col("o.topic"), F.col("o.partition"), F.col("o.offset")).alias("coord"),
+    )
+
+
+def parse_dead_letters(dead_letters: DataFrame) -> DataFrame:
+    """One row per dead letter, from its x-dlq-* headers."""
+    return dead_letters.select(
+        _nonempty(_header("x-dlq-dedupe-key")).alias("dedupe_key"),
+        _coord(
+            _header("x-dlq-source-topic"),
+            _header("x-dlq-source-partition"),
+            _header("x-dlq-source-offset"),
+        ).alias("coord"),
+        _header("x-dlq-reason").alias("reason"),
+        _header("x-dlq-at").cast("long").alias("at"),
+    )
+
+
+def reconcile_frames(
+    src: DataFrame,
+    events: DataFrame,
+    dlq: DataFrame,
+    ledger: DataFrame | None,
+    *,
+    as_of_ms: int,
+    stuck_after_ms: int,
+    grace_ms: int = 0,
+    broadcast_unkeyed: bool = True,
+) -> DataFrame:
+    """The per-entity table from the parsed inputs (`parse_*`; ledger: payment_id, granted_at).
+
+    All inputs are stacked into one frame and aggregated with a single `groupBy(entity)`: one
+    shuffle, instead of an aggregation per input and full outer joins between them. Only the
+    few unkeyed events meet the source table in a join, broadcast unless told it is large.
+    """
+    from pyspark.sql import functions as F
+
+    readable = events.where(F.col("event").isNotNull())
+    unkeyed = (
+        readable.where(F.col("dedupe_key").isNull())
+        .select("coord")
+        .unionByName(dlq.where(F.col("dedupe_key").isNull()).select("coord"))
+        .where(F.col("coord").isNotNull())
+        .distinct()
+    )
+    coords = src.select("coord", F.col("entity").alias("src_entity"))
+    mapping = coords.join(F.broadcast(unkeyed) if broadcast_unkeyed else unkeyed, on="coord")
+
+    stacked = (
+        src.select("entity", "payment_id", "coord", "record_ts", F.lit("src").alias("kind"))
+        .unionByName(
+            _attribute(readable, mapping, broadcast_unkeyed).select(
+                "entity",
+                "coord",
+                "event",
+                "attempt",
+                "reason",
+                "record_ts",
+                "finished_at",
+                "event_offset",
+                F.lit("event").alias("kind"),
+            ),
+            allowMissingColumns=True,
+        )
+        .unionByName(
+            _attribute(dlq, mapping, broadcast_unkeyed).select(
+                "entity", "coord", "reason", "at", F.lit("dlq").alias("kind")
+            ),
+            allowMissingColumns=True,
+        )
+    )
+    if ledger is not None:
+        stacked = stacked.unionByName(
+            ledger.select(
+                F.col("payment_id").alias("entity"), "granted_at", F.lit("ledger").alias("kind")
+            ),
+            allowMissingColumns=True,
+        )
+
+    kind, ev = F.col("kind"), F.col("event")
+    is_src, is_dlq = kind == "src", kind == "dlq"
+    succeeded = ev == "succeeded"
+    agg = stacked.groupBy("entity").agg(
+        F.first("payment_id", ignorenulls=True).alias("payment_id"),
+        F.count_if(is_src).alias("source_records"),
+        F.min(F.when(is_src, F.col("record_ts"))).alias("first_record_ts"),
+        F.min(F.when(is_src, F.col("coord"))).alias("source_coord"),
+        # Per-record coverage: a source record no outcome names was skipped by the worker,
+        # even if its payment ended fine through another copy of the notification.
+        F.size(
+            F.array_except(
+                F.collect_set(F.when(is_src, F.col("coord"))),
+                F.collect_set(F.when(ev.isNotNull(), F.col("coord"))),
+            )
+        ).alias("records_without_outcome"),
+        F.count_if(ev.isNotNull()).alias("outcome_events"),
+        F.count_if(succeeded).alias("succeeded_events"),
+        F.count_if(ev == "duplicate").alias("duplicate_events"),
+        F.count_if(ev == "retry_scheduled").alias("retry_events"),
+        F.count_if(ev == "dead_lettered").alias("dead_lettered_events"),
+        F.min(F.when(succeeded, F.struct("finished_at", "record_ts", "attempt"))).alias(
+            "first_success"
+        ),
+        F.min(
+            F.when(ev.isin("succeeded", "dead_lettered"), F.struct("finished_at", "attempt"))
+        ).alias("first_terminal"),
+        F.max(F.when(ev == "dead_lettered", F.struct("finished_at", "reason"))).alias(
+            "last_dead_letter_event"
+        ),
+        F.min(F.when(ev == "retry_scheduled", F.col("finished_at"))).alias("first_retry_at"),
+        F.max(F.when(ev.isNotNull(), F.struct("finished_at", "event_offset", "event"))).alias(
+            "last"
+        ),
+        F.max(F.when(ev.isNotNull(), F.col("attempt"))).alias("max_attempt"),
+        F.count_if(is_dlq).alias("dlq_records"),
+        F.max(F.when(is_dlq, F.struct("at", "reason")))["reason"].alias("dlq_reason"),
+        F.count_if(kind == "ledger").alias("ledger_entries"),
+    )
+
+    as_of = F.lit(as_of_ms)
+    ledger_on = F.lit(ledger is not None)
+    ledger_entries = F.col("ledger_entries") if ledger is not None else F.lit(0)
+    in_source = F.col("source_records") > 0
+    has_grant = (F.col("succeeded_events") > 0) | (ledger_entries > 0)
+    has_dead_letter = (F.col("dlq_records") > 0) | (F.col("dead_lettered_events") > 0)
+    only_duplicate = ~has_grant & ~has_dead_letter & (F.col("duplicate_events") > 0)
+    state = (
+        F.when(has_grant, "granted")
+        .when(has_dead_letter, "dead_lettered")
+        # "already done" with no grant anywhere: trusted only when there is no ledger to check
+        .when(only_duplicate & ~ledger_on, "granted")
+        .when(only_duplicate, "lost")
+        .when(F.col("retry_events") > 0, "retrying")
+        # Only with a grace period: by default a record nobody answered is lost, even a young
+        # one (a stalled worker must fail the check, not hide behind "pending").
+        .when(
+            F.lit(grace_ms > 0) & in_source & (F.col("first_record_ts") > as_of - F.lit(grace_ms)),
+            "pending",
+        )
+        .otherwise("lost")
+    )
+    return agg.select(
+        "entity",
+        "payment_id",
+        (F.col("entity").startswith("@") & in_source).alias("malformed"),
+        in_source.alias("in_source"),
+        "source_records",
+        "records_without_outcome",
+        "first_record_ts",
+        "source_coord",
+        state.alias("state"),
+        F.coalesce("dlq_reason", F.col("last_dead_letter_event")["reason"]).alias(
+            "dead_letter_reason"
+        ),
+        F.greatest("succeeded_events", ledger_entries).alias("grants"),
+        "succeeded_events",
+        (ledger_entries if ledger is not None else F.lit(None).cast("long")).alias(
+            "ledger_entries"
+        ),
+        "duplicate_events",
+        "retry_events",
+        "dead_lettered_events",
+        "dlq_records",
+        "outcome_events",
+        F.col("last")["event"].alias("last_event"),
+        "first_retry_at",
+        F.col("first_terminal")["attempt"].alias("attempts"),
+        "max_attempt",
+        (F.col("first_success")["finished_at"] - F.col("first_success")["record_ts"]).alias(
+            "latency_ms"
+        ),
+        F.col("first_success")["finished_at"].alias("granted_at"),
+        ((F.col("succeeded_events") > 1) | (ledger_entries > 1)).alias("doubled"),
+        (only_duplicate & ~ledger_on).alias("unverified_grant"),
+        (ledger_on & (F.col("succeeded_events") != ledger_entries)).alias("ledger_mismatch"),
+    ).withColumn(
+        "stuck",
+        (F.col("state") == "retrying") & (as_of - F.col("first_retry_at") > F.lit(stuck_after_ms)),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The job
+# --------------------------------------------------------------------------------------------
+
+
+def _ledger_frame(
+    spark: SparkSession, rows: Sequence[tuple[str, int | None, str | None]]
+) -> DataFrame:
+    """The ledger as a DataFrame, shipped to the JVM as Arrow (fast for millions of rows)."""
+    import pyarrow as pa
+
+    table = pa.table(
+        {
+            "payment_id": pa.array([r[0] for r in rows], pa.string()),
+            "granted_at": pa.array([r[1] for r in rows], pa.int64()),
+        }
+    )
+    return spark.createDataFrame(table)
+
+
+def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
+    """Snapshot the topics, reconcile, write Parquet under `rc.out_dir`, return the summary.
+
+    Snapshot order matters: source end offsets first, then outcomes and dead letters, then the
+    ledger, so every record in the source snapshot had its chance to reach the later ones.
+    The explicit end offsets also keep every Spark action of this run on the same data, and
+    the parsed inputs are cached so each topic is read from Kafka once.
+    """
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+    lap = started
+
+    def phase(name: str) -> None:
+        nonlocal lap
+        now = time.monotonic()
+        timings[name] = round(now - lap, 3)
+        lap = now
+        log.info("reconcile: %s took %.1fs", name, timings[name])
+
+    kafka = KafkaConfig.from_options({**rc.kafka_options, "bootstrap": rc.bootstrap})
+    source_end = _snapshot(kafka, rc.topics, required=True)
+    outcomes_end = _snapshot(kafka, [rc.outcomes_topic], required=False)
+    dlq_end = _snapshot(kafka, rc.dead_letter_topics, required=False)
+    phase("snapshot")
+    ledger_rows = read_ledger(rc.redis_url, rc.ledger_stream) if rc.redis_url else None
+    phase("ledger")
+
+    cached = StorageLevel.MEMORY_AND_DISK
+    src = parse_source(_read(spark, rc, source_end)).persist(cached)
+    events = parse_outcomes(_read(spark, rc, outcomes_end)).persist(cached)
+    dlq = parse_dead_letters(_read(spark, rc, dlq_end)).persist(cached)
+    ledger = _ledger_frame(spark, ledger_rows) if ledger_rows is not None else None
+    try:
+        counts = events.agg(
+            F.count("*").alias("all"),
+            F.count("event").alias("readable"),
+            F.max("finished_at").alias("newest"),
+            F.count_if(F.col("event").isNotNull() & F.col("dedupe_key").isNull()).alias("unkeyed"),
+        ).first()
+        assert counts is not None
+        phase("outcomes")
+        # The reference time is data, not wall clock, unless asked: reruns agree.
+        as_of_ms = rc.as_of_ms
+        if as_of_ms is None:
+            newest = counts["newest"]
+            as_of_ms = int(newest) if newest is not None else int(time.time() * 1000)
+
+        payments = reconcile_frames(
+            src,
+            events,
+            dlq,
+            ledger,
+            as_of_ms=as_of_ms,
+            stuck_after_ms=int(rc.stuck_after.total_seconds() * 1000),
+            grace_ms=rc.grace_ms,
+            broadcast_unkeyed=int(counts["unkeyed"]) <= BROADCAST_MAX_ROWS,
+        )
+        out = str(rc.out_dir)
+        payments.write.mode("overwrite").parquet(f"{out}/payments")
+        phase("payments")
+    finally:
+        for frame in (src, events, dlq):
+            frame.unpersist()
+    table = spark.read.parquet(f"{out}/payments")
+    snapshot = {**(source_end or {}), **(outcomes_end or {}), **(dlq_end or {})}
+    report = _summarize(
+        table,
+        rc,
+        as_of_ms,
+        ledger_rows,
+        snapshot,
+        outcome_events=int(counts["readable"]),
+        unreadable_events=int(counts["all"]) - int(counts["readable"]),
+    )
+    phase("summary")
+    report.timings = timings
+    report.elapsed_s = round(time.monotonic() - started, 3)
+    _write_summary(spark, report, out)
+    return report
+
+
+def _exists(config: KafkaConfig, topic: str) -> bool:
+    from service.pipeline.kafka_reader import topic_partitions
+
+    try:
+        topic_partitions(config, [topic], timeout_s=1.0)
+    except ValueError:
+        log.warning("topic %s not found; treating it as empty", topic)
+        return False
+    return True
+
+
+def _summarize(
+    table: DataFrame,
+    rc: ReconcileConfig,
+    as_of_ms: int,
+    ledger_rows: Sequence[tuple[str, int | None, str | None]] | None,
+    snapshot: dict[str, dict[str, int]],
+    *,
+    outcome_events: int,
+    unreadable_events: int,
+) -> ReconcileReport:
+    """The small figures, from the written Parquet table (not by recomputing the pipeline)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    totals = table.agg(
+        F.count("*").alias("payments"),
+        F.count_if(F.col("state") == "lost").alias("lost"),
+        F.count_if("doubled").alias("doubled"),
+        F.count_if("stuck").alias("stuck"),
+        F.count_if("malformed").alias("malformed"),
+        F.count_if("unverified_grant").alias("unverified"),
+        F.count_if("ledger_mismatch").alias("ledger_mismatch"),
+        F.sum("source_records").alias("source_records"),
+        F.sum("records_without_outcome").alias("without_outcome"),
+        F.sum("dlq_records").alias("dead_letters"),
+        F.percentile_approx("latency_ms", [0.5, 0.9, 0.99], 10_000).alias("pcts"),
+        F.max("latency_ms").alias("max_latency"),
+        F.count("latency_ms").alias("latency_n"),
+    ).first()
+    assert totals is not None
+    # One small grouping answers states, reasons and attempts; one windowed query the keys.
+    states = dict.fromkeys(STATES, 0)
+    reasons: dict[str, int] = {}
+    attempts: dict[int, int] = {}
+    for r in table.groupBy("state", "dead_letter_reason", "attempts").count().collect():
+        count = int(r["count"])
+        states[r["state"]] = states.get(r["state"], 0) + count
+        if r["state"] == "dead_lettered":
+            reason = str(r["dead_letter_reason"])
+            reasons[reason] = reasons.get(reason, 0) + count
+        if r["attempts"] is not None:
+            attempts[int(r["attempts"])] = attempts.get(int(r["attempts"]), 0) + count
+    kinds = F.array(
+        F.when(F.col("state") == "lost", F.lit("lost")),
+        F.when(F.col("doubled"), F.lit("doubled")),
+        F.when(F.col("stuck"), F.lit("stuck")),
+    )
+    listed = (
+        table.where((F.col("state") == "lost") | F.col("doubled") | F.col("stuck"))
+        .select("entity", F.explode(kinds).alias("kind"))
+        .where(F.col("kind").isNotNull())
+        .withColumn("n", F.row_number().over(Window.partitionBy("kind").orderBy("entity")))
+        .where(F.col("n") <= rc.max_listed)
+        .orderBy("kind", "entity")
+        .collect()
+    )
+
+    def keys(kind: str) -> list[str]:
+        return [r["entity"] for r in listed if r["kind"] == kind]
+
+    pcts = totals["pcts"] or [None, None, None]
+    return ReconcileReport(
+        payments=int(totals["payments"]),
+        states=states,
+        lost=int(totals["lost"]),
+        doubled=int(totals["doubled"]),
+        stuck=int(totals["stuck"]),
+        malformed=int(totals["malformed"]),
+        lost_keys=keys("lost"),
+        doubled_keys=keys("doubled"),
+        stuck_keys=keys("stuck"),
+        dead_letter_reasons=dict(sorted(reasons.items())),
+        attempts=dict(sorted(attempts.items())),
+        latency_ms={
+            "p50": _num(pcts[0]),
+            "p90": _num(pcts[1]),
+            "p99": _num(pcts[2]),
+            "max": _num(totals["max_latency"]),
+            "count": float(totals["latency_n"]),
+        },
+        source_records=int(totals["source_records"] or 0),
+        outcome_events=outcome_events,
+        dead_letters=int(totals["dead_letters"] or 0),
+        ledger_entries=None if ledger_rows is None else len(ledger_rows),
+        unverified_grants=int(totals["unverified"]),
+        ledger_mismatches=int(totals["ledger_mismatch"]),
+        records_without_outcome=int(totals["without_outcome"] or 0),
+        unreadable_events=unreadable_events,
+        snapshot=snapshot,
+        as_of_ms=as_of_ms,
+        out_dir=str(rc.out_dir),
+    )
+
+
+def _num(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _write_summary(spark: SparkSession, report: ReconcileReport, out: str) -> None:
+    """One-row Parquet summary next to the per-payment table, for dashboards and diffs."""
+    import json
+
+    row = {
+        k: v
+        for k, v in report.to_dict().items()
+        if k not in {"lost_keys", "doubled_keys", "stuck_keys"}
+    }
+    flat = {k: (json.dumps(v) if isinstance(v, dict | list) else v) for k, v in row.items()}
+    schema = ", ".join(f"`{k}` {_spark_type(v)}" for k, v in flat.items())
+    spark.createDataFrame([tuple(flat.values())], schema).coalesce(1).write.mode(
+        "overwrite"
+    ).parquet(f"{out}/summary")
+
+
+def _spark_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "long"
+    if isinstance(value, float):
+        return "double"
+    return "string"
+
+
+# --------------------------------------------------------------------------------------------
+# Printing
+# --------------------------------------------------------------------------------------------
+
+
+def print_report(report: ReconcileReport, console: Console | None = None, listed: int = 10) -> None:
+    """The report as rich tables: states, problems (with example keys), latency, inputs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    total = max(report.payments, 1)
+    states = Table(title="Final state per payment", title_justify="left")
+    states.add_column("state")
+    states.add_column("payments", justify="right")
+    states.add_column("share", justify="right")
+    for state, count in report.states.items():
+        style = "red" if state == "lost" and count else ""
+        states.add_row(state, f"{count:,}", f"{100 * count / total:.2f}%", style=style)
+    states.add_row("total", f"{report.payments:,}", "", style="bold")
+
+    checks = Table(title="Checks", title_justify="left")
+    checks.add_column("check")
+    checks.add_column("count", justify="right")
+    checks.add_column("examples")
+    rows: list[tuple[str, int, list[str], bool]] = [
+        ("lost", report.lost, report.lost_keys, True),
+        ("doubled (granted more than once)", report.doubled, report.doubled_keys, True),
+        ("stuck (retrying too long)", report.stuck, report.stuck_keys, False),
+        ("malformed source records", report.malformed, [], False),
+        ("grants trusted without a ledger", report.unverified_grants, [], False),
+        ("succeeded events != ledger entries", report.ledger_mismatches, [], False),
+        ("source records with no outcome", report.records_without_outcome, [], False),
+        ("unreadable outcome records", report.unreadable_events, [], False),
+    ]
+    for name, count, examples, fatal in rows:
+        style = ("red" if fatal else "yellow") if count else "green"
+        shown = ", ".join(examples[:listed]) + (" ..." if len(examples) > listed else "")
+        checks.add_row(name, f"{count:,}", shown, style=style)
+
+    latency = Table(title="End-to-end latency (record -> granted), ms", title_justify="left")
+    for name in ("p50", "p90", "p99", "max", "count"):
+        latency.add_column(name, justify="right")
+    latency.add_row(
+        *(_fmt(report.latency_ms.get(k)) for k in ("p50", "p90", "p99", "max", "count"))
+    )
+
+    mix = Table(title="Attempts (terminal) and dead-letter reasons", title_justify="left")
+    mix.add_column("attempts", justify="right")
+    mix.add_column("payments", justify="right")
+    mix.add_column("reason")
+    mix.add_column("payments", justify="right")
+    attempts = list(report.attempts.items())
+    reasons = list(report.dead_letter_reasons.items())
+    for i in range(max(len(attempts), len(reasons))):
+        a = attempts[i] if i < len(attempts) else None
+        r = reasons[i] if i < len(reasons) else None
+        mix.add_row(
+            str(a[0]) if a else "",
+            f"{a[1]:,}" if a else "",
+            r[0] if r else "",
+            f"{r[1]:,}" if r else "",
+        )
+
+    inputs = Table(title="Inputs", title_justify="left")
+    inputs.add_column("source records", justify="right")
+    inputs.add_column("outcome events", justify="right")
+    inputs.add_column("dead letters", justify="right")
+    inputs.add_column("ledger entries", justify="right")
+    inputs.add_column("as of (ms)", justify="right")
+    inputs.add_column("seconds", justify="right")
+    inputs.add_row(
+        f"{report.source_records:,}",
+        f"{report.outcome_events:,}",
+        f"{report.dead_letters:,}",
+        "not read" if report.ledger_entries is None else f"{report.ledger_entries:,}",
+        str(report.as_of_ms),
+        f"{report.elapsed_s:.1f}",
+    )
+
+    for table in (states, checks, latency, mix, inputs):
+        console.print(table)
+    if report.clean:
+        console.print("[bold green]CLEAN[/]: nothing lost, nothing granted twice.")
+    else:
+        console.print(
+            f"[bold red]NOT CLEAN[/]: {report.lost:,} lost, {report.doubled:,} "
+            f"doubled. Per-payment table: {report.out_dir}/payments"
+        )
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}"
