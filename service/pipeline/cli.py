@@ -30,6 +30,20 @@ pipeline_app = typer.Typer(
 err = Console(stderr=True)
 
 
+# Options both jobs take.
+MasterOption = Annotated[
+    str | None,
+    typer.Option(help="Spark master URL. Default: local[*], or spark-submit's --master."),
+]
+ConfOption = Annotated[
+    list[str] | None, typer.Option("--conf", help="Spark config key=value (repeatable).")
+]
+ImplementationOption = Annotated[
+    str,
+    typer.Option(help="Kafka source: auto (official connector if present), official, python."),
+]
+
+
 @pipeline_app.callback()
 def _group() -> None:
     """Spark jobs over what the worker wrote (a callback keeps this a command group)."""
@@ -150,17 +164,9 @@ def reconcile(
     grace: Annotated[
         str, typer.Option(help="Records younger than this with no outcome are pending, not lost.")
     ] = "0s",
-    master: Annotated[
-        str | None,
-        typer.Option(help="Spark master URL. Default: local[*], or spark-submit's --master."),
-    ] = None,
-    conf: Annotated[
-        list[str] | None, typer.Option("--conf", help="Spark config key=value (repeatable).")
-    ] = None,
-    implementation: Annotated[
-        str,
-        typer.Option(help="Kafka source: auto (official connector if present), official, python."),
-    ] = "auto",
+    master: MasterOption = None,
+    conf: ConfOption = None,
+    implementation: ImplementationOption = "auto",
     max_listed: Annotated[int, typer.Option(help="Keys listed per problem kind.")] = 1000,
     chart: Annotated[
         Path | None,
@@ -323,17 +329,9 @@ def replay(
             min=1, help="Records per process_batch call. Default: WORKER_MAX_BATCH_RECORDS."
         ),
     ] = None,
-    master: Annotated[
-        str | None,
-        typer.Option(help="Spark master URL. Default: local[*], or spark-submit's --master."),
-    ] = None,
-    conf: Annotated[
-        list[str] | None, typer.Option("--conf", help="Spark config key=value (repeatable).")
-    ] = None,
-    implementation: Annotated[
-        str,
-        typer.Option(help="Kafka source: auto (official connector if present), official, python."),
-    ] = "auto",
+    master: MasterOption = None,
+    conf: ConfOption = None,
+    implementation: ImplementationOption = "auto",
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the report as JSON instead of tables.")
     ] = False,
