@@ -153,6 +153,13 @@ class Worker:
     async def _poll_loop(self) -> None:
         assert self._consumer is not None
         consumer = self._consumer
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            await self._poll(consumer, stopping)
+        finally:
+            stopping.cancel()
+
+    async def _poll(self, consumer: AIOKafkaConsumer, stopping: asyncio.Future[Any]) -> None:
         while not self._stop.is_set():
             capacity = self.settings.max_in_flight - self._in_flight
             if capacity <= 0:
@@ -168,8 +175,20 @@ class Worker:
                     self._starved = True
                 capacity = self.settings.max_in_flight - self._in_flight
             timeout = PAUSED_POLL_TIMEOUT_MS if self._paused else POLL_TIMEOUT_MS
+            fetch = asyncio.ensure_future(
+                consumer.getmany(timeout_ms=timeout, max_records=max(1, capacity))
+            )
+            # During a rebalance aiokafka's getmany waits for the new assignment with no
+            # timeout; racing it against the stop event lets SIGTERM act at once. Nothing is
+            # lost by cancelling: records are only consumed once getmany returns them.
+            await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not fetch.done():
+                fetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError, KafkaError):
+                    await fetch
+                break
             try:
-                batches = await consumer.getmany(timeout_ms=timeout, max_records=max(1, capacity))
+                batches = fetch.result()
             except KafkaError as exc:
                 self.health.kafka_ok = False
                 log.warning("fetch failed", extra={"error": repr(exc)})
