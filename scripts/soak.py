@@ -1,0 +1,196 @@
+"""Soak: the chaos suite's machinery for long runs, with its figures at the end.
+
+Starts its own Tansu broker and Redis (AOF, appendfsync always) in a temporary
+directory, runs one chaos run (tests/chaos/engine.py) of the size given on the command
+line, and prints: records, kills, SIGTERMs, Redis restarts, rebalances, lost, doubled,
+dead-lettered by reason, duration and throughput. Exit code 1 when a record was lost
+(a valid payment never granted, or an expected dead letter missing) or a payment was
+granted twice, 3 when another invariant broke or the run aborted, 0 when all held.
+
+    .venv/bin/python scripts/soak.py --records 50000 --kills 10 --redis-restarts 2 \\
+        --scale-cycles 1 --seed 42
+
+Same seed, same records and the same fault plan (see docs/chaos.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python scripts/soak.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from service.devstack import KafkaBroker, RedisServer  # noqa: E402
+from tests.chaos.engine import (  # noqa: E402
+    SEED_ENV,
+    ChaosConfig,
+    ChaosMix,
+    ChaosReport,
+    run_chaos,
+    seed_from_env,
+)
+
+EXIT_LOST_OR_DOUBLED = 1
+EXIT_OTHER_INVARIANT = 3
+
+console = Console(highlight=False, soft_wrap=True)
+app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0] if __doc__ else None)
+
+
+@app.command()
+def main(
+    records: Annotated[int, typer.Option(min=100, help="source records to produce")] = 50_000,
+    partitions: Annotated[int, typer.Option(min=1, help="partitions of the topic")] = 6,
+    kills: Annotated[int, typer.Option(min=0, help="SIGKILLs of a worker")] = 10,
+    sigterms: Annotated[int, typer.Option(min=0, help="SIGTERMs during a busy batch")] = 2,
+    redis_restarts: Annotated[int, typer.Option(min=0, help="Redis kill + restart")] = 2,
+    scale_cycles: Annotated[int, typer.Option(min=0, help="1 -> 3 -> 1 scalings")] = 1,
+    layout: Annotated[
+        str, typer.Option(help="shuffled, or crowded: faults while three workers run")
+    ] = "shuffled",
+    seed: Annotated[
+        int | None, typer.Option(help=f"default: ${SEED_ENV}, else random (printed)")
+    ] = None,
+    transient: Annotated[float, typer.Option(min=0, max=1)] = 0.10,
+    permanent: Annotated[float, typer.Option(min=0, max=1)] = 0.02,
+    malformed: Annotated[float, typer.Option(min=0, max=1)] = 0.02,
+    duplicate: Annotated[float, typer.Option(min=0, max=1)] = 0.04,
+    hang: Annotated[float, typer.Option(min=0, max=1, help="handler never returns")] = 0.002,
+    max_transient_failures: Annotated[int, typer.Option(min=1, max=3)] = 2,
+    ahead: Annotated[int, typer.Option(min=1, help="producer lead over the ledger")] = 2000,
+    chunk: Annotated[int, typer.Option(min=1, help="records per produce batch")] = 500,
+    redis_failures: Annotated[
+        tuple[int, int],
+        typer.Option(help="each worker logs this many (seeded range) failed calls per outage"),
+    ] = (10, 40),
+    sigterm_mid_rebalance: Annotated[
+        bool,
+        typer.Option(help="SIGTERM workers even while the group rebalances (see docs/chaos.md)"),
+    ] = False,
+    scale_down_at_once: Annotated[
+        bool, typer.Option(help="SIGTERM the leavers of a scale-down together (docs/chaos.md)")
+    ] = False,
+    session_timeout_ms: Annotated[int, typer.Option(min=1000)] = 5_000,
+    step_timeout_s: Annotated[float, typer.Option(min=10, help="deadline of each wait")] = 180.0,
+    settle_timeout_s: Annotated[float, typer.Option(min=10)] = 300.0,
+    work_dir: Annotated[
+        Path | None, typer.Option(help="default: a temporary directory, removed on success")
+    ] = None,
+    keep: Annotated[bool, typer.Option(help="keep the work directory (logs) on success")] = False,
+    json_out: Annotated[Path | None, typer.Option(help="also write the figures as JSON")] = None,
+) -> None:
+    """Run one long chaos run and print its figures; non-zero exit when anything broke."""
+    if layout not in ("shuffled", "crowded"):
+        raise typer.BadParameter("shuffled or crowded", param_hint="--layout")
+    if transient + permanent + malformed > 1:
+        raise typer.BadParameter("transient + permanent + malformed must be <= 1")
+    cfg = ChaosConfig(
+        records=records,
+        seed=seed if seed is not None else seed_from_env(),
+        partitions=partitions,
+        kills=kills,
+        sigterms=sigterms,
+        redis_restarts=redis_restarts,
+        scale_cycles=scale_cycles,
+        layout="crowded" if layout == "crowded" else "shuffled",
+        mix=ChaosMix(
+            transient=transient,
+            permanent=permanent,
+            malformed=malformed,
+            duplicate=duplicate,
+            hang=hang,
+            max_transient_failures=max_transient_failures,
+        ),
+        ahead=ahead,
+        chunk=chunk,
+        duplicate_spread=max(1500, ahead),
+        redis_failures=(min(redis_failures), max(redis_failures)),
+        sigterm_mid_rebalance=sigterm_mid_rebalance,
+        scale_down_at_once=scale_down_at_once,
+        session_timeout_ms=session_timeout_ms,
+        step_timeout_s=step_timeout_s,
+        settle_timeout_s=settle_timeout_s,
+    )
+    own_dir = work_dir is None
+    base = Path(tempfile.mkdtemp(prefix="soak-")) if work_dir is None else work_dir
+    base.mkdir(parents=True, exist_ok=True)
+    console.rule(f"soak, seed {cfg.seed}")
+    console.print(f"work dir {base}  (reproduce: --seed {cfg.seed})")
+    started = time.monotonic()
+    report: ChaosReport | None = None
+    try:
+        report = asyncio.run(_soak(cfg, base))
+    except Exception as exc:  # the run could not finish: still say what is known, exit non-zero
+        console.print(f"[bold red]the soak aborted:[/] {type(exc).__name__}: {exc}")
+        console.print(f"logs kept in {base}")
+        raise typer.Exit(EXIT_OTHER_INVARIANT) from None
+    finally:
+        console.print(f"wall time {time.monotonic() - started:.1f}s")
+    assert report is not None
+    _print_figures(report)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report.figures(), indent=2) + "\n")
+    verdict = report.verdict
+    if not verdict.ok:
+        console.print("[bold red]invariants broken:[/]")
+        for problem in verdict.problems:
+            console.print(f"  - {problem}", markup=False)
+        console.print(f"logs kept in {base}")
+        lost_or_doubled = verdict.lost_count or verdict.doubled
+        raise typer.Exit(EXIT_LOST_OR_DOUBLED if lost_or_doubled else EXIT_OTHER_INVARIANT)
+    console.print("[bold green]every invariant held: lost 0, doubled 0[/]")
+    if own_dir and not keep:
+        shutil.rmtree(base, ignore_errors=True)
+    else:
+        console.print(f"logs in {base}")
+
+
+async def _soak(cfg: ChaosConfig, base: Path) -> ChaosReport:
+    """Own broker and Redis for the run; both stopped whatever happens."""
+    broker = KafkaBroker(base / "tansu", silent=True)
+    redis = RedisServer(base / "redis")
+    try:
+        broker.start()
+        redis.start()
+        console.print(f"broker {broker.bootstrap}, redis {redis.url}")
+        return await run_chaos(
+            cfg,
+            bootstrap=broker.bootstrap,
+            redis=redis,
+            name=f"soak-{cfg.seed}",
+            work_dir=base / "workers",
+            say=lambda line: console.print(f"{time.strftime('%X')} {line}", markup=False),
+        )
+    finally:
+        redis.stop()
+        broker.stop()
+
+
+def _print_figures(report: ChaosReport) -> None:
+    table = Table(title=f"soak figures (seed {report.config.seed})", show_header=False)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for name, value in report.figures().items():
+        if isinstance(value, dict):
+            for reason, count in value.items():
+                table.add_row(f"  dead-lettered: {reason}", str(count))
+            continue
+        style = "bold red" if name.startswith(("lost", "doubled")) and value else None
+        table.add_row(name, str(value), style=style)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    app()
