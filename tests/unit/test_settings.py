@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from service import project
 from service.errors import ConfigurationError
 from service.settings import Settings, describe_validation_error, load_settings
 
@@ -38,12 +39,13 @@ def error_text(**values: Any) -> str:
 
 
 def test_defaults_are_valid() -> None:
+    # The project's own defaults (service/project.py, which `service new-handler` extends).
     settings = load_settings()
-    assert settings.kafka.group_id == "payments-worker"
-    assert settings.topics == {"payments": "payments"}
+    assert settings.kafka.group_id == project.CONSUMER_GROUP
+    assert settings.topics == project.TOPICS
     assert settings.kafka.auto_offset_reset == "earliest"
     assert settings.dead_letter_topic("payments") == "payments.dlq"
-    assert settings.outcomes_topic() == "payments-worker.outcomes"
+    assert settings.outcomes_topic() == f"{project.CONSUMER_GROUP}.outcomes"
 
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
