@@ -18,6 +18,7 @@ Nothing here prints; callers decide what to show.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import atexit
 import contextlib
@@ -397,7 +398,7 @@ def _stop_owned_servers() -> None:
 atexit.register(_stop_owned_servers)
 
 
-class _ManagedServer:
+class _ManagedServer(abc.ABC):
     """One server process on loopback: start, stop, kill (crash), restart on the same port."""
 
     display_name = "server"
@@ -425,15 +426,16 @@ class _ManagedServer:
 
     # -- subclass hooks ----------------------------------------------------------------------
 
+    @abc.abstractmethod
     def _argv(self) -> list[str]:
-        raise NotImplementedError
+        """The server's command line."""
 
-    def _prepare(self) -> None:
+    def _prepare(self) -> None:  # noqa: B027 - an optional hook; most servers need none
         """Write config files before each start."""
 
+    @abc.abstractmethod
     def _probe(self) -> bool:
         """True once the server answers a real request."""
-        raise NotImplementedError
 
     def _env(self) -> dict[str, str]:
         return _child_env()

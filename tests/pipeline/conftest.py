@@ -8,6 +8,7 @@ and Redis come from tests/conftest.py (`kafka_broker`, `redis_server`, `unique_n
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ def spark() -> Iterator[SparkSession]:
             app_name="pipeline-tests",
         )
     except JavaNotFoundError as exc:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must run the pipeline tests: {exc}")
         pytest.skip(str(exc))
     try:
         yield session
