@@ -26,6 +26,7 @@ import ast
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import random
 import re
@@ -117,7 +118,7 @@ class ChaosConfig:
     duplicate_spread: int = 1500  # how far (in records) a duplicate may land after its original
     # Failed Redis calls each worker must log before a killed Redis comes back (seeded in
     # this range): how long an outage lasts, as a condition rather than a timer.
-    redis_failures: tuple[int, int] = (5, 20)
+    redis_failures: tuple[int, int] = (5, 12)
     # SIGTERM (the fault, scale-down, the final stop) only once every running worker holds
     # its partitions. A worker SIGTERMed mid-rebalance does not start its shutdown until the
     # rebalance ends (tests/chaos/test_shutdown_in_rebalance.py); set True once it does.
@@ -327,7 +328,8 @@ class ChaosReport:
     plan: list[PlannedFault]
     faults: list[FaultRecord]
     verdict: Verdict
-    produced: int
+    produced: int  # every record produced, the probes included
+    probes: int  # extra records sent to every partition by SIGTERM and Redis faults
     duration_s: float  # first produce to settled
     rebalances: int
     assignments: int
@@ -350,6 +352,7 @@ class ChaosReport:
         return {
             "seed": self.config.seed,
             "records": self.produced,
+            "of which probes": self.probes,
             "partitions": self.config.partitions,
             "kills": self.counts["kill"] + self.kills_in_outage,
             "kills during a Redis outage": self.kills_in_outage,
@@ -596,51 +599,89 @@ class GatedProducer:
         self.records = records
         self.cfg = cfg
         self.placed: list[Placed] = []
+        self.probes: list[sample.SampleRecord] = []  # extra records, outside the plan
         self.allowed = 0
         self._granted: set[str] = set()
+        self._producer = AIOKafkaProducer(
+            linger_ms=5, acks="all", **connection_kwargs(settings.kafka)
+        )
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def close(self) -> None:
+        await self._producer.stop()
 
     def allow(self, upto: int) -> None:
         self.allowed = max(self.allowed, min(upto, len(self.records)))
 
-    @property
-    def starved(self) -> bool:
-        """Everything allowed is produced: the workers may be about to run dry."""
-        return len(self.placed) >= self.allowed
+    async def probe(self, hang: bool, tag: str) -> list[str]:
+        """One extra record to every partition, so every worker gets one, whatever it holds.
+
+        A hanging probe keeps its partition's owner inside a handler for the handler
+        timeout (so a busy worker can be caught); a valid one gives every worker something
+        to finish and commit. Returns the probes' payment ids.
+        """
+        topic = self.settings.topics["payments"]
+        made = []
+        for partition in range(self.cfg.partitions):
+            payment_id = f"probe_{self.cfg.seed}_{tag}_{partition}"
+            value = json.dumps(
+                {
+                    "payment_id": payment_id,
+                    "user_id": "user_probe",
+                    "product_id": "sku_probe",
+                    "amount_minor": 100,
+                    "currency": "EUR",
+                    "status": "succeeded",
+                }
+            ).encode()
+            key = payment_id.encode()
+            record = (
+                HangingRecord("ok", payment_id, key, value, [("x-fault", b"hang")])
+                if hang
+                else sample.SampleRecord("ok", payment_id, key, value)
+            )
+            self.probes.append(record)  # before the send: it may be granted before the ack
+            made.append((record, partition))
+        futures = [
+            await self._producer.send(
+                topic, key=r.key, value=r.value, headers=r.headers or None, partition=p
+            )
+            for r, p in made
+        ]
+        for (record, _), fut in zip(made, futures, strict=True):
+            meta = await fut
+            self.placed.append(Placed(record, meta.partition, meta.offset))
+        return [str(r.payment_id) for r, _ in made]
 
     async def run(self, progress: Progress) -> None:
-        producer = AIOKafkaProducer(
-            linger_ms=5, acks="all", **connection_kwargs(self.settings.kafka)
-        )
-        await producer.start()
         topic = self.settings.topics["payments"]
         # The driver's own waits are bounded; this one only has to outlast all of them.
         stall_timeout = self.cfg.step_timeout_s * 4
-        try:
-            start = 0
-            while start < len(self.records):
+        start = 0
+        while start < len(self.records):
 
-                async def ready(start: int = start) -> bool:
-                    if self.allowed <= start:
-                        return False
-                    ledger = await progress.ledger()
-                    return ledger is not None and ledger >= len(self._granted) - self.cfg.ahead
+            async def ready(start: int = start) -> bool:
+                if self.allowed <= start:
+                    return False
+                ledger = await progress.ledger()
+                return ledger is not None and ledger >= len(self._granted) - self.cfg.ahead
 
-                await await_until(
-                    ready, stall_timeout, interval=0.05, message="production never resumed"
+            await await_until(ready, stall_timeout, interval=0.05, message="production stalled")
+            batch = self.records[start : min(start + self.cfg.chunk, self.allowed)]
+            futures = [
+                await self._producer.send(
+                    topic, key=r.key, value=r.value, headers=r.headers or None
                 )
-                batch = self.records[start : min(start + self.cfg.chunk, self.allowed)]
-                futures = [
-                    await producer.send(topic, key=r.key, value=r.value, headers=r.headers or None)
-                    for r in batch
-                ]
-                for record, fut in zip(batch, futures, strict=True):
-                    meta = await fut
-                    self.placed.append(Placed(record, meta.partition, meta.offset))
-                    if record.expect_grant and record.payment_id:
-                        self._granted.add(record.payment_id)
-                start += len(batch)
-        finally:
-            await producer.stop()
+                for r in batch
+            ]
+            for record, fut in zip(batch, futures, strict=True):
+                meta = await fut
+                self.placed.append(Placed(record, meta.partition, meta.offset))
+                if record.expect_grant and record.payment_id:
+                    self._granted.add(record.payment_id)
+            start += len(batch)
 
 
 # --- checks ---
@@ -848,6 +889,7 @@ class ChaosRun:
             self.say(f"  #{i} {fault.describe()}")
         await prepare_topics(self.settings, partitions=cfg.partitions)
         await self.progress.start()
+        await self.producer.start()
         try:
             self.pool.start(0)
             await self._wait(
@@ -883,6 +925,7 @@ class ChaosRun:
                 self._producing.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._producing
+            await self.producer.close()
             await self.progress.close()
         rebalances, assignments = rebalance_rounds(self.pool.logs)
         return ChaosReport(
@@ -891,6 +934,7 @@ class ChaosRun:
             faults=self.faults,
             verdict=verdict,
             produced=len(self.producer.placed),
+            probes=len(self.producer.probes),
             duration_s=duration,
             rebalances=rebalances,
             assignments=assignments,
@@ -942,16 +986,6 @@ class ChaosRun:
         # Keep records back until the last fault has fired, so it hits a run in progress.
         return min(position, len(self.records) - self.cfg.ahead)
 
-    def _nudge(self) -> None:
-        """Let a little more through when the workers ran dry while a fault waits for work."""
-        if self.producer.starved:
-            self.producer.allow(
-                min(
-                    self.producer.allowed + self.cfg.chunk,
-                    max(self.producer.allowed, len(self.records) - self.cfg.ahead),
-                )
-            )
-
     # -- faults --
 
     async def _fire(self, index: int, fault: PlannedFault) -> None:
@@ -1002,12 +1036,12 @@ class ChaosRun:
         record.target = self.pool.name(slot)
         await self._settled_for_sigterm([slot])
 
+        probes = await self.producer.probe(hang=True, tag=f"f{record.index}")
+
         async def busy() -> list[str]:
             recent = [p.record.payment_id for p in self.producer.placed[-3000:]]
-            held = await claimed_by(self.settings, [r for r in recent if r], proc.pid)
-            if not held:
-                self._nudge()
-            return held
+            ids = probes + [r for r in recent if r and r not in probes]
+            return await claimed_by(self.settings, ids, proc.pid)
 
         await self._wait(busy, f"{record.target} never held a claim", interval=0.05)
         assert self.pool.started([slot]), "holds claims, so it runs"
@@ -1067,6 +1101,7 @@ class ChaosRun:
         # Every record needs Redis to finish, so a worker whose partitions commit again has
         # reconnected; each running worker has to show it on a partition it holds.
         base = await self.progress.committed_offsets()
+        await self.producer.probe(hang=False, tag=f"f{record.index}")
         waiting: list[str] = []
 
         async def all_reconnected() -> bool:
@@ -1076,8 +1111,6 @@ class ChaosRun:
                 for slot in self.pool.running_slots()
                 if not any(now[p] > base[p] for p in partition_numbers(self.pool.procs[slot]))
             ]
-            if waiting:
-                self._nudge()
             return not waiting
 
         await self._wait(
@@ -1140,7 +1173,8 @@ class ChaosRun:
 
             await await_until(steady, 30, interval=0.1, message=f"{when}: no steady view")
             placed = list(self.producer.placed)
-            self.problems.extend(durable_problems(views[-1], placed, self.records, when))
+            records = self.records + self.producer.probes
+            self.problems.extend(durable_problems(views[-1], placed, records, when))
 
 
 async def run_chaos(

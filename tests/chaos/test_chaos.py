@@ -36,12 +36,22 @@ def announced_seed(
     return chaos_seed
 
 
+def _print_worker_logs(work_dir: Path, tail_chars: int = 4000) -> None:
+    for log in sorted(work_dir.glob("w*.log")):
+        print(f"----- {log.name} -----\n{log.read_text(errors='replace')[-tail_chars:]}")
+
+
 async def _run(
     cfg: ChaosConfig, kafka_broker: KafkaBroker, redis: RedisServer, name: str, work_dir: Path
 ) -> ChaosReport:
-    report = await run_chaos(
-        cfg, bootstrap=kafka_broker.bootstrap, redis=redis, name=name, work_dir=work_dir
-    )
+    try:
+        report = await run_chaos(
+            cfg, bootstrap=kafka_broker.bootstrap, redis=redis, name=name, work_dir=work_dir
+        )
+    except BaseException:  # a wait ran out: show the workers' side (printed on failure)
+        print(f"chaos run aborted, seed {cfg.seed} ({SEED_ENV}={cfg.seed} to replay)")
+        _print_worker_logs(work_dir)
+        raise
     print(report.figures())
     assert report.verdict.ok, report.failure_text()
     planned = Counter(f.kind for f in report.plan)
