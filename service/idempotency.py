@@ -25,7 +25,7 @@ from redis.commands.core import AsyncScript
 from service import redis_scripts
 from service.context import EffectArg
 from service.keys import RedisKeys
-from service.redis_client import RedisOps
+from service.redis_client import RedisOps, reply_text
 
 R = TypeVar("R")
 
@@ -163,7 +163,7 @@ class Idempotency:
         )
         out: list[tuple[FinishStatus, str | None]] = []
         for reply in replies:
-            text = _text(reply)
+            text = reply_text(reply)
             if text.startswith("error:"):
                 out.append((FinishStatus.ERROR, text[len("error:") :]))
             else:
@@ -190,7 +190,3 @@ def _json(value: object) -> bytes:
 
 
 _CLAIM_STATUS = {s.value.encode(): s for s in ClaimStatus}
-
-
-def _text(reply: object) -> str:
-    return reply.decode() if isinstance(reply, bytes) else str(reply)

@@ -48,6 +48,11 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
 
 
+def reply_text(reply: object) -> str:
+    """A script reply element as text (the client does not decode responses)."""
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
 def make_client(settings: RedisSettings) -> aioredis.Redis:
     """A pooled asyncio client; reconnects are ours (tenacity), not redis-py's."""
     url = settings.url.get_secret_value()

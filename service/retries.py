@@ -26,7 +26,7 @@ from redis.commands.core import AsyncScript
 from service import redis_scripts
 from service.keys import RedisKeys
 from service.records import Delivery
-from service.redis_client import RedisOps
+from service.redis_client import RedisOps, reply_text
 from service.settings import RetrySettings
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class RetryQueue:
             except (ValueError, KeyError, TypeError):
                 # Not ours to drop silently: leave it in flight, the reaper re-queues it
                 # and the log says which id cannot be read.
-                log.error("unreadable retry item", extra={"retry_id": _text(flat[i])})
+                log.error("unreadable retry item", extra={"retry_id": reply_text(flat[i])})
         return out
 
     async def reap(self, *, now: int, limit: int = 1000) -> int:
@@ -137,7 +137,7 @@ class RetryQueue:
         replies = await self._ops.call(
             lambda: self._park_script(keys=keys, args=args), durable=True
         )
-        return [ParkStatus(_text(r)) for r in replies]
+        return [ParkStatus(reply_text(r)) for r in replies]
 
 
 class RetryScheduler:
@@ -160,7 +160,6 @@ class RetryScheduler:
         self._running: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._on_depth = on_depth
-        self.claimed_total = 0
 
     def stop(self) -> None:
         self._stop.set()
@@ -195,7 +194,6 @@ class RetryScheduler:
                 task = asyncio.create_task(self._run_batch(claimed))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
-            self.claimed_total += len(claimed)
             if claimed and len(claimed) == min(free, self._policy.claim_batch):
                 continue  # more may be due right now
             await self._wait_for_next()
@@ -230,7 +228,3 @@ class RetryScheduler:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
-
-
-def _text(reply: object) -> str:
-    return reply.decode() if isinstance(reply, bytes) else str(reply)
