@@ -152,7 +152,7 @@ async def worker_run(
                 task.result()
             if started is None and done() > 0:
                 started = time.perf_counter()
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
         assert started is not None
         rate = n / (time.perf_counter() - started)
         extras = {

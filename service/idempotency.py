@@ -72,8 +72,14 @@ class DeadRequest:
 
 
 def fingerprint(payload: BaseModel) -> str:
-    """The identity of a payload's content, to tell a redelivery from a conflict."""
-    return hashlib.blake2b(payload.model_dump_json().encode(), digest_size=12).hexdigest()
+    """The identity of a payload's content, to tell a redelivery from a conflict.
+
+    The hash of ``payload.model_dump_json()``, taken from the model's serializer directly:
+    the same bytes without the wrapper's cost (it was a tenth of the hot path). Changing
+    these bytes would turn every redelivery across an upgrade into a conflict.
+    """
+    canonical = payload.__pydantic_serializer__.to_json(payload)
+    return hashlib.blake2b(canonical, digest_size=12).hexdigest()
 
 
 class TokenSource:
@@ -142,7 +148,7 @@ class Idempotency:
         return [items[i : i + size] for i in range(0, len(items), size)]
 
     async def _claim_chunk(self, batch: Sequence[ClaimRequest]) -> list[ClaimStatus]:
-        records = [[r.key, r.token, r.fingerprint, "1" if r.over_dead else "0"] for r in batch]
+        records = [(r.key, r.token, r.fingerprint, r.over_dead) for r in batch]
         args: list[EffectArg] = [self._lease_ms, _json(records)]
         # Claims need no durability wait: a lost claim only means a later duplicate claim,
         # which the done-marker check still stops.
@@ -153,7 +159,9 @@ class Idempotency:
         self, batch: Sequence[FinishRequest]
     ) -> list[tuple[FinishStatus, str | None]]:
         records = [
-            [r.key, r.token, r.fingerprint, r.retry_id, [_command(c) for c in r.effects]]
+            (r.key, r.token, r.fingerprint, r.retry_id, [_command(c) for c in r.effects])
+            if r.effects
+            else (r.key, r.token, r.fingerprint, r.retry_id, ())
             for r in batch
         ]
         args: list[EffectArg] = [self._ttl_s, _json(records)]
@@ -161,17 +169,10 @@ class Idempotency:
         replies = await self._ops.call(
             lambda: self._finish_script(keys=keys, args=args), durable=True
         )
-        out: list[tuple[FinishStatus, str | None]] = []
-        for reply in replies:
-            text = reply_text(reply)
-            if text.startswith("error:"):
-                out.append((FinishStatus.ERROR, text[len("error:") :]))
-            else:
-                out.append((FinishStatus(text), None))
-        return out
+        return [_FINISH_STATUS.get(reply) or _finish_error(reply) for reply in replies]
 
     async def _dead_chunk(self, batch: Sequence[DeadRequest]) -> None:
-        records = [[r.key, r.token, r.fingerprint, r.retry_id] for r in batch]
+        records = [(r.key, r.token, r.fingerprint, r.retry_id) for r in batch]
         args: list[EffectArg] = [self._ttl_s, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         await self._ops.call(lambda: self._dead_script(keys=keys, args=args), durable=True)
@@ -189,4 +190,14 @@ def _json(value: object) -> bytes:
     return orjson.dumps(value)
 
 
+def _finish_error(reply: object) -> tuple[FinishStatus, str | None]:
+    text = reply_text(reply)
+    if not text.startswith("error:"):
+        raise ValueError(f"unexpected reply from the finish script: {text!r}")
+    return FinishStatus.ERROR, text[len("error:") :]
+
+
 _CLAIM_STATUS = {s.value.encode(): s for s in ClaimStatus}
+_FINISH_STATUS: dict[object, tuple[FinishStatus, str | None]] = {
+    s.value.encode(): (s, None) for s in FinishStatus if s is not FinishStatus.ERROR
+}

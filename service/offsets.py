@@ -17,9 +17,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 TPKey = TypeVar("TPKey", bound=Hashable)
+R = TypeVar("R", bound="HasOffset")
+
+
+class HasOffset(Protocol):
+    @property
+    def offset(self) -> int: ...
 
 
 @dataclass
@@ -97,6 +103,23 @@ class OffsetTracker(Generic[TPKey]):
         if part is None or part.epoch != epoch:
             return False
         return part.fetched(offset)
+
+    def fetched_many(self, tp: TPKey, epoch: int, records: Iterable[R]) -> list[R]:
+        """The records (anything with ``.offset``) that are new to tp's assignment, tracked."""
+        part = self._parts.get(tp)
+        if part is None or part.epoch != epoch:
+            return []
+        fetched = part.fetched
+        return [r for r in records if fetched(r.offset)]
+
+    def done_many(self, tp: TPKey, epoch: int, offsets: Iterable[int]) -> bool:
+        """Mark records done; False (and no effect) when their assignment is gone."""
+        part = self._parts.get(tp)
+        if part is None or part.epoch != epoch:
+            return False
+        for offset in offsets:
+            part.done(offset)
+        return True
 
     def done(self, tp: TPKey, epoch: int, offset: int) -> bool:
         """Mark a record done; False (and no effect) when its assignment is gone."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ from redis.asyncio import Redis
 
 from service import faults
 from service.context import Context, Effects
+from service.handler_pool import HandlerPool, Slot
 from service.idempotency import (
     ClaimRequest,
     ClaimStatus,
@@ -47,7 +49,7 @@ from service.idempotency import (
 from service.kafka_client import make_producer
 from service.keys import RedisKeys
 from service.metrics import Metrics
-from service.publisher import OutcomeEvent, Publisher
+from service.publisher import Publisher, encode_outcome
 from service.records import Delivery, Outcome
 from service.redis_client import RedisOps, make_client
 from service.registry import Handler, Registry
@@ -76,7 +78,8 @@ def decode(handler: Handler[Any], delivery: Delivery, max_bytes: int) -> BaseMod
     if len(value) > max_bytes:
         return DecodeFailure("too_large", f"value is {len(value)} bytes, limit {max_bytes}")
     try:
-        payload: BaseModel = handler.model.model_validate_json(value)
+        # The model's validator itself: what model_validate_json calls, minus its wrapper.
+        payload: BaseModel = handler.model.__pydantic_validator__.validate_json(value)
     except ValidationError as exc:
         return DecodeFailure("malformed", describe_validation_error(exc))
     return payload
@@ -151,8 +154,9 @@ class Processor:
         self._redis = redis
         self._metrics = metrics
         # Async handlers running at once, across all batches: protects what they call.
-        self._handler_slots = asyncio.Semaphore(settings.max_concurrent_handlers)
+        self._pool = HandlerPool(settings.max_concurrent_handlers)
         self._latency: dict[str, Any] = {}  # handler name -> its histogram child
+        self._key_prefix = settings.redis.key_prefix
 
     @classmethod
     def build(
@@ -305,61 +309,79 @@ class Processor:
     async def _handle(self, jobs: list[_Job]) -> None:
         inject = self._settings.fault_injection
         later: list[tuple[_Job, Context, bool]] = []
-        inline: dict[str, list[float]] = {}  # handler name -> [seconds, count] of inline runs
+        inline = Counter[str]()  # handler name -> inline runs
+        started = time.perf_counter()
         for job in jobs:
             ctx = self._context(job)
-            assert job.handler is not None and job.payload is not None
-            started = time.perf_counter()
+            handler, payload = job.handler, job.payload
+            assert handler is not None and payload is not None
             try:
                 hang = inject and faults.inject(ctx)
-                if hang or job.handler.is_async:
+                if hang or handler.is_async:
                     later.append((job, ctx, hang))
                     continue
-                job.handler.run_sync(job.payload, ctx)
+                inline[handler.name] += 1
+                handler.run_sync(payload, ctx)
             except Exception as exc:
                 self._failed(job, exc)
-            spent = inline.setdefault(job.name, [0.0, 0])
-            spent[0] += time.perf_counter() - started
-            spent[1] += 1
-        for name, (seconds, count) in inline.items():
-            # Inline handlers take microseconds: one observation of the batch's mean keeps
-            # the histogram honest about them without a per-record cost.
-            self._latency_of(name).observe(seconds / count)
+        if inline:
+            # Inline handlers take microseconds: one observation of the batch's mean per
+            # handler keeps the histogram honest about them without a per-record cost.
+            mean = (time.perf_counter() - started) / inline.total()
+            for name in inline:
+                self._latency_of(name).observe(mean)
         if later:
-            await asyncio.gather(*(self._run_async(job, ctx, hang) for job, ctx, hang in later))
+            timeouts = [self._timeout_of(job) for job, _, _ in later]
+            run = self._run_async
+            await self._pool.run(
+                [
+                    functools.partial(run, job, ctx, hang, timeout)
+                    for (job, ctx, hang), timeout in zip(later, timeouts, strict=True)
+                ],
+                shortest_timeout_s=min(timeouts),
+            )
 
-    async def _run_async(self, job: _Job, ctx: Context, hang: bool) -> None:
+    def _timeout_of(self, job: _Job) -> float:
+        assert job.handler is not None
+        return job.handler.timeout_s or self._settings.handler_timeout_s
+
+    async def _run_async(
+        self, job: _Job, ctx: Context, hang: bool, limit_s: float, slot: Slot
+    ) -> None:
+        """One async handler on a pool runner, under its timeout; records its own failure."""
         assert job.handler is not None and job.payload is not None
-        timeout = job.handler.timeout_s or self._settings.handler_timeout_s
-        async with self._handler_slots:
-            started = time.perf_counter()
-            try:
-                async with asyncio.timeout(timeout):
-                    if hang:
-                        await asyncio.Event().wait()
-                    await job.handler(job.payload, ctx)
-            except TimeoutError as exc:
-                self._failed(job, exc, f"handler timed out after {timeout:g} s")
-            except Exception as exc:
-                self._failed(job, exc)
-            finally:
-                self._latency_of(job.name).observe(time.perf_counter() - started)
+        started = time.perf_counter()
+        try:
+            with slot.deadline(limit_s):
+                if hang:
+                    await asyncio.Event().wait()
+                await job.handler(job.payload, ctx)
+        except TimeoutError as exc:
+            self._failed(job, exc, f"handler timed out after {limit_s:g} s")
+        except Exception as exc:
+            self._failed(job, exc)
+        finally:
+            self._latency_of(job.name).observe(time.perf_counter() - started)
+
+    async def aclose(self) -> None:
+        """Stop the handler runners (after the batches using them have ended)."""
+        await self._pool.aclose()
 
     def _context(self, job: _Job) -> Context:
         d = job.delivery
-        job.effects = Effects()
-        return Context(
-            topic=d.topic,
-            partition=d.partition,
-            offset=d.offset,
-            key=d.key,
-            headers=d.headers,
-            timestamp_ms=d.timestamp_ms,
-            attempt=d.attempt,
-            dedupe_key=job.dedupe_key or "",
-            effects=job.effects,
-            redis=self._redis,
-            key_prefix=self._settings.redis.key_prefix,
+        effects = job.effects = Effects()
+        return Context(  # positional: this runs once per record
+            d.topic,
+            d.partition,
+            d.offset,
+            d.key,
+            d.headers,
+            d.timestamp_ms,
+            d.attempt,
+            job.dedupe_key or "",
+            effects,
+            self._redis,
+            self._key_prefix,
         )
 
     def _failed(self, job: _Job, exc: BaseException, error: str | None = None) -> None:
@@ -492,21 +514,24 @@ class Processor:
                 job.outcome = Outcome.SUCCEEDED
             elif job.fate is _Fate.DUPLICATE:
                 job.outcome = Outcome.DUPLICATE
-        await self._publisher.outcomes(
-            [
-                OutcomeEvent(
-                    delivery=j.delivery,
-                    event=j.outcome or Outcome.DEAD_LETTERED,
-                    handler=j.name,
-                    dedupe_key=j.dedupe_key,
-                    reason=None if j.fate is _Fate.SUCCEEDED else j.reason,
-                )
-                for j in jobs
-            ]
-        )
-        counts = Counter((j.name, (j.outcome or Outcome.DEAD_LETTERED).value) for j in jobs)
+        if self._publisher.emits_outcomes:
+            at_ms = now_ms()
+            await self._publisher.outcomes(
+                [
+                    encode_outcome(
+                        j.delivery,
+                        j.outcome or Outcome.DEAD_LETTERED,
+                        j.name,
+                        j.dedupe_key,
+                        None if j.fate is _Fate.SUCCEEDED else j.reason,
+                        at_ms,
+                    )
+                    for j in jobs
+                ]
+            )
+        counts = Counter((j.name, j.outcome or Outcome.DEAD_LETTERED) for j in jobs)
         for (name, outcome), n in counts.items():
-            self._metrics.records.labels(name, outcome).inc(n)
+            self._metrics.records.labels(name, outcome.value).inc(n)
 
 
 @contextlib.asynccontextmanager
@@ -521,21 +546,28 @@ async def open_processor(
     client = make_client(settings.redis)
     ops = RedisOps(client, settings.redis)
     producer = make_producer(settings.kafka)
+    processor: Processor | None = None
     try:
         for warning in await ops.call(ops.check_persistence):
             log.warning(warning)
         await producer.start()
-        yield Processor.build(
+        processor = Processor.build(
             settings, registry, ops=ops, producer=producer, metrics=metrics or Metrics()
         )
+        yield processor
     finally:
         ops.stopping = True
+        if processor is not None:
+            await processor.aclose()
         await producer.stop()
         await client.aclose()
 
 
 def _waves(jobs: list[_Job]) -> list[list[_Job]]:
     """Split so that records sharing a Kafka key land in successive waves, in order."""
+    keys = [job.delivery.key for job in jobs]
+    if None not in keys and len(set(keys)) == len(keys):
+        return [jobs]  # the common case: every key once
     waves: list[list[_Job]] = []
     seen: Counter[bytes] = Counter()
     for job in jobs:

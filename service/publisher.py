@@ -14,10 +14,8 @@ import functools
 import logging
 import os
 import socket
-import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
@@ -53,31 +51,35 @@ def _retriable(exc: BaseException) -> bool:
     return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
 
 
-@dataclass(slots=True, frozen=True)
-class OutcomeEvent:
-    """What became of one record (docs/contracts.md, "Outcome event")."""
+def encode_outcome(
+    delivery: Delivery,
+    event: Outcome,
+    handler: str,
+    dedupe_key: str | None,
+    reason: str | None,
+    at_ms: int,
+) -> tuple[bytes | None, bytes]:
+    """What became of one record, as the outcome event's Kafka key and value.
 
-    delivery: Delivery
-    event: Outcome
-    handler: str
-    dedupe_key: str | None
-    reason: str | None
-
-    def document(self, at_ms: int) -> dict[str, Any]:
-        d = self.delivery
-        return {
-            "event": self.event.value,
-            "handler": self.handler,
-            "dedupe_key": self.dedupe_key,
-            "topic": d.topic,
-            "partition": d.partition,
-            "offset": d.offset,
-            "attempt": d.attempt,
-            "reason": self.reason,
-            "record_ts": d.timestamp_ms,
-            "finished_at": at_ms,
-            "worker": WORKER_ID,
-        }
+    The layout is the contract in docs/contracts.md ("Outcome event"); the key is the
+    dedupe key, so a payment's events share a partition.
+    """
+    d = delivery
+    document = {
+        "event": event,
+        "handler": handler,
+        "dedupe_key": dedupe_key,
+        "topic": d.topic,
+        "partition": d.partition,
+        "offset": d.offset,
+        "attempt": d.attempt,
+        "reason": reason,
+        "record_ts": d.timestamp_ms,
+        "finished_at": at_ms,
+        "worker": WORKER_ID,
+    }
+    key = dedupe_key.encode("utf-8", "replace") if dedupe_key is not None else None
+    return key, orjson.dumps(document)
 
 
 class Publisher:
@@ -192,8 +194,14 @@ class Publisher:
                 )
             return
 
-    async def outcomes(self, events: Sequence[OutcomeEvent]) -> None:
-        """The audit events of a batch, acknowledged; a no-op when outcomes are disabled.
+    @property
+    def emits_outcomes(self) -> bool:
+        return self._outcomes_topic is not None
+
+    async def outcomes(self, events: Sequence[tuple[bytes | None, bytes]]) -> None:
+        """The audit events of a batch (from ``encode_outcome``), acknowledged.
+
+        A no-op when outcomes are disabled.
 
         Events of concurrent batches are coalesced: while one write is in flight, the next
         ones queue and go together, one producer batch per partition. aiokafka holds at most
@@ -202,16 +210,8 @@ class Publisher:
         """
         if self._outcomes_topic is None or not events:
             return
-        at_ms = int(time.time() * 1000)
-        encoded = [
-            (
-                e.dedupe_key.encode("utf-8", "replace") if e.dedupe_key is not None else None,
-                orjson.dumps(e.document(at_ms)),
-            )
-            for e in events
-        ]
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queued.append((encoded, done))
+        self._queued.append((list(events), done))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_queued(), name="outcomes")
         await done

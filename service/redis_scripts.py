@@ -45,7 +45,7 @@ local function drop_item(inflight, due, items, id)
 end
 """
 
-# ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, allow_over_dead (0|1)], ...]
+# ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, allow_over_dead (bool)], ...]
 # Returns per record: claimed | busy | done | dead | conflict
 CLAIM = (
     _PARSE
@@ -63,7 +63,7 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
     if f1 == token then status = 'claimed' else status = 'busy' end
   elseif kind == 'd' then
     if f1 == fp then status = 'done' else status = 'conflict' end
-  elseif kind == 'x' and over_dead == '1' then
+  elseif kind == 'x' and over_dead == true then
     status = 'claimed'
   elseif kind == 'x' then
     if f1 == fp then status = 'dead' else status = 'conflict' end

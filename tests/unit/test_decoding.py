@@ -139,3 +139,15 @@ def test_many_errors_are_summarised() -> None:
     result = failure(encode({"status": 1, "currency": 2, "occurred_at": 3}))
     assert result.reason == "malformed"
     assert "more" in result.detail  # more than five errors: the rest is counted, not listed
+
+
+def test_fingerprint_is_the_hash_of_model_dump_json() -> None:
+    # Done-markers written by earlier versions hold this hash: if it changed, every
+    # redelivery across an upgrade would be dead-lettered as a conflict.
+    import hashlib
+
+    from service.idempotency import fingerprint
+
+    model = PaymentSucceeded.model_validate(payment(amount_minor=123_456))
+    expected = hashlib.blake2b(model.model_dump_json().encode(), digest_size=12).hexdigest()
+    assert fingerprint(model) == expected
