@@ -41,7 +41,7 @@ class Handler(Generic[M]):
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
     timeout_s: float | None = None
-    is_async: bool = False  # set by ``handler``: ``async def`` runs as a task, ``def`` inline
+    is_async: bool = False  # set by ``handler``: ``async def`` runs on the pool, ``def`` inline
 
     def key_of(self, payload: M) -> str:
         """The dedupe key: the idempotency identity of the business event."""

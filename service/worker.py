@@ -1,12 +1,13 @@
 """The consumer loop: fetch, dispatch, pause/resume, rebalance, commit.
 
 Reading top to bottom: ``run`` starts the parts, then loops on ``getmany``. Each
-fetched record is tracked in ``OffsetTracker`` and handed to its own task, chained
-behind the previous record with the same Kafka key (per-key order). A finished
-record marks its offset done; the commit task commits each partition's contiguous
-watermark on an interval or after enough completions. When in-flight limits are
-reached the loop pauses partitions but keeps polling, so the group never evicts us
-for a missed poll. On revoke: stop dispatching, give in-flight records a bounded
+fetched record is tracked in ``OffsetTracker``; a partition's records go to a task
+per batch, which waits for an earlier batch of the partition only when their Kafka
+keys overlap (per-key order). A finished batch marks its offsets done; the commit
+task commits each partition's contiguous watermark on an interval or after enough
+completions. When in-flight limits are reached the loop waits for room, pauses
+partitions only when starved, and keeps polling, so the group never evicts us for a
+missed poll. On revoke: stop dispatching, give in-flight records a bounded
 time, commit what is done, drop the partition's state (its epoch ends, so late
 completions are ignored). On shutdown the same, for everything.
 """
