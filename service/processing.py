@@ -355,7 +355,9 @@ class Processor:
             with slot.deadline(limit_s):
                 if hang:
                     await asyncio.Event().wait()
-                await job.handler(job.payload, ctx)
+                result = job.handler.func(job.payload, ctx)  # Handler.__call__, one frame less
+                if result is not None:
+                    await result
         except TimeoutError as exc:
             self._failed(job, exc, f"handler timed out after {limit_s:g} s")
         except Exception as exc:
