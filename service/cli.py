@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from service import runtime
 from service.errors import ConfigurationError
 from service.observability import configure_logging
 from service.scaffold import new_handler_command
@@ -75,7 +76,7 @@ def _run_worker(consume: bool) -> None:
         await worker.run()
 
     try:
-        asyncio.run(main())
+        runtime.run(main(), settings.event_loop)
     except ConfigurationError as exc:  # found while connecting, e.g. Redis persistence off
         err.print(f"[red]{exc}[/]", highlight=False)
         raise typer.Exit(2) from None
@@ -112,7 +113,7 @@ def demo(
     from service.demo import run_demo
 
     configure_logging("ERROR", "console")  # the live view tells the story; errors still show
-    code = asyncio.run(
+    code = runtime.run(
         run_demo(
             records=records, state_dir=state_dir, exit_when_done=exit_when_done, console=console
         )

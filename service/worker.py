@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import time
@@ -38,12 +37,11 @@ from service.records import Delivery
 from service.redis_client import RedisOps, make_client
 from service.registry import Registry
 from service.retries import RetryQueue, RetryScheduler
+from service.runtime import tune_gc
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Young objects allocated between collections (CPython's default is 700).
-GC_YOUNG_THRESHOLD = 50_000
 POLL_TIMEOUT_MS = 200
 PAUSED_POLL_TIMEOUT_MS = 20
 CAPACITY_WAIT_S = 1.0
@@ -434,22 +432,6 @@ class Worker:
         if self._http is not None:
             self._http.stop()
         log.info("worker stopped")
-
-
-def tune_gc() -> None:
-    """Keep the cyclic garbage collector off the hot path.
-
-    Every record allocates a few dozen short-lived objects, so with CPython's defaults
-    the collector ran thousands of times per 100k records and its full collections
-    re-scanned every long-lived object (modules, clients, metrics): a third of the
-    worker's CPU in bench/. Freezing what exists once started moves those objects out of
-    the collector's sight, and a larger young generation makes collections rare. Memory
-    is unaffected in practice: reference counting still frees nearly everything at once.
-    """
-    gc.collect()
-    gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def _names(tps: Iterable[TopicPartition]) -> list[str]:
