@@ -355,7 +355,7 @@ class Processor:
             with slot.deadline(limit_s):
                 if hang:
                     await asyncio.Event().wait()
-                result = job.handler.func(job.payload, ctx)  # Handler.__call__, one frame less
+                result = job.handler.func(job.payload, ctx)  # Handler.__call__, inlined on the hot path
                 if result is not None:
                     await result
         except TimeoutError as exc:
