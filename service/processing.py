@@ -355,7 +355,8 @@ class Processor:
             with slot.deadline(limit_s):
                 if hang:
                     await asyncio.Event().wait()
-                result = job.handler.func(job.payload, ctx)  # Handler.__call__, inlined on the hot path
+                # Handler.__call__, inlined on the hot path.
+                result = job.handler.func(job.payload, ctx)
                 if result is not None:
                     await result
         except TimeoutError as exc:
