@@ -5,6 +5,11 @@ expires), runs its handler, then finishes: one script checks the claim is still
 ours, applies the handler's queued effects, writes the done-marker and drops the
 retry item if there was one. Either all of that happens or none does. Every call
 takes a whole batch of records: one script call per stage of a fetched batch.
+
+A handler declared ``effects_only`` skips the claim: its handler cannot do anything
+outside the effects, so running it twice is harmless as long as only one run's effects
+apply, and the finish script decides that (optimistic concurrency). It still refuses
+while another delivery holds a claim, so a claimed run is never overtaken.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class FinishStatus(StrEnum):
     OK = "ok"  # effects applied and done-marker written by us
     DONE = "done"  # someone else completed the key meanwhile
     DEAD = "dead"  # someone else dead-lettered it meanwhile
-    SUPERSEDED = "superseded"  # our lease ended and another delivery holds the claim
+    CONFLICT = "conflict"  # the key was completed meanwhile with different content
+    SUPERSEDED = "superseded"  # another delivery holds the claim (ours ended, or we had none)
     ERROR = "error"  # an effect command failed inside Redis
 
 

@@ -114,6 +114,7 @@ class _Job:
     idem_key: str = ""
     token: str = ""
     fingerprint: str = ""
+    optimistic: bool = False  # an effects-only handler's delivery: no claim, checked at finish
     holds_claim: bool = False
     effects: Effects | None = None
     fate: _Fate | None = None
@@ -247,6 +248,7 @@ class Processor:
         for wave in waves:
             await self._claim(wave)
             await self._handle([j for j in wave if j.fate is None])
+            await self._claim_failed(wave)
             await self._finish(wave)
         await self._park([j for j in jobs if j.fate is _Fate.PARK])
         await self._dead_letter([j for j in jobs if j.fate is _Fate.DEAD_LETTER])
@@ -279,28 +281,45 @@ class Processor:
         job.idem_key = self._idem.key(handler.name, dedupe_key)
         job.token = self._idem.tokens.next()
         job.fingerprint = fingerprint(payload)
+        # A redrive must claim: only a claim may take over a dead-letter marker.
+        job.optimistic = handler.effects_only and not _is_redrive(d)
         return job
 
     # --- stage 2: claim the dedupe keys (one script call) ---
 
     async def _claim(self, wave: list[_Job]) -> None:
+        """Claim every key but the effects-only handlers' (their finish does the checks)."""
+        await self._claim_jobs([j for j in wave if not j.optimistic])
+
+    async def _claim_failed(self, wave: list[_Job]) -> None:
+        """Effects-only deliveries whose handler failed claim now, before their fate is kept.
+
+        Without a claim, a duplicate of a completed payment runs its handler too; should
+        that fail, the claim finds the done-marker and the record is a duplicate, rather than
+        a dead letter or a retry for something already granted.
+        """
+        failed = [j for j in wave if j.optimistic and j.fate in (_Fate.PARK, _Fate.DEAD_LETTER)]
+        for job in failed:
+            job.optimistic = False
+        await self._claim_jobs(failed)
+
+    async def _claim_jobs(self, claiming: list[_Job]) -> None:
+        if not claiming:
+            return
         statuses = await self._idem.claim_many(
             [
                 ClaimRequest(j.idem_key, j.token, j.fingerprint, _is_redrive(j.delivery))
-                for j in wave
+                for j in claiming
             ]
         )
         busy_ms = self._settings.retry.busy_delay_ms
-        for job, status in zip(wave, statuses, strict=True):
+        for job, status in zip(claiming, statuses, strict=True):
             if status is ClaimStatus.CLAIMED:
                 job.holds_claim = True
             elif status in (ClaimStatus.DONE, ClaimStatus.DEAD):
                 job.fate, job.reason = _Fate.DUPLICATE, status.value
             elif status is ClaimStatus.CONFLICT:
-                job.dead_letter(
-                    "conflict",
-                    f"dedupe key {job.dedupe_key!r} was already used for a different payload",
-                )
+                job.dead_letter("conflict", _conflict(job))
             else:  # BUSY: another delivery of this key is running; park briefly, same attempt
                 job.park(job.delivery.attempt, "busy: key claimed by another delivery", busy_ms)
 
@@ -434,9 +453,14 @@ class Processor:
                 job.fate = _Fate.SUCCEEDED
             elif status in (FinishStatus.DONE, FinishStatus.DEAD):
                 job.fate, job.reason = _Fate.DUPLICATE, status.value
+            elif status is FinishStatus.CONFLICT:
+                job.dead_letter("conflict", _conflict(job))
             elif status is FinishStatus.SUPERSEDED:
+                why = "busy: key claimed by another delivery"
+                if job.holds_claim:
+                    why = "superseded: claim lease expired"
                 job.holds_claim = False
-                job.park(job.delivery.attempt, "superseded: claim lease expired", busy_ms)
+                job.park(job.delivery.attempt, why, busy_ms)
             else:
                 self._retry_or_give_up(job, f"effect failed in Redis: {detail}")
 
@@ -493,15 +517,17 @@ class Processor:
             )
         )
         # Only now, with every dead letter acknowledged, may Redis forget the records.
+        # A key is marked dead when we hold its claim, or, for an effects-only delivery
+        # (never claimed), when no other delivery has claimed or completed it.
         marks = [
             DeadRequest(
-                key=j.idem_key if j.holds_claim else "",
-                token=j.token if j.holds_claim else "",
-                fingerprint=j.fingerprint if j.holds_claim else "",
+                key=j.idem_key if j.holds_claim or j.optimistic else "",
+                token=j.token if j.holds_claim or j.optimistic else "",
+                fingerprint=j.fingerprint if j.holds_claim or j.optimistic else "",
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
             )
             for j in jobs
-            if j.holds_claim or j.delivery.is_retry
+            if j.holds_claim or j.optimistic or j.delivery.is_retry
         ]
         if marks:
             await self._idem.mark_dead_many(marks)
@@ -583,6 +609,10 @@ def _waves(jobs: list[_Job]) -> list[list[_Job]]:
             waves.append([])
         waves[n].append(job)
     return waves
+
+
+def _conflict(job: _Job) -> str:
+    return f"dedupe key {job.dedupe_key!r} was already used for a different payload"
 
 
 def _is_redrive(d: Delivery) -> bool:

@@ -81,7 +81,9 @@ return out
 
 # KEYS: inflight, due, items
 # ARGV[1]: ttl_s; ARGV[2]: [[idem_key, token, fingerprint, retry_id, [[cmd, arg...], ...]], ...]
-# Returns per record: ok | done | dead | superseded | error:<message>
+# Returns per record: ok | done | dead | conflict | superseded | error:<message>
+# The same checks serve a delivery that claimed the key and one that did not (an
+# effects-only handler's): the effects apply only while the key is free or ours.
 FINISH = (
     _PARSE
     + """
@@ -120,9 +122,11 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
   local kind, f1, f2 = parse(v)
   local status
   if kind == 'd' then
-    if f2 == token then status = 'ok' else status = 'done' end
+    if f2 == token then status = 'ok'
+    elseif f1 == fp then status = 'done'
+    else status = 'conflict' end
   elseif kind == 'x' then
-    status = 'dead'
+    if f1 == fp then status = 'dead' else status = 'conflict' end
   elseif kind == 'c' and f1 ~= token then
     status = 'superseded'
   else

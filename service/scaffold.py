@@ -225,6 +225,7 @@ class $model(BaseModel):
     "$name",
     model=$model,
     dedupe_key="event_id",
+    # effects_only=True,  # if it changes nothing but ctx.effects: no claim, half the Redis work
 )
 async def handle_$name(
     event: $model,

@@ -3,7 +3,7 @@
 The worked example of an exactly-once effect: the grant is an entry in the ledger
 stream plus the user's entitlement, both queued on ``ctx.effects`` so the worker
 writes them in the same atomic step as the payment's done-marker. A crash before
-that step leaves nothing behind (the claim expires, the payment is redelivered); a
+that step leaves nothing behind (the payment is redelivered and granted then); a
 crash after it leaves the done-marker, so the redelivery is a no-op. The ledger is
 deliberately not deduplicated itself: if anything ever granted twice, it would show.
 """
@@ -48,7 +48,9 @@ def ledger_key(ctx: Context) -> str:
     return ctx.redis_key("ledger", "purchases")
 
 
-@handler("payments", model=PaymentSucceeded, dedupe_key="payment_id")
+# Effects-only: the grant is nothing but the queued writes below, so deliveries skip the
+# claim and the done-marker script alone decides which delivery's grant is written.
+@handler("payments", model=PaymentSucceeded, dedupe_key="payment_id", effects_only=True)
 def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
     if payment.currency not in SUPPORTED_CURRENCIES:
         raise UnsupportedCurrency(f"currency {payment.currency} is not sold")

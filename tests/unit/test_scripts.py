@@ -145,6 +145,30 @@ async def test_finish_without_a_live_claim_still_completes_once(env: Env) -> Non
     assert await env.stream_len() == 1
 
 
+async def test_finish_without_any_claim_is_how_effects_only_deliveries_complete(
+    env: Env,
+) -> None:
+    """No claim at all (an effects-only handler): the finish script makes every check."""
+    key = env.idem.key("payments", "p1")
+    assert await env.idem.finish(finish(key, "A")) == (FinishStatus.OK, None)
+    assert await env.idem.finish(finish(key, "B")) == (FinishStatus.DONE, None)
+    assert await env.idem.finish(finish(key, "C", fp="fp2")) == (FinishStatus.CONFLICT, None)
+    assert await env.stream_len() == 1
+    # A live claim of another delivery is never overtaken.
+    other = env.idem.key("payments", "p2")
+    assert await env.idem.claim(claim(other, "R")) is ClaimStatus.CLAIMED
+    assert await env.idem.finish(finish(other, "D", pid="p2")) == (FinishStatus.SUPERSEDED, None)
+    assert await env.stream_len() == 1
+    # Nor is a dead-letter marker; its key with other content is a conflict.
+    await env.idem.mark_dead(DeadRequest(key=other, token="R", fingerprint="fp1", retry_id=""))
+    assert await env.idem.finish(finish(other, "E", pid="p2")) == (FinishStatus.DEAD, None)
+    assert await env.idem.finish(finish(other, "F", fp="fp2", pid="p2")) == (
+        FinishStatus.CONFLICT,
+        None,
+    )
+    assert await env.stream_len() == 1
+
+
 async def test_an_effect_on_a_wrong_type_applies_nothing(env: Env) -> None:
     """Redis keeps a script's earlier writes when a later command fails: FINISH checks the
     effects first, so the ledger entry is not written (and re-written by every retry)."""
