@@ -2,9 +2,9 @@
 
 A handler does not write to Redis directly for effects that must happen exactly
 once. It queues them on ``ctx.effects``; the worker applies them in the same atomic
-script that writes the record's done-marker, and only while the record's claim is
-still held. So an effect is applied once and is never separated from "this
-payment is done".
+script that writes the record's done-marker, and only while the key is free or
+claimed by this record. So an effect is applied once and is never separated from
+"this payment is done".
 """
 
 from __future__ import annotations

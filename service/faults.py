@@ -14,6 +14,8 @@ from service.context import Context
 from service.errors import PermanentError, RetryableError
 
 HEADER = "x-fault"
+# Logged when an injected hang begins, so a test can act while the handler is running.
+HANG_STARTED = "fault injection: handler hangs until its timeout"
 
 
 def inject(ctx: Context) -> bool:

@@ -373,6 +373,7 @@ class Processor:
         try:
             with slot.deadline(limit_s):
                 if hang:
+                    log.warning(faults.HANG_STARTED, extra=_log_fields(job))
                     await asyncio.Event().wait()
                 # Handler.__call__, inlined on the hot path.
                 result = job.handler.func(job.payload, ctx)

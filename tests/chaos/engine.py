@@ -9,8 +9,8 @@ soak figure and a CI pass mean the same thing. A run:
    more are still to come;
 2. runs `python -m service run` workers (1 normally, 3 while scaled up);
 3. fires each planned fault once its trigger (ledger length or committed offsets past
-   a seeded threshold) is met: SIGKILL, SIGTERM while a worker holds claims (a busy
-   batch), a Redis kill + restart, scaling 1 -> 3 -> 1;
+   a seeded threshold) is met: SIGKILL, SIGTERM while a worker runs a hanging
+   handler (a busy batch), a Redis kill + restart, scaling 1 -> 3 -> 1;
 4. after every kill and SIGTERM freezes the surviving workers (SIGSTOP) and checks
    from the outside that everything below the committed offsets has a durable fate;
 5. waits for the run to settle and checks every invariant from the outside.
@@ -55,9 +55,9 @@ from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import (
     Fates,
     HangingRecord,
+    HangWatch,
     Placed,
     WorkerProcess,
-    claimed_by,
     fates,
     wait_fates_settled,
 )
@@ -1030,21 +1030,17 @@ class ChaosRun:
         self.pool.start(slot)
 
     async def _sigterm(self, fault: PlannedFault, record: FaultRecord) -> None:
-        """SIGTERM while the worker holds claims: it is inside a batch's handlers."""
+        """SIGTERM while the worker is inside a batch's handlers (running a hanging probe)."""
         slot = self.pool.pick(fault.pick)
         proc = self.pool.procs[slot]
         record.target = self.pool.name(slot)
         await self._settled_for_sigterm([slot])
 
+        watch = HangWatch(proc, [])
         probes = await self.producer.probe(hang=True, tag=f"f{record.index}")
-
-        async def busy() -> list[str]:
-            recent = [p.record.payment_id for p in self.producer.placed[-3000:]]
-            ids = probes + [r for r in recent if r and r not in probes]
-            return await claimed_by(self.settings, ids, proc.pid)
-
-        await self._wait(busy, f"{record.target} never held a claim", interval=0.05)
-        assert self.pool.started([slot]), "holds claims, so it runs"
+        watch.ids.update(probes)
+        await self._wait(watch, f"{record.target} never ran a hanging probe", interval=0.05)
+        assert self.pool.started([slot]), "runs a handler, so it runs"
         self.pool.expected.discard(slot)
         proc.terminate()
         stopped = time.monotonic()

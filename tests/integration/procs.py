@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel, SecretStr
 from redis.exceptions import RedisError
 
-from service import audit, sample
+from service import audit, faults, sample
 from service.devstack import _die_with_parent_preexec
 from service.kafka_client import connection_kwargs
 from service.keys import RedisKeys
@@ -316,28 +316,36 @@ async def ledger_len(settings: Settings) -> int:
         await client.aclose()
 
 
-async def claimed_by(settings: Settings, payment_ids: list[str], pid: int) -> list[str]:
-    """The payment ids whose dedupe key is claimed right now by the worker with `pid`.
+class HangWatch:
+    """Hanging records a worker has started since the last look: it is running them now.
 
-    A claim token starts with the worker's pid in hex and 10 more hex digits, so a
-    held claim shows that this worker is running that record's handler right now.
+    The worker logs ``faults.HANG_STARTED`` (with the dedupe key) as an injected hang
+    begins, and the hang lasts the handler timeout. A line that appeared since the
+    previous look, a poll interval ago, is therefore a handler still running.
     """
-    if not payment_ids:
-        return []
-    keys = RedisKeys(settings.redis.key_prefix)
-    client = aioredis.from_url(settings.redis.url.get_secret_value())
-    try:
-        values = await client.mget([keys.idempotency("payments", p) for p in payment_ids])
-    finally:
-        await client.aclose()
-    mine = f"{pid:x}"
-    held = []
-    for payment_id, value in zip(payment_ids, values, strict=True):
-        if value and value.startswith(b"c|"):
-            token_prefix = value.decode().split("|")[1].split(".")[0]
-            if token_prefix.startswith(mine) and len(token_prefix) == len(mine) + 10:
-                held.append(payment_id)
-    return held
+
+    def __init__(self, worker: WorkerProcess, payment_ids: Iterable[str]) -> None:
+        self.worker = worker
+        self.ids = set(payment_ids)
+        path = worker.log_path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def __call__(self) -> list[str]:
+        path = self.worker.log_path
+        if not path.exists():
+            return []
+        with path.open("rb") as log:
+            log.seek(self.offset)
+            data = log.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+        self.offset += len(complete)
+        found = []
+        for line in complete.decode("utf-8", "replace").splitlines():
+            if faults.HANG_STARTED in line:
+                match = re.search(r"dedupe_key=(\S+)", line)
+                if match and match.group(1) in self.ids:
+                    found.append(match.group(1))
+        return found
 
 
 def hanging_ids(records: list[sample.SampleRecord]) -> list[str]:

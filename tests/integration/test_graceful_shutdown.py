@@ -1,7 +1,7 @@
 """SIGTERM during a busy run: exit 0 within the grace period, commit what finished, lose nothing.
 
 The worker is stopped at a moment it is running a handler that only ends with the
-handler timeout (its claim on that record's key shows it), while records keep
+handler timeout (it logs the hang as it begins), while records keep
 arriving. It must let in-flight work end, commit, leave the group and exit 0
 within `shutdown_grace_s`. Then the committed offsets must cover exactly what has a
 durable fate, and a restarted worker must finish the run with every invariant.
@@ -20,11 +20,11 @@ from service.devstack import KafkaBroker
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import (
+    HangWatch,
     Placed,
     WorkerProcess,
     assert_committed_are_durable,
     assert_final,
-    claimed_by,
     fates,
     hanging_ids,
     produce_paced,
@@ -67,9 +67,11 @@ async def test_sigterm_mid_run_exits_cleanly_and_loses_nothing(
     try:
         await await_until(lambda: len(placed) >= 1200, 120, message="production stalled")
 
-        async def busy() -> list[str]:
+        watch = HangWatch(worker, hanging)
+
+        def busy() -> list[str]:
             assert worker.running, worker.tail()
-            return await claimed_by(settings, hanging, worker.pid)
+            return watch()
 
         await await_until(busy, 60, message="the worker never ran a hanging record")
         worker.terminate()

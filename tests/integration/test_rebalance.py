@@ -20,10 +20,10 @@ from service.devstack import KafkaBroker
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import (
+    HangWatch,
     Placed,
     WorkerProcess,
     assert_final,
-    claimed_by,
     hanging_ids,
     ledger_len,
     produce_paced,
@@ -80,9 +80,7 @@ async def test_a_worker_leaving_mid_run_hands_over_its_partitions(
         await await_until(lambda: len(placed) >= 1500, 120, message="production stalled")
         assert await ledger_len(settings) > before, "both workers made progress together"
 
-        async def a_is_busy() -> list[str]:  # running a handler that only times out
-            return await claimed_by(settings, hanging, a.pid)
-
+        a_is_busy = HangWatch(a, hanging)  # running a handler that only times out
         await await_until(a_is_busy, 60, message="worker-a never ran a hanging record")
         a.terminate()
         return time.monotonic()
