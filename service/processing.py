@@ -386,6 +386,10 @@ class Processor:
         finally:
             self._latency_of(job.name).observe(time.perf_counter() - started)
 
+    def stop_retrying(self) -> None:
+        """Kafka writes give up after their current try (shutdown, past its grace)."""
+        self._publisher.stopping = True
+
     async def aclose(self) -> None:
         """Stop the handler runners (after the batches using them have ended)."""
         await self._pool.aclose()

@@ -401,6 +401,11 @@ class Worker:
         running = {t for tasks in self._tasks.values() for t in tasks}
         if running:
             _, pending = await asyncio.wait(running, timeout=grace)
+            if pending:
+                # Past the grace, calls stop retrying underneath too: a batch then ends at
+                # its next failed call even if its cancellation is lost on the way (a cancel
+                # racing a completing wait can be swallowed on Python 3.11).
+                self._stop_retrying()
             for task in pending:
                 task.cancel()
             if pending:
@@ -419,8 +424,7 @@ class Worker:
         for task in self._background:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if hasattr(self, "ops"):
-            self.ops.stopping = True
+        self._stop_retrying()
         if self._producer is not None:
             with contextlib.suppress(Exception):
                 await self._producer.stop()  # flushes what is buffered
@@ -432,6 +436,13 @@ class Worker:
         if self._http is not None:
             self._http.stop()
         log.info("worker stopped")
+
+    def _stop_retrying(self) -> None:
+        """Make Redis and Kafka calls give up after their current try instead of retrying."""
+        if hasattr(self, "ops"):
+            self.ops.stopping = True
+        if hasattr(self, "processor"):
+            self.processor.stop_retrying()
 
 
 def _names(tps: Iterable[TopicPartition]) -> list[str]:
