@@ -10,10 +10,10 @@ import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from service.devstack import KafkaBroker, RedisServer, free_port
 from service.pipeline.cli import pipeline_app
@@ -64,6 +64,29 @@ def config(bootstrap: str, data: Dataset, out: Path, redis_url: str | None) -> R
         redis_url=redis_url,
         key_prefix=KEY_PREFIX,
     )
+
+
+def reconcile_cli(
+    bootstrap: str, data: Dataset, redis_url: str, out: Path, *extra: str, **invoke: Any
+) -> Result:
+    """`pipeline reconcile` over the dataset's topics, through the CLI as a user runs it."""
+    args = [
+        "reconcile",
+        "--bootstrap",
+        bootstrap,
+        "--topic",
+        data.source_topic,
+        "--outcomes-topic",
+        data.outcomes_topic,
+        "--redis-url",
+        redis_url,
+        "--key-prefix",
+        KEY_PREFIX,
+        "--out",
+        str(out),
+        *extra,
+    ]
+    return CliRunner().invoke(pipeline_app, args, **invoke)
 
 
 def test_reconcile_finds_exactly_the_injected_problems(
@@ -149,25 +172,7 @@ def test_clean_dataset_reports_clean_and_the_cli_exits_zero(
     unreachable = f"redis://127.0.0.1:{free_port()}/0"
     out = tmp_path / "out"
 
-    result = CliRunner().invoke(
-        pipeline_app,
-        [
-            "reconcile",
-            "--bootstrap",
-            kafka_broker.bootstrap,
-            "--topic",
-            data.source_topic,
-            "--outcomes-topic",
-            data.outcomes_topic,
-            "--redis-url",
-            unreachable,
-            "--key-prefix",
-            KEY_PREFIX,
-            "--out",
-            str(out),
-            "--json",
-        ],
-    )
+    result = reconcile_cli(kafka_broker.bootstrap, data, unreachable, out, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["clean"] is True
@@ -195,25 +200,13 @@ def test_cli_exits_non_zero_when_a_payment_is_lost(
         make_topics,
     )
     chart = tmp_path / "chart.png"
-    result = CliRunner().invoke(
-        pipeline_app,
-        [
-            "reconcile",
-            "--bootstrap",
-            kafka_broker.bootstrap,
-            "--topic",
-            data.source_topic,
-            "--outcomes-topic",
-            data.outcomes_topic,
-            "--redis-url",
-            redis_server.url,
-            "--key-prefix",
-            KEY_PREFIX,
-            "--out",
-            str(tmp_path / "out"),
-            "--chart",
-            str(chart),
-        ],
+    result = reconcile_cli(
+        kafka_broker.bootstrap,
+        data,
+        redis_server.url,
+        tmp_path / "out",
+        "--chart",
+        str(chart),
         env={"COLUMNS": "160"},
     )
     assert result.exit_code == 1, result.output
@@ -222,26 +215,14 @@ def test_cli_exits_non_zero_when_a_payment_is_lost(
     assert chart.stat().st_size > 10_000
 
     # With a grace period a young unanswered record is pending, not lost: exit 0.
-    relaxed = CliRunner().invoke(
-        pipeline_app,
-        [
-            "reconcile",
-            "--bootstrap",
-            kafka_broker.bootstrap,
-            "--topic",
-            data.source_topic,
-            "--outcomes-topic",
-            data.outcomes_topic,
-            "--redis-url",
-            redis_server.url,
-            "--key-prefix",
-            KEY_PREFIX,
-            "--out",
-            str(tmp_path / "out2"),
-            "--grace",
-            "1h",
-            "--json",
-        ],
+    relaxed = reconcile_cli(
+        kafka_broker.bootstrap,
+        data,
+        redis_server.url,
+        tmp_path / "out2",
+        "--grace",
+        "1h",
+        "--json",
     )
     assert relaxed.exit_code == 0, relaxed.output
     report = json.loads(relaxed.output)
