@@ -29,6 +29,7 @@ from aiokafka.errors import (
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 from service.records import Delivery, Outcome
+from service.runtime import cancellation_swallowed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,19 +104,26 @@ class Publisher:
         except Exception as exc:
             if not _retriable(exc) or self.stopping:
                 raise
+            if cancellation_swallowed():
+                raise asyncio.CancelledError("cancelled while a Kafka write failed") from exc
             log.warning("kafka produce failed, retrying", extra={"error": repr(exc)})
 
         def stop(_: RetryCallState) -> bool:
-            return self.stopping
+            return self.stopping or cancellation_swallowed()
 
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception(_retriable),
-            wait=wait_random_exponential(multiplier=0.1, max=5.0),
-            stop=stop,
-            reraise=True,
-        ):
-            with attempt:
-                return await fn()
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(_retriable),
+                wait=wait_random_exponential(multiplier=0.1, max=5.0),
+                stop=stop,
+                reraise=True,
+            ):
+                with attempt:
+                    return await fn()
+        except Exception as exc:
+            if cancellation_swallowed():
+                raise asyncio.CancelledError("cancelled while retrying a Kafka write") from exc
+            raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def dead_letter(

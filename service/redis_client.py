@@ -9,6 +9,7 @@ backpressure pauses the partitions: nothing is lost, nothing is skipped.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from tenacity import (
 )
 
 from service.errors import ConfigurationError
+from service.runtime import cancellation_swallowed
 from service.settings import RedisSettings
 
 log = logging.getLogger(__name__)
@@ -117,20 +119,27 @@ class RedisOps:
         except Exception as exc:
             if not _is_transient(exc) or self.stopping:
                 raise
+            if cancellation_swallowed():
+                raise asyncio.CancelledError("cancelled while a Redis call failed") from exc
             self._note(exc, 1)
 
-        def stop_when_stopping(_: RetryCallState) -> bool:
-            return self.stopping
+        def stop(_: RetryCallState) -> bool:
+            return self.stopping or cancellation_swallowed()
 
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception(_is_transient),
-            wait=wait_random_exponential(multiplier=0.05, max=self._max_backoff_s),
-            stop=stop_when_stopping,
-            before_sleep=self._before_sleep,
-            reraise=True,
-        ):
-            with attempt:
-                return await fn()
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(_is_transient),
+                wait=wait_random_exponential(multiplier=0.05, max=self._max_backoff_s),
+                stop=stop,
+                before_sleep=self._before_sleep,
+                reraise=True,
+            ):
+                with attempt:
+                    return await fn()
+        except Exception as exc:
+            if cancellation_swallowed():
+                raise asyncio.CancelledError("cancelled while retrying a Redis call") from exc
+            raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _note(self, exc: BaseException, attempt: int) -> None:

@@ -403,8 +403,8 @@ class Worker:
             _, pending = await asyncio.wait(running, timeout=grace)
             if pending:
                 # Past the grace, calls stop retrying underneath too: a batch then ends at
-                # its next failed call even if its cancellation is lost on the way (a cancel
-                # racing a completing wait can be swallowed on Python 3.11).
+                # its next failed call even if its cancellation is lost on the way (see
+                # runtime.cancellation_swallowed).
                 self._stop_retrying()
             for task in pending:
                 task.cancel()
