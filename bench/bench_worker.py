@@ -30,7 +30,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import BaseModel
@@ -67,6 +66,19 @@ async def sleepy(payment: Payment, ctx: Context) -> None:
     await asyncio.sleep(0.010)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A run's records per second, and the CPU its process spent per record meanwhile."""
+
+    rate: float
+    cpu_us: float
+
+    @classmethod
+    def since(cls, started: float, cpu_started: float, n: int) -> Measured:
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        return cls(n / wall, cpu / n * 1e6)
+
+
 async def produce(bootstrap: str, topic: str, n: int) -> None:
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=512 * 1024
@@ -93,7 +105,7 @@ async def produce(bootstrap: str, topic: str, n: int) -> None:
         await producer.stop()
 
 
-async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> float:
+async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> Measured:
     consumer = AIOKafkaConsumer(
         topic,
         bootstrap_servers=bootstrap,
@@ -106,10 +118,11 @@ async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> float:
     try:
         seen = 0
         started = None
+        cpu_started = 0.0
         while seen < n:
             batch = await consumer.getmany(timeout_ms=500, max_records=5000)
             if batch and started is None:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
             for records in batch.values():
                 for r in records:
                     json.loads(r.value)
@@ -117,7 +130,7 @@ async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> float:
             if batch:
                 await consumer.commit()
         assert started is not None
-        return n / (time.perf_counter() - started)
+        return Measured.since(started, cpu_started, n)
     finally:
         await consumer.stop()
 
@@ -130,17 +143,17 @@ async def worker_run(
     name: str,
     concurrency: int,
     run: int = 0,
-) -> tuple[float, dict[str, Any]]:
+) -> Measured:
     """One fresh consumer group and key prefix per run, so every run does all the work."""
     settings = Settings(
         kafka={
             "bootstrap_servers": bootstrap,
-            "group_id": f"{topic}-{name}-{run}",  # type: ignore[arg-type]
+            "group_id": f"{topic}-{name}-{run}",
             "max_poll_records": 5000,
         },
-        redis={"url": redis_url, "key_prefix": f"bench-{topic}-{name}-{run}"},  # type: ignore[arg-type]
+        redis={"url": redis_url, "key_prefix": f"bench-{topic}-{name}-{run}"},
         topics={name: topic},
-        http={"enabled": False},  # type: ignore[arg-type]
+        http={"enabled": False},
         max_in_flight=10_000,
         max_in_flight_per_partition=10_000,
         max_concurrent_handlers=concurrency,
@@ -155,6 +168,7 @@ async def worker_run(
     worker = Worker(settings, registry, metrics=metrics)
     task = asyncio.create_task(worker.run())
     started: float | None = None
+    cpu_started = 0.0
 
     def done() -> float:
         """Records finished so far, read from the one metric (not the whole registry)."""
@@ -170,14 +184,10 @@ async def worker_run(
             if task.done():
                 task.result()
             if started is None and done() > 0:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
             await asyncio.sleep(0.05)
         assert started is not None
-        rate = n / (time.perf_counter() - started)
-        succeeded = metrics.registry.get_sample_value(
-            "worker_records_total", {"handler": name, "outcome": "succeeded"}
-        )
-        return rate, {"succeeded": succeeded}
+        return Measured.since(started, cpu_started, n)
     finally:
         worker.request_stop()
         await task
@@ -188,11 +198,20 @@ class Row:
     """One bench row: its rate in every round."""
 
     label: str
-    rates: list[float] = field(default_factory=list)
+    runs: list[Measured] = field(default_factory=list)
+
+    @property
+    def rates(self) -> list[float]:
+        return [m.rate for m in self.runs]
 
     @property
     def median(self) -> float:
         return statistics.median(self.rates)
+
+    @property
+    def cpu_us(self) -> float:
+        """Median CPU per record of the process that ran the row (worker or raw loop)."""
+        return statistics.median(m.cpu_us for m in self.runs)
 
     def spread(self) -> str:
         return f"{min(self.rates):,.0f} to {max(self.rates):,.0f}"
@@ -222,7 +241,7 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
             for n in range(rounds):
                 for loop_name, choice in loops.items():
                     group = f"raw-{loop_name}-{n}"
-                    raws[loop_name].rates.append(
+                    raws[loop_name].runs.append(
                         runtime.run(raw_loop(bootstrap, topic, records, group), choice)
                     )
                 for row, name, count, limit in (
@@ -230,10 +249,11 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
                     (claims, "claiming", records, 5000),
                     (slow, "sleepy", sleepy_n, concurrency),
                 ):
-                    rate, _ = runtime.run(
-                        worker_run(bootstrap, redis_url, topic, count, name, limit, run=n)
+                    row.runs.append(
+                        runtime.run(
+                            worker_run(bootstrap, redis_url, topic, count, name, limit, run=n)
+                        )
                     )
-                    row.rates.append(rate)
                 done = ", ".join(
                     f"{row.label[row.label.index(' ') + 1 :]} {row.rates[-1]:,.0f}"
                     for row in (*raws.values(), full, claims, slow)
@@ -248,20 +268,30 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
         title=f"{records:,} records, {partitions} partitions, Tansu + Redis (AOF always): "
         f"medians of {rounds} rounds"
     )
-    for column in ("row", "records/s", "range", "target", "ratio"):
+    for column in ("row", "records/s", "range", "CPU µs/rec", "target", "ratio"):
         table.add_column(column, justify="left" if column == "row" else "right")
     for row in raws.values():
-        table.add_row(row.label, f"{row.median:,.0f}", row.spread(), "", f"{row.median / raw:.2f}")
+        table.add_row(
+            row.label,
+            f"{row.median:,.0f}",
+            row.spread(),
+            f"{row.cpu_us:.1f}",
+            "",
+            f"{row.median / raw:.2f}",
+        )
     for row, target, ratio in (
         (full, f">= {0.35 * raw:,.0f}", f"{full.median / raw:.2f} of raw"),
         (claims, "", f"{claims.median / raw:.2f} of raw"),
         (slow, f">= {0.8 * ideal:,.0f}", f"{slow.median / ideal:.2f} of ideal"),
     ):
-        table.add_row(row.label, f"{row.median:,.0f}", row.spread(), target, ratio)
+        cpu = f"{row.cpu_us:.1f}"
+        table.add_row(row.label, f"{row.median:,.0f}", row.spread(), cpu, target, ratio)
     console.print(table)
     console.print(
         f"raw = the faster raw loop's median ({raw:,.0f}/s); ideal for 3 = "
-        f"{concurrency} handlers at once / 10 ms = {ideal:,.0f}/s"
+        f"{concurrency} handlers at once / 10 ms = {ideal:,.0f}/s; CPU µs/rec = CPU time of "
+        "the process running the row (one Python thread) per record, so records/s x CPU "
+        "near 1,000,000 means that thread was the limit"
     )
 
 
