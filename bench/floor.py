@@ -29,9 +29,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from pydantic import BaseModel
 
-from service import Context, handler, redis_scripts
+from bench.bench_worker import Payment, trivial
+from service import Context, redis_scripts
 from service.context import Effects
 from service.idempotency import Idempotency, TokenSource
 from service.keys import RedisKeys
@@ -45,18 +45,6 @@ from service.settings import Settings
 
 BATCH = 5000
 CHUNK = 500  # Idempotency's script chunk
-
-
-class Payment(BaseModel):
-    payment_id: str
-    user_id: str
-    amount_minor: int
-    currency: str
-
-
-@handler("trivial", model=Payment, dedupe_key="payment_id", effects_only=True)
-def trivial(payment: Payment, ctx: Context) -> None:
-    return None
 
 
 class StandInScript:

@@ -26,10 +26,9 @@ from aiokafka.errors import (
     MessageSizeTooLargeError,
     RecordTooLargeError,
 )
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 from service.records import Delivery, Outcome
-from service.runtime import cancellation_swallowed
+from service.retrying import until_done
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +49,10 @@ def _retriable(exc: BaseException) -> bool:
     if isinstance(exc, KafkaTimeoutError | ConnectionError | TimeoutError):
         return True
     return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
+
+
+def _note(exc: BaseException, attempt: int) -> None:
+    log.warning("kafka produce failed, retrying", extra={"attempt": attempt, "error": repr(exc)})
 
 
 def encode_outcome(
@@ -99,32 +102,14 @@ class Publisher:
         self.stopping = False
 
     async def _send(self, fn: Callable[[], Awaitable[T]]) -> T:
-        try:  # the common case costs no retry machinery
-            return await fn()
-        except Exception as exc:
-            if not _retriable(exc) or self.stopping:
-                raise
-            if cancellation_swallowed():
-                raise asyncio.CancelledError("cancelled while a Kafka write failed") from exc
-            log.warning("kafka produce failed, retrying", extra={"error": repr(exc)})
-
-        def stop(_: RetryCallState) -> bool:
-            return self.stopping or cancellation_swallowed()
-
-        try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception(_retriable),
-                wait=wait_random_exponential(multiplier=0.1, max=5.0),
-                stop=stop,
-                reraise=True,
-            ):
-                with attempt:
-                    return await fn()
-        except Exception as exc:
-            if cancellation_swallowed():
-                raise asyncio.CancelledError("cancelled while retrying a Kafka write") from exc
-            raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await until_done(
+            fn,
+            transient=_retriable,
+            stopping=lambda: self.stopping,
+            on_failure=_note,
+            first_wait_s=0.1,
+            max_wait_s=5.0,
+        )
 
     async def dead_letter(
         self,

@@ -9,7 +9,6 @@ backpressure pauses the partitions: nothing is lost, nothing is skipped.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -19,15 +18,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    wait_random_exponential,
-)
 
 from service.errors import ConfigurationError
-from service.runtime import cancellation_swallowed
+from service.retrying import until_done
 from service.settings import RedisSettings
 
 log = logging.getLogger(__name__)
@@ -96,11 +89,6 @@ class RedisOps:
         self._max_backoff_s = max_backoff_s
         self.stopping = False
 
-    def _before_sleep(self, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        if exc is not None:
-            self._note(exc, state.attempt_number + 1)
-
     async def call(self, fn: Callable[[], Awaitable[T]], *, durable: bool = False) -> T:
         """Run ``fn`` until it succeeds; with ``durable``, also wait for the durability mode.
 
@@ -114,33 +102,14 @@ class RedisOps:
         return result
 
     async def _retrying(self, fn: Callable[[], Awaitable[T]]) -> T:
-        try:  # the common case costs no retry machinery
-            return await fn()
-        except Exception as exc:
-            if not _is_transient(exc) or self.stopping:
-                raise
-            if cancellation_swallowed():
-                raise asyncio.CancelledError("cancelled while a Redis call failed") from exc
-            self._note(exc, 1)
-
-        def stop(_: RetryCallState) -> bool:
-            return self.stopping or cancellation_swallowed()
-
-        try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception(_is_transient),
-                wait=wait_random_exponential(multiplier=0.05, max=self._max_backoff_s),
-                stop=stop,
-                before_sleep=self._before_sleep,
-                reraise=True,
-            ):
-                with attempt:
-                    return await fn()
-        except Exception as exc:
-            if cancellation_swallowed():
-                raise asyncio.CancelledError("cancelled while retrying a Redis call") from exc
-            raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await until_done(
+            fn,
+            transient=_is_transient,
+            stopping=lambda: self.stopping,
+            on_failure=self._note,
+            first_wait_s=0.05,
+            max_wait_s=self._max_backoff_s,
+        )
 
     def _note(self, exc: BaseException, attempt: int) -> None:
         if self._on_error:

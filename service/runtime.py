@@ -1,10 +1,8 @@
-"""How the worker process runs: which event loop, the garbage collector's pace, and
-how a retry loop notices that its task was cancelled.
+"""How the worker process runs: which event loop, and the garbage collector's pace.
 
-The loop and the collector are process-wide choices, made once at start, and both are
-about CPU per record: a fast path of a few tens of microseconds per record feels every
-timer the event loop schedules and every pass the collector makes over long-lived
-objects (bench/).
+Both are process-wide choices, made once at start, and both are about CPU per record:
+a fast path of a few tens of microseconds per record feels every timer the event loop
+schedules and every pass the collector makes over long-lived objects (bench/).
 """
 
 from __future__ import annotations
@@ -35,20 +33,6 @@ def loop_factory(choice: LoopChoice) -> Callable[[], asyncio.AbstractEventLoop] 
     import uvloop  # a missing module on "uvloop" fails at start, naming it
 
     return uvloop.new_event_loop
-
-
-def cancellation_swallowed() -> bool:
-    """True when the running task was asked to cancel, yet runs on as if it was not.
-
-    On Python 3.11, ``asyncio.wait_for`` returns normally when the cancel lands just as
-    the awaited call completes (python/cpython#86296, fixed in 3.12), and redis-py wraps
-    every socket write in it. The task still counts the request (``Task.cancelling()``),
-    so a retry loop asks this before trying again and ends instead of retrying a call
-    nobody waits for. Code inside ``asyncio.timeout`` or a TaskGroup never sees a count
-    left over from them: both take back the cancels they make.
-    """
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def run(main: Coroutine[Any, Any, T], choice: LoopChoice = "auto") -> T:

@@ -404,7 +404,7 @@ class Worker:
             if pending:
                 # Past the grace, calls stop retrying underneath too: a batch then ends at
                 # its next failed call even if its cancellation is lost on the way (see
-                # runtime.cancellation_swallowed).
+                # retrying.cancellation_swallowed).
                 self._stop_retrying()
             for task in pending:
                 task.cancel()

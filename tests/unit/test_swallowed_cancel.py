@@ -49,33 +49,23 @@ async def run(call: Callable[[], Awaitable[Any]]) -> asyncio.Task[Any]:
     return task
 
 
-async def test_redis_call_ends_cancelled_instead_of_retrying_after_a_lost_cancel() -> None:
+@pytest.mark.parametrize("losing_attempt", [1, 3])
+async def test_redis_call_ends_cancelled_instead_of_retrying_after_a_lost_cancel(
+    losing_attempt: int,
+) -> None:
+    """On the first try (no retry machinery yet) and inside the retry loop alike."""
     attempts = 0
 
     async def write() -> None:
         nonlocal attempts
         attempts += 1
-        await lose_a_cancel()
-        raise RedisConnectionError("Redis went away")
-
-    task = await run(lambda: ops().call(write))
-    assert task.cancelled()
-    assert attempts == 1
-
-
-async def test_redis_retry_loop_ends_cancelled_when_a_later_try_loses_the_cancel() -> None:
-    attempts = 0
-
-    async def write() -> None:
-        nonlocal attempts
-        attempts += 1
-        if attempts == 3:
+        if attempts == losing_attempt:
             await lose_a_cancel()
         raise RedisConnectionError("Redis went away")
 
     task = await run(lambda: ops().call(write))
     assert task.cancelled()
-    assert attempts == 3
+    assert attempts == losing_attempt
 
 
 async def test_redis_call_is_still_retried_when_nothing_cancelled_it() -> None:

@@ -1,0 +1,81 @@
+"""Calls to Redis and Kafka that must eventually succeed: try again until they do.
+
+An outage of Redis or the broker is not a record's failure, so the record path does not
+give up on it: the call is retried with jittered exponential backoff (tenacity) and the
+batch simply stays in flight meanwhile. Two things end the retrying early: the worker
+stopping (past its shutdown grace), and the calling task having been cancelled, even when
+that cancel never surfaced as an exception (``cancellation_swallowed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
+
+T = TypeVar("T")
+
+
+def cancellation_swallowed() -> bool:
+    """True when the running task was asked to cancel, yet runs on as if it was not.
+
+    On Python 3.11, ``asyncio.wait_for`` returns normally when the cancel lands just as
+    the awaited call completes (python/cpython#86296, fixed in 3.12), and redis-py wraps
+    every socket write in it. The task still counts the request (``Task.cancelling()``),
+    so a retry loop asks this before trying again and ends instead of retrying a call
+    nobody waits for. Code inside ``asyncio.timeout`` or a TaskGroup never sees a count
+    left over from them: both take back the cancels they make.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def until_done(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    transient: Callable[[BaseException], bool],
+    stopping: Callable[[], bool],
+    on_failure: Callable[[BaseException, int], None],
+    first_wait_s: float,
+    max_wait_s: float,
+) -> T:
+    """``await fn()`` until it succeeds, raises a non-transient error, or must stop.
+
+    ``on_failure(exc, attempt)`` hears of every transient failure that will be retried,
+    with the number of the attempt that failed (1 for the first). When stopping, the last
+    error is raised; when the task's cancel was swallowed, CancelledError is.
+    """
+    try:  # the common case costs no retry machinery
+        return await fn()
+    except Exception as exc:
+        if not transient(exc) or stopping():
+            raise
+        if cancellation_swallowed():
+            raise asyncio.CancelledError("cancelled while a call was failing") from exc
+        on_failure(exc, 1)
+
+    def stop(_: RetryCallState) -> bool:
+        return stopping() or cancellation_swallowed()
+
+    def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if exc is not None:
+            on_failure(exc, state.attempt_number + 1)
+
+    try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(transient),
+            wait=wait_random_exponential(multiplier=first_wait_s, max=max_wait_s),
+            stop=stop,
+            before_sleep=before_sleep,
+            reraise=True,
+        ):
+            with attempt:
+                return await fn()
+    except Exception as exc:
+        if cancellation_swallowed():
+            raise asyncio.CancelledError("cancelled while retrying a failing call") from exc
+        raise
+    raise AssertionError("unreachable")  # pragma: no cover
