@@ -26,6 +26,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -219,7 +220,8 @@ class Row:
 
 def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
     """Each phase runs on its own event loop, so the raw loop can be measured on both."""
-    console = Console()
+    # Wide enough for the table in logs and pipes, where rich would assume 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     # The ceiling is the faster of asyncio's loop and the worker's (uvloop, when
     # installed): aiokafka's raw loop is not always faster on uvloop.
     choices: tuple[runtime.LoopChoice, ...] = ("asyncio", "auto")
@@ -287,11 +289,11 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
         cpu = f"{row.cpu_us:.1f}"
         table.add_row(row.label, f"{row.median:,.0f}", row.spread(), cpu, target, ratio)
     console.print(table)
+    console.print(f"raw: the faster raw loop's median, {raw:,.0f}/s")
+    console.print(f"ideal for 3: {concurrency} handlers at once / 10 ms = {ideal:,.0f}/s")
     console.print(
-        f"raw = the faster raw loop's median ({raw:,.0f}/s); ideal for 3 = "
-        f"{concurrency} handlers at once / 10 ms = {ideal:,.0f}/s; CPU µs/rec = CPU time of "
-        "the process running the row (one Python thread) per record, so records/s x CPU "
-        "near 1,000,000 means that thread was the limit"
+        "CPU µs/rec: CPU time per record of the process running the row (one Python thread);"
+        " records/s x CPU µs near 1,000,000 means that thread was the limit"
     )
 
 
