@@ -181,14 +181,16 @@ async def worker_run(
         )
 
     try:
-        while done() < n:
+        before = 0.0  # records already finished when the clocks started: not counted
+        while (finished := done()) < n:
             if task.done():
                 task.result()
-            if started is None and done() > 0:
+            if started is None and finished > 0:
                 started, cpu_started = time.perf_counter(), time.process_time()
+                before = finished
             await asyncio.sleep(0.05)
         assert started is not None
-        return Measured.since(started, cpu_started, n)
+        return Measured.since(started, cpu_started, int(n - before))
     finally:
         worker.request_stop()
         await task
