@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from bench.bench_worker import Payment, trivial
+from bench.bench_worker import Payment, sample_payment, trivial
 from service import Context, redis_scripts
 from service.context import Effects
 from service.idempotency import Idempotency, TokenSource
@@ -83,14 +83,7 @@ def batches(count: int) -> list[list[Delivery]]:
     for b in range(count):
         batch = []
         for i in range(BATCH):
-            value = orjson.dumps(
-                {
-                    "payment_id": f"p-{b}-{i:08d}",
-                    "user_id": f"u{rng.randrange(10**6)}",
-                    "amount_minor": rng.randrange(100, 10**6),
-                    "currency": "EUR",
-                }
-            )
+            value = sample_payment(rng, f"p-{b}-{i:08d}")
             batch.append(Delivery("t", i % 6, b * BATCH + i, f"k{b}-{i}".encode(), value, (), 0))
         out.append(batch)
     return out

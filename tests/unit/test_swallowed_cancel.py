@@ -95,20 +95,25 @@ class LosingProducer:
         raise KafkaConnectionError("broker went away")
 
 
-async def test_dead_letter_ends_cancelled_instead_of_retrying_after_a_lost_cancel() -> None:
-    producer = LosingProducer()
+async def dead_letter_once(producer: object) -> asyncio.Task[None]:
+    """One dead letter through a Publisher over ``producer``, run in its own task."""
     publisher = Publisher(
         producer,  # type: ignore[arg-type]
         dead_letter_topic=lambda topic: f"{topic}.dlq",
         outcomes_topic=None,
     )
     record = Delivery("payments", 0, 7, b"k", b"{}", (), 0)
-
-    task = await run(
+    return await run(
         lambda: publisher.dead_letter(
             record, reason="malformed", error="bad", handler="h", dedupe_key=None, at_ms=0
         )
     )
+
+
+async def test_dead_letter_ends_cancelled_instead_of_retrying_after_a_lost_cancel() -> None:
+    producer = LosingProducer()
+
+    task = await dead_letter_once(producer)
     assert task.cancelled()
     assert producer.sends == 1
 
@@ -127,17 +132,7 @@ async def test_dead_letter_is_still_retried_when_nothing_cancelled_it(fails: int
             return acked
 
     producer = FlakyProducer()
-    publisher = Publisher(
-        producer,  # type: ignore[arg-type]
-        dead_letter_topic=lambda topic: f"{topic}.dlq",
-        outcomes_topic=None,
-    )
-    record = Delivery("payments", 0, 7, b"k", b"{}", (), 0)
 
-    task = await run(
-        lambda: publisher.dead_letter(
-            record, reason="malformed", error="bad", handler="h", dedupe_key=None, at_ms=0
-        )
-    )
+    task = await dead_letter_once(producer)
     assert task.result() is None
     assert producer.sends == fails + 1
