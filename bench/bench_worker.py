@@ -6,7 +6,9 @@ Prints records/s for:
   2. this worker, trivial handler, the full reliability path (dedupe check, done-marker,
      outcome event, watermark commits) on a real Redis with appendfsync always. The
      handler is declared effects_only, as the payment handler is; 2b is the same handler
-     without that declaration, which claims each dedupe key first;
+     without that declaration, which claims each dedupe key first; 2c is row 2 with the
+     outcome events turned off (WORKER_OUTCOMES__ENABLED=false), to show what the audit
+     trail costs;
   3. this worker with a handler that awaits 10 ms, against concurrency limit / 10 ms
      (WORKER_MAX_CONCURRENT_HANDLERS: how many handlers run at once).
 The worker runs on the event loop `service run` picks (uvloop when installed).
@@ -149,15 +151,18 @@ async def worker_run(
     name: str,
     concurrency: int,
     run: int = 0,
+    outcomes: bool = True,
 ) -> Measured:
     """One fresh consumer group and key prefix per run, so every run does all the work."""
+    group = f"{topic}-{name}-{run}" + ("" if outcomes else "-no-outcomes")
     settings = Settings(
         kafka={
             "bootstrap_servers": bootstrap,
-            "group_id": f"{topic}-{name}-{run}",
+            "group_id": group,
             "max_poll_records": 5000,
         },
-        redis={"url": redis_url, "key_prefix": f"bench-{topic}-{name}-{run}"},
+        redis={"url": redis_url, "key_prefix": f"bench-{group}"},
+        outcomes={"enabled": outcomes},
         topics={name: topic},
         http={"enabled": False},
         max_in_flight=10_000,
@@ -236,6 +241,7 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
     raws = {name: Row(f"1. raw loop, {name}") for name in loops}
     full = Row("2. worker, trivial")
     claims = Row("2b. same, claims first")
+    quiet = Row("2c. same, no outcome events")
     slow = Row("3. worker, 10 ms handler")
     sleepy_n = min(records, 40_000)
     with tempfile.TemporaryDirectory() as tmp:
@@ -253,19 +259,19 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
                     raws[loop_name].runs.append(
                         runtime.run(raw_loop(bootstrap, topic, records, group), choice)
                     )
-                for row, name, count, limit in (
-                    (full, "trivial", records, 5000),
-                    (claims, "claiming", records, 5000),
-                    (slow, "sleepy", sleepy_n, concurrency),
+                for row, name, count, limit, outcomes in (
+                    (full, "trivial", records, 5000, True),
+                    (claims, "claiming", records, 5000, True),
+                    (quiet, "trivial", records, 5000, False),
+                    (slow, "sleepy", sleepy_n, concurrency, True),
                 ):
-                    row.runs.append(
-                        runtime.run(
-                            worker_run(bootstrap, redis_url, topic, count, name, limit, run=n)
-                        )
+                    worker = worker_run(
+                        bootstrap, redis_url, topic, count, name, limit, n, outcomes
                     )
+                    row.runs.append(runtime.run(worker))
                 done = ", ".join(
                     f"{row.label[row.label.index(' ') + 1 :]} {row.rates[-1]:,.0f}"
-                    for row in (*raws.values(), full, claims, slow)
+                    for row in (*raws.values(), full, claims, quiet, slow)
                 )
                 console.print(f"round {n + 1}/{rounds} (records/s): {done}")
         finally:
@@ -291,6 +297,7 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
     for row, target, ratio in (
         (full, f">= {0.35 * raw:,.0f}", f"{full.median / raw:.2f} of raw"),
         (claims, "", f"{claims.median / raw:.2f} of raw"),
+        (quiet, "", f"{quiet.median / raw:.2f} of raw"),
         (slow, f">= {0.8 * ideal:,.0f}", f"{slow.median / ideal:.2f} of ideal"),
     ):
         cpu = f"{row.cpu_us:.1f}"
