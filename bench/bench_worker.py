@@ -8,7 +8,8 @@ Prints records/s for:
      handler is declared effects_only, as the payment handler is; 2b is the same handler
      without that declaration, which claims each dedupe key first; 2c is row 2 with the
      outcome events turned off (WORKER_OUTCOMES__ENABLED=false), to show what the audit
-     trail costs;
+     trail costs; 2d is row 2 as several worker processes in one consumer group (--processes,
+     2 by default), the way one host scales out, counted over all of them;
   3. this worker with a handler that awaits 10 ms, against concurrency limit / 10 ms
      (WORKER_MAX_CONCURRENT_HANDLERS: how many handlers run at once).
 The worker runs on the event loop `service run` picks (uvloop when installed).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import sys
@@ -33,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import BaseModel
@@ -143,19 +146,17 @@ async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> Measured:
         await consumer.stop()
 
 
-async def worker_run(
+def bench_settings(
     bootstrap: str,
     redis_url: str,
     topic: str,
-    n: int,
     name: str,
+    group: str,
     concurrency: int,
-    run: int = 0,
     outcomes: bool = True,
-) -> Measured:
-    """One fresh consumer group and key prefix per run, so every run does all the work."""
-    group = f"{topic}-{name}-{run}" + ("" if outcomes else "-no-outcomes")
-    settings = Settings(
+) -> Settings:
+    """The worker's settings in rows 2 and 3: one group and one key prefix per run."""
+    return Settings(
         kafka={
             "bootstrap_servers": bootstrap,
             "group_id": group,
@@ -171,39 +172,125 @@ async def worker_run(
         log_format="console",
         log_level="WARNING",
     )
-    await create_topics(
-        bootstrap, {settings.outcomes_topic() or "": 6, settings.dead_letter_topic(topic): 1}
+
+
+def finished(metrics: Metrics, name: str) -> float:
+    """Records the handler has finished, read from the one metric (not the whole registry)."""
+    return sum(
+        sample.value
+        for family in metrics.records.collect()
+        for sample in family.samples
+        if sample.name == "worker_records_total" and sample.labels["handler"] == name
     )
-    metrics = Metrics()
+
+
+async def start_worker(settings: Settings, metrics: Metrics) -> tuple[Worker, asyncio.Task[None]]:
+    """The worker running in this process, with its dead-letter and outcome topics made."""
+    topic = next(iter(settings.topics.values()))
+    await create_topics(
+        settings.kafka.bootstrap_servers,
+        {settings.outcomes_topic() or "": 6, settings.dead_letter_topic(topic): 1},
+    )
     registry = Registry([trivial, claiming, sleepy], settings.topics)
     worker = Worker(settings, registry, metrics=metrics)
-    task = asyncio.create_task(worker.run())
+    return worker, asyncio.create_task(worker.run())
+
+
+async def worker_run(
+    bootstrap: str,
+    redis_url: str,
+    topic: str,
+    n: int,
+    name: str,
+    concurrency: int,
+    run: int = 0,
+    outcomes: bool = True,
+) -> Measured:
+    """One fresh consumer group and key prefix per run, so every run does all the work."""
+    group = f"{topic}-{name}-{run}" + ("" if outcomes else "-no-outcomes")
+    settings = bench_settings(bootstrap, redis_url, topic, name, group, concurrency, outcomes)
+    metrics = Metrics()
+    worker, task = await start_worker(settings, metrics)
     started: float | None = None
     cpu_started = 0.0
-
-    def done() -> float:
-        """Records finished so far, read from the one metric (not the whole registry)."""
-        return sum(
-            sample.value
-            for family in metrics.records.collect()
-            for sample in family.samples
-            if sample.name == "worker_records_total" and sample.labels["handler"] == name
-        )
-
     try:
         before = 0.0  # records already finished when the clocks started: not counted
-        while (finished := done()) < n:
+        while (done := finished(metrics, name)) < n:
             if task.done():
                 task.result()
-            if started is None and finished > 0:
+            if started is None and done > 0:
                 started, cpu_started = time.perf_counter(), time.process_time()
-                before = finished
+                before = done
             await asyncio.sleep(0.05)
         assert started is not None
         return Measured.since(started, cpu_started, int(n - before))
     finally:
         worker.request_stop()
         await task
+
+
+def worker_process(
+    settings_args: tuple[str, str, str, str, str, int], done: Any, cpu: Any, stop: Any
+) -> None:
+    """One process of row 2d: publishes its records finished and CPU time until stopped."""
+    name = settings_args[3]
+
+    async def main() -> None:
+        metrics = Metrics()
+        worker, task = await start_worker(bench_settings(*settings_args), metrics)
+        try:
+            while not stop.is_set():
+                if task.done():
+                    task.result()
+                done.value, cpu.value = finished(metrics, name), time.process_time()
+                await asyncio.sleep(0.05)
+        finally:
+            worker.request_stop()
+            await task
+
+    runtime.run(main())
+
+
+def processes_run(
+    bootstrap: str, redis_url: str, topic: str, n: int, processes: int, run: int
+) -> Measured:
+    """Row 2 as several worker processes in one group: how one host scales out.
+
+    The CPU per record is the processes' sum, so it compares with row 2's one process.
+    """
+    spawn = multiprocessing.get_context("spawn")
+    group = f"{topic}-trivial-{run}-x{processes}"
+    stop = spawn.Event()
+    dones = [spawn.Value("d", 0.0, lock=False) for _ in range(processes)]
+    cpus = [spawn.Value("d", 0.0, lock=False) for _ in range(processes)]
+    settings_args = (bootstrap, redis_url, topic, "trivial", group, 5000)
+    children = [
+        spawn.Process(target=worker_process, args=(settings_args, done, cpu, stop))
+        for done, cpu in zip(dones, cpus, strict=True)
+    ]
+    for child in children:
+        child.start()
+    try:
+        started: float | None = None
+        before = cpu_started = 0.0  # records finished and CPU spent before the clocks start
+        while (done := sum(d.value for d in dones)) < n:
+            if any(child.exitcode is not None for child in children):
+                raise RuntimeError(f"a worker process of row 2d exited early ({group})")
+            if started is None and done > 0:
+                started, before = time.perf_counter(), done
+                cpu_started = sum(c.value for c in cpus)
+            time.sleep(0.05)
+        assert started is not None
+        counted = n - before
+        cpu_us = (sum(c.value for c in cpus) - cpu_started) / counted * 1e6
+        return Measured(counted / (time.perf_counter() - started), cpu_us)
+    finally:
+        stop.set()
+        for child in children:
+            child.join(timeout=60)
+            if child.is_alive():
+                child.kill()
+                child.join()
 
 
 @dataclass
@@ -230,7 +317,7 @@ class Row:
         return f"{min(self.rates):,.0f} to {max(self.rates):,.0f}"
 
 
-def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
+def main(records: int, partitions: int, concurrency: int, rounds: int, processes: int) -> None:
     """Each phase runs on its own event loop, so the raw loop can be measured on both."""
     # Wide enough for the table in logs and pipes, where rich would assume 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=120)
@@ -242,6 +329,7 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
     full = Row("2. worker, trivial")
     claims = Row("2b. same, claims first")
     quiet = Row("2c. same, no outcome events")
+    scaled = Row(f"2d. row 2 as {processes} worker processes")
     slow = Row("3. worker, 10 ms handler")
     sleepy_n = min(records, 40_000)
     with tempfile.TemporaryDirectory() as tmp:
@@ -269,9 +357,14 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
                         bootstrap, redis_url, topic, count, name, limit, n, outcomes
                     )
                     row.runs.append(runtime.run(worker))
+                if processes > 1:
+                    scaled.runs.append(
+                        processes_run(bootstrap, redis_url, topic, records, processes, n)
+                    )
                 done = ", ".join(
                     f"{row.label[row.label.index(' ') + 1 :]} {row.rates[-1]:,.0f}"
-                    for row in (*raws.values(), full, claims, quiet, slow)
+                    for row in (*raws.values(), full, claims, quiet, scaled, slow)
+                    if row.runs
                 )
                 console.print(f"round {n + 1}/{rounds} (records/s): {done}")
         finally:
@@ -298,6 +391,7 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
         (full, f">= {0.35 * raw:,.0f}", f"{full.median / raw:.2f} of raw"),
         (claims, "", f"{claims.median / raw:.2f} of raw"),
         (quiet, "", f"{quiet.median / raw:.2f} of raw"),
+        *([(scaled, "", f"{scaled.median / raw:.2f} of raw")] if scaled.runs else []),
         (slow, f">= {0.8 * ideal:,.0f}", f"{slow.median / ideal:.2f} of ideal"),
     ):
         cpu = f"{row.cpu_us:.1f}"
@@ -308,6 +402,7 @@ def main(records: int, partitions: int, concurrency: int, rounds: int) -> None:
     console.print(
         "CPU µs/rec: CPU time per record of the process running the row (one Python thread);"
         " records/s x CPU µs near 1,000,000 means that thread was the limit"
+        + ("; for 2d, the sum over its processes" if scaled.runs else "")
     )
 
 
@@ -317,5 +412,8 @@ if __name__ == "__main__":
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--processes", type=int, default=2, help="worker processes in row 2d (1: no row 2d)"
+    )
     args = parser.parse_args()
-    main(args.records, args.partitions, args.concurrency, args.rounds)
+    main(args.records, args.partitions, args.concurrency, args.rounds, args.processes)
