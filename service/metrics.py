@@ -53,6 +53,12 @@ class Metrics:
             "worker_retry_queue_depth", "Items in the Redis delay queue", ["state"], registry=r
         )
         self.in_flight = Gauge("worker_inflight_records", "Records being processed", registry=r)
+        self.stalled = Gauge(
+            "worker_stalled",
+            "1 while progress is held back by a cause outside the records (service/stalls.py)",
+            ["cause"],
+            registry=r,
+        )
 
     def forget_partition(self, topic: str, partition: int) -> None:
         """Drop a revoked partition's gauges so another worker's numbers are not shadowed."""

@@ -22,6 +22,7 @@ from prometheus_client import make_wsgi_app
 from pythonjsonlogger.json import JsonFormatter
 
 from service.metrics import Metrics
+from service.stalls import Stalls
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
@@ -39,6 +40,8 @@ class HealthState:
     last_poll: float = field(default_factory=time.monotonic)
     # The loop must come back to poll within this; beyond it the worker is stuck.
     max_poll_gap_s: float = 120.0
+    # Causes outside the records that hold progress back (not ready while any is active).
+    stalls: Stalls = field(default_factory=Stalls)
 
     def live(self) -> tuple[bool, dict[str, Any]]:
         gap = time.monotonic() - self.last_poll
@@ -53,6 +56,7 @@ class HealthState:
             "assigned_partitions": self.assigned_partitions,
             "kafka": self.kafka_ok,
             "redis": self.redis_ok,
+            "stalled": sorted(self.stalls.active()),
         }
         ok = (
             self.started
@@ -60,6 +64,7 @@ class HealthState:
             and self.joined_group
             and self.kafka_ok
             and self.redis_ok
+            and not self.stalls
         )
         return ok, detail
 

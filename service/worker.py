@@ -39,6 +39,7 @@ from service.registry import Registry
 from service.retries import RetryQueue, RetryScheduler
 from service.runtime import tune_gc
 from service.settings import Settings
+from service.stalls import Stalls
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,10 @@ class Worker:
         self.consume = consume
         self.registry = registry or Registry.from_settings(settings.topics)
         self.metrics = metrics or Metrics()
-        self.health = HealthState(max_poll_gap_s=settings.kafka.max_poll_interval_ms / 2000)
+        self.stalls = Stalls(self.metrics)
+        self.health = HealthState(
+            max_poll_gap_s=settings.kafka.max_poll_interval_ms / 2000, stalls=self.stalls
+        )
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._stop = asyncio.Event()
         self._commit_now = asyncio.Event()
