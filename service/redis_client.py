@@ -31,6 +31,37 @@ class DurabilityError(Exception):
     """A write did not reach the replicas or the AOF that the durability mode asks for."""
 
 
+class RedisRefused(Exception):
+    """Redis refused work for a reason of its own (memory, permissions, configuration).
+
+    Not the record's fault: the call is held and retried (loudly, see service/stalls.py),
+    never turned into a retry or a dead letter of the record.
+    """
+
+
+# Error replies that mean "Redis will not do this now", whatever the record holds.
+REFUSAL_REPLIES = (
+    "OOM",
+    "NOPERM",
+    "NOAUTH",
+    "WRONGPASS",
+    "MISCONF",
+    "READONLY",
+    "MASTERDOWN",
+    "NOREPLICAS",
+    "LOADING",
+    "BUSY",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "NOSCRIPT",
+)
+
+
+def is_refusal(reply: str) -> bool:
+    """True for an error reply (its text, e.g. 'OOM command not allowed ...') of that kind."""
+    return reply.lstrip("-").startswith(REFUSAL_REPLIES)
+
+
 # Errors after which re-sending the same (idempotent) call is the right move.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, DurabilityError, ConnectionError, OSError)
 # A Redis that is loading its AOF after a restart answers LOADING; that passes too.
