@@ -5,6 +5,14 @@ record counts as done, because each is the durable home of the record's fate: a
 dead letter holds the record itself, the outcome event is the audit trail that
 reconciliation reads. Broker hiccups are retried here, not reported as the
 record's failure.
+
+What the broker refuses for good (a topic that does not exist, no permission to write,
+a size limit no dead-letter tier fits) is not the record's failure either, and no retry
+will fix it: the call keeps retrying with backoff, so the record stays uncommitted and is
+never skipped, and the stall is reported (``Stalls``: metric, error log, readiness). The
+worker never creates its dead-letter or outcomes topic: it asks the broker whether the
+topic exists without letting it auto-create one, so a missing topic is a stall within a
+round trip, not a silent wait of ``request_timeout_ms`` per attempt.
 """
 
 from __future__ import annotations
@@ -15,20 +23,27 @@ import logging
 import os
 import socket
 import zlib
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import orjson
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
+    BrokerResponseError,
+    KafkaConnectionError,
     KafkaError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
     RecordTooLargeError,
+    UnknownTopicOrPartitionError,
+    for_code,
 )
+from aiokafka.protocol.metadata import MetadataRequest
 
 from service.records import Delivery, Outcome
 from service.retrying import until_done
+from service.stalls import Stalls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -36,6 +51,14 @@ MAX_ERROR_BYTES = 1024
 # Added to a dead letter that had to leave parts of the record out to fit the size limit.
 DROPPED_HEADER = "x-dlq-dropped"
 ORIGINAL_BYTES_HEADER = "x-dlq-original-bytes"
+# On a dead letter whose key is its source coordinates ("topic/partition/offset") because
+# Kafka takes no record with neither key nor value: "null" when the record's key was null
+# (a redrive sends it keyless; with a null value and no x-dlq-dropped, it is a tombstone),
+# "dropped" when the key was left out for size (see x-dlq-dropped).
+KEY_SUBSTITUTED_HEADER = "x-dlq-key-substituted"
+# Stall causes (service/stalls.py) while a topic refuses our writes.
+DEAD_LETTER_UNWRITABLE = "dead_letter_unwritable"
+OUTCOMES_UNWRITABLE = "outcomes_unwritable"
 _TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError)
 WORKER_ID = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -49,6 +72,21 @@ def _retriable(exc: BaseException) -> bool:
     if isinstance(exc, KafkaTimeoutError | ConnectionError | TimeoutError):
         return True
     return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
+
+
+def _unwritable(exc: BaseException, *, size_is_ours: bool) -> bool:
+    """The broker refuses the write for a reason the worker cannot fix: a stall.
+
+    A missing topic (retriable to aiokafka, but only an operator ends it), and any error
+    the broker answers that is not retriable: not authorised, invalid topic, and a size
+    limit, unless the caller answers that itself with a smaller record (``size_is_ours``).
+    Client-side errors (a closed producer, a bug) are not: they surface.
+    """
+    if isinstance(exc, _TOO_LARGE):
+        return not size_is_ours
+    if isinstance(exc, UnknownTopicOrPartitionError):
+        return True
+    return isinstance(exc, BrokerResponseError) and not _retriable(exc)
 
 
 def _note(exc: BaseException, attempt: int) -> None:
@@ -93,23 +131,90 @@ class Publisher:
         *,
         dead_letter_topic: Callable[[str], str],
         outcomes_topic: str | None,
+        stalls: Stalls | None = None,
     ) -> None:
         self._producer = producer
         self._dead_letter_topic = dead_letter_topic
         self._outcomes_topic = outcomes_topic
+        # Without the worker's, stalls are still logged loudly, once per episode.
+        self._stalls = stalls if stalls is not None else Stalls()
+        self._failing: Counter[str] = Counter()  # stall cause -> calls now failing for it
+        self._known_topics: set[str] = set()  # confirmed to exist
         self._queued: list[tuple[list[tuple[bytes | None, bytes]], asyncio.Future[None]]] = []
         self._writer: asyncio.Task[None] | None = None
         self.stopping = False
 
-    async def _send(self, fn: Callable[[], Awaitable[T]]) -> T:
-        return await until_done(
-            fn,
-            transient=_retriable,
-            stopping=lambda: self.stopping,
-            on_failure=_note,
-            first_wait_s=0.1,
-            max_wait_s=5.0,
-        )
+    async def _send(
+        self,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        cause: str,
+        topic: str,
+        size_is_ours: bool = False,
+    ) -> T:
+        """``fn()`` until acknowledged; while the broker refuses it for good, a stall.
+
+        The stall (``cause``) is reported at the first such refusal and cleared when no
+        call is failing for it any more: this one succeeded, or ended (shutdown, revoke).
+        """
+        stalled = False
+
+        def on_failure(exc: BaseException, attempt: int) -> None:
+            nonlocal stalled
+            if _unwritable(exc, size_is_ours=size_is_ours):
+                self._known_topics.discard(topic)  # ask again: it may have been deleted
+                if not stalled:
+                    stalled = True
+                    self._failing[cause] += 1
+                detail = f"{topic}: {type(exc).__name__}: {exc}"
+                self._stalls.report(cause, detail[:MAX_ERROR_BYTES])
+            _note(exc, attempt)
+
+        try:
+            return await until_done(
+                fn,
+                transient=lambda e: _retriable(e) or _unwritable(e, size_is_ours=size_is_ours),
+                stopping=lambda: self.stopping,
+                on_failure=on_failure,
+                first_wait_s=0.1,
+                max_wait_s=5.0,
+            )
+        finally:
+            if stalled:
+                self._failing[cause] -= 1
+                if self._failing[cause] <= 0:
+                    del self._failing[cause]
+                    self._stalls.clear(cause)
+
+    async def _check_topic(self, topic: str) -> None:
+        """Raise unless ``topic`` exists, asking the broker not to create it.
+
+        aiokafka's own metadata requests let the broker auto-create a topic (Tansu always
+        does, Kafka by default), which would give a dead-letter topic the broker's defaults
+        for replication and retention; and where auto-creation is off, it waits
+        ``request_timeout_ms`` per attempt before saying the topic is unknown. Asked once
+        per topic until a write to it fails with an unknown topic.
+        """
+        if topic in self._known_topics or not isinstance(self._producer, AIOKafkaProducer):
+            return  # known, or a stand-in producer with no cluster to ask
+        client = self._producer.client
+        node = client.get_random_node()
+        if node is None:
+            raise KafkaConnectionError("no broker known to ask for the topic's metadata")
+        request = MetadataRequest([topic], allow_auto_topic_creation=False)
+        response = await client.send(node, request)
+        for entry in response.topics:
+            error_code, name = entry[0], entry[1]
+            if name != topic:
+                continue
+            if error_code == 0:
+                self._known_topics.add(topic)
+                return
+            error = for_code(error_code)
+            if error is UnknownTopicOrPartitionError:
+                raise error(f"topic {topic!r} does not exist (the worker never creates it)")
+            raise error(f"topic {topic!r}")
+        raise UnknownTopicOrPartitionError(f"topic {topic!r} is not in the broker's metadata")
 
     async def dead_letter(
         self,
@@ -127,6 +232,10 @@ class Publisher:
         dead-lettered without its value (then also without its key and original
         headers), marked with ``x-dlq-dropped``: the source coordinates still point at
         the original, and a refused dead letter must never stall the partition.
+
+        Kafka takes no record with neither key nor value (aiokafka's ``send()`` asserts),
+        which a keyless tombstone and every last tier would be: such a dead letter is keyed
+        by its source coordinates and marked with ``x-dlq-key-substituted``.
         """
         detail = error.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
         ours = [
@@ -141,6 +250,7 @@ class Publisher:
             ("x-dlq-at", str(at_ms).encode()),
         ]
         topic = self._dead_letter_topic(delivery.topic)
+        coordinates = f"{delivery.topic}/{delivery.partition}/{delivery.offset}".encode()
         original = [*delivery.headers]
         sizes = (
             f"value={len(delivery.value or b'')},key={len(delivery.key or b'')},"
@@ -161,17 +271,26 @@ class Publisher:
                     (DROPPED_HEADER, dropped.encode()),
                     (ORIGINAL_BYTES_HEADER, sizes),
                 ]
+            if key is None and value is None:
+                key = coordinates
+                substituted = b"null" if delivery.key is None else b"dropped"
+                headers = [*headers, (KEY_SUBSTITUTED_HEADER, substituted)]
+            last = n == len(tiers) - 1
 
             async def send(
                 key: bytes | None = key,
                 value: bytes | None = value,
                 headers: list[tuple[str, bytes]] = headers,
             ) -> None:
+                await self._check_topic(topic)
                 fut = await self._producer.send(topic, key=key, value=value, headers=headers)
                 await fut
 
             try:
-                await self._send(send)
+                # A last tier too large for Kafka is a limit set too low: a stall, retried.
+                await self._send(
+                    send, cause=DEAD_LETTER_UNWRITABLE, topic=topic, size_is_ours=not last
+                )
             except _TOO_LARGE as exc:
                 if n == len(tiers) - 1:
                     raise
@@ -214,7 +333,11 @@ class Publisher:
             taken, self._queued = self._queued, []
             events = [event for encoded, _ in taken for event in encoded]
             try:
-                await self._send(functools.partial(self._write_outcomes, events))
+                await self._send(
+                    functools.partial(self._write_outcomes, events),
+                    cause=OUTCOMES_UNWRITABLE,
+                    topic=self._outcomes_topic or "",
+                )
             except BaseException as exc:
                 for _, done in taken:
                     if not done.done():
@@ -234,6 +357,7 @@ class Publisher:
         """
         topic = self._outcomes_topic
         assert topic is not None
+        await self._check_topic(topic)
         partitions = sorted(await self._producer.partitions_for(topic))
         open_batches: dict[int, Any] = {}
         ready: list[tuple[int, Any]] = []

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from aiokafka import AIOKafkaProducer
+
 Fate = Literal["granted", "duplicate", "dead_lettered"]
 
 # Planted in payloads that must be refused: no error text may ever repeat it.
@@ -219,6 +221,26 @@ def build(run: str) -> list[Kind]:
         ),
         Kind("tombstone_null_value", (Rec(b"tomb", None, (), "dead_lettered", "tombstone"),)),
         Kind(
+            "keyless_tombstone",
+            (Rec(None, None, (), "dead_lettered", "tombstone"),),
+            note="null key and null value: aiokafka's send() refuses to copy it as it is",
+        ),
+        Kind(
+            "keyless_not_json_with_huge_header",
+            (
+                Rec(
+                    None,
+                    b"not json",
+                    (("big", b"H" * 1_200_000),),
+                    "dead_lettered",
+                    "malformed",
+                    dropped="value,key,headers",
+                    error_contains="Invalid JSON",
+                ),
+            ),
+            note="only the last size tier fits, and the record has no key to give it",
+        ),
+        Kind(
             "null_key",
             (
                 Rec(
@@ -413,3 +435,25 @@ def build(run: str) -> list[Kind]:
 
 
 KIND_NAMES = [k.name for k in build("x")]
+
+
+async def produce_exact(
+    producer: AIOKafkaProducer,
+    topic: str,
+    partition: int,
+    key: bytes | None,
+    value: bytes | None,
+    headers: tuple[tuple[str, bytes], ...] = (),
+) -> int:
+    """Produce one record exactly as given and return its offset.
+
+    A raw producer batch, not ``send()``: ``send()`` refuses a record with neither key nor
+    value (it asserts), yet other clients write that shape (a keyless tombstone) and the
+    worker must survive it. One record per batch, so any size goes.
+    """
+    batch = producer.create_batch()
+    if batch.append(timestamp=None, key=key, value=value, headers=list(headers)) is None:
+        raise ValueError("the record does not fit in an empty producer batch")
+    ack = await producer.send_batch(batch, topic, partition=partition)
+    metadata = await ack
+    return int(metadata.offset)

@@ -26,7 +26,7 @@ from service import audit
 from service.devstack import KafkaBroker, RedisServer, create_topics
 from service.kafka_client import connection_kwargs
 from service.keys import RedisKeys
-from service.publisher import DROPPED_HEADER, ORIGINAL_BYTES_HEADER
+from service.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER, ORIGINAL_BYTES_HEADER
 from service.records import Delivery, Outcome
 from service.settings import Settings
 from tests.hostile import corpus
@@ -68,14 +68,11 @@ async def _produce(
     try:
         for kind in kinds:
             for rec in kind.records:
-                md = await producer.send_and_wait(
-                    topic,
-                    key=rec.key,
-                    value=rec.value,
-                    headers=list(rec.headers) or None,
-                    partition=0,
+                # Exactly the record's shape, null key and null value included.
+                offset = await corpus.produce_exact(
+                    producer, topic, 0, rec.key, rec.value, rec.headers
                 )
-                offsets[kind.name].append(md.offset)
+                offsets[kind.name].append(offset)
             sentinel = f"{run}-sentinel-{kind.name}"[:128]
             sentinels[kind.name] = sentinel
             await producer.send_and_wait(
@@ -193,8 +190,20 @@ def _check_dead_letter(run: CorpusRun, rec: Rec, offset: int) -> None:
     assert audit.header(dl, "x-dlq-source-partition") == "0"
     headers = [(k, bytes(v)) for k, v in dl.headers]
     original = [(k, v) for k, v in headers if not k.startswith(DLQ_PREFIX)]
-    assert dl.key == rec.key
-    assert original == list(rec.headers), "original headers not preserved byte for byte"
+    dropped = (rec.dropped or "").split(",")
+    substituted = audit.header(dl, KEY_SUBSTITUTED_HEADER)
+    if "key" in dropped or (rec.key is None and (rec.value is None or "value" in dropped)):
+        # Kafka takes no record with neither key nor value: the dead letter is keyed by
+        # the source coordinates, and says why.
+        assert dl.key == f"{run.settings.topics['payments']}/0/{offset}".encode()
+        assert substituted == ("null" if rec.key is None else "dropped")
+    else:
+        assert dl.key == rec.key
+        assert substituted is None
+    if "headers" in dropped:
+        assert original == []
+    else:
+        assert original == list(rec.headers), "original headers not preserved byte for byte"
     if rec.dropped:
         assert audit.header(dl, DROPPED_HEADER) == rec.dropped
         assert dl.value is None
