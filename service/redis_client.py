@@ -9,19 +9,37 @@ backpressure pauses the partitions: nothing is lost, nothing is skipped.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import itertools
 import logging
+import re
 import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.errors import ConfigurationError
 from service.retrying import until_done
 from service.settings import RedisSettings
+from service.stalls import Stalls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,21 +75,75 @@ REFUSAL_REPLIES = (
 )
 
 
+# The code first ("OOM ..."), or where Redis 6.2 wraps an error raised inside a script:
+# "ERR Error running script (call to f_..): @user_script:1: @user_script: 1: -OOM ..." for
+# redis.call, "@user_script: 1: -OOM ..." as the error text redis.pcall hands the script.
+_REFUSAL = re.compile(
+    r"^-?(?:(?:ERR )?Error running script .*?: )?(?:@\w+: \d+: -)?"
+    rf"(?:{'|'.join(REFUSAL_REPLIES)})\b"
+)
+
+
 def is_refusal(reply: str) -> bool:
     """True for an error reply (its text, e.g. 'OOM command not allowed ...') of that kind."""
-    return reply.lstrip("-").startswith(REFUSAL_REPLIES)
+    return _REFUSAL.match(reply) is not None
+
+
+# redis-py strips the code of the replies it maps to a class ("OOM x" -> OutOfMemoryError("x"));
+# it keeps it in ``status_code``, which older versions do not have.
+_REFUSAL_CLASSES: tuple[tuple[type[RedisError], str], ...] = (
+    (OutOfMemoryError, "OOM"),
+    (NoPermissionError, "NOPERM"),
+    (ReadOnlyError, "READONLY"),
+    (BusyLoadingError, "LOADING"),
+    (NoScriptError, "NOSCRIPT"),
+    (TryAgainError, "TRYAGAIN"),
+    (MasterDownError, "MASTERDOWN"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (AuthenticationError, "NOAUTH"),
+)
+
+
+def refusal_text(exc: BaseException) -> str | None:
+    """The refusal's text with its code ("OOM command not allowed ..."), or None if not one."""
+    if isinstance(exc, RedisRefused):
+        return str(exc)
+    if not isinstance(exc, RedisError):
+        return None
+    text = str(exc)
+    code = getattr(exc, "status_code", None) or next(
+        (c for cls, c in _REFUSAL_CLASSES if isinstance(exc, cls)), None
+    )
+    if code and not text.startswith(code):
+        text = f"{code} {text}"
+    return text if is_refusal(text) else None
 
 
 # Errors after which re-sending the same (idempotent) call is the right move.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, DurabilityError, ConnectionError, OSError)
-# A Redis that is loading its AOF after a restart answers LOADING; that passes too.
-_TRANSIENT_REPLIES = ("LOADING", "BUSY", "TRYAGAIN", "READONLY", "MASTERDOWN")
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, TRANSIENT):
-        return True
-    return isinstance(exc, ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+    """Redis away, late, or refusing for a reason of its own: hold the call and try again."""
+    return isinstance(exc, TRANSIENT) or refusal_text(exc) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerIdentity:
+    """Which Redis answered: its process (``run_id``) and its replication history.
+
+    A restart changes the run id; a promotion (REPLICAOF NO ONE) or a demotion changes the
+    replication id. Two answers with the same identity come from a server that kept every
+    write it acknowledged in between.
+    """
+
+    run_id: str
+    replid: str
+
+    @classmethod
+    def from_info(cls, server: dict[str, Any], replication: dict[str, Any]) -> ServerIdentity:
+        replid = replication.get("master_replid", replication.get("primary_replid", ""))
+        return cls(str(server.get("run_id", "")), str(replid))
 
 
 def reply_text(reply: object) -> str:
@@ -113,34 +185,92 @@ class RedisOps:
         *,
         on_error: Callable[[BaseException], None] | None = None,
         max_backoff_s: float = 5.0,
+        stalls: Stalls | None = None,
     ) -> None:
         self.client = client
         self.settings = settings
         self._on_error = on_error
         self._max_backoff_s = max_backoff_s
+        self._stalls = stalls
+        self._held_by_refusal = 0  # calls now waiting out a refusal (the stall lasts as long)
+        self._server: ServerIdentity | None = None  # the server the last durability wait saw
         self.stopping = False
 
     async def call(self, fn: Callable[[], Awaitable[T]], *, durable: bool = False) -> T:
         """Run ``fn`` until it succeeds; with ``durable``, also wait for the durability mode.
 
-        The durability wait is retried on its own: a write that succeeded is never re-sent
-        just because its replicas or its fsync were late (a re-run script could answer
-        differently, e.g. a rescheduled retry would find its lease already gone).
+        The wait is tied to the server that took the write: its identity (run id and
+        replication id) is known before the write and checked in the wait's own pipeline.
+        A wait that comes up short on that server is retried on its own: a write it took is
+        never re-sent because its replicas or its fsync were late (a re-run PARK of a retry
+        would find its lease gone and answer ``lost_lease``). Only when the wait reaches a
+        different server (a failover or a restart behind the same address, which may never
+        have seen the write) is ``fn`` re-sent there, then waited for again: otherwise that
+        server's WAIT would vouch for a write it does not hold.
+
+        Re-sending is safe for every durable script (service/redis_scripts.py), whether the
+        new server has the first write or not: FINISH re-run with the same token finds its
+        own done-marker and answers ``ok`` without applying the effects again (or, had
+        another delivery completed the key there meanwhile, ``done``: one grant either way);
+        MARK_DEAD re-marks or keeps the key and drops the item again; a fresh PARK finds the
+        item (``exists``) or parks it; a PARK with a lease parks it, or answers
+        ``lost_lease`` when the item already moved (by the first PARK, or by the reaper),
+        and in both cases the item is in the queue. The caller gets the re-sent call's
+        reply: it describes the server that now holds the state.
         """
-        result = await self._retrying(fn)
-        if durable and self.settings.durability != "local":
-            await self._retrying(self.wait_durable)
-        return result
+        if not durable or self.settings.durability == "local":
+            return await self._retrying(fn)
+        expected = self._server
+        if expected is None:
+            expected = await self._retrying(self.server_identity)
+        for changes in itertools.count():
+            if changes:  # servers alternating behind one address must not spin hot
+                await asyncio.sleep(min(self._max_backoff_s, 0.05 * 2 ** (changes - 1)))
+            result = await self._retrying(fn)
+            seen = await self._retrying(functools.partial(self.wait_durable, expected))
+            self._server = seen
+            if seen == expected:
+                return result
+            changed = DurabilityError(
+                "the durability wait reached another Redis server than the one that took the "
+                "write (failover or restart behind the same address); re-sending the write"
+            )
+            if self.stopping:
+                raise changed
+            log.warning(str(changed), extra={"expected": expected.run_id, "seen": seen.run_id})
+            if self._on_error:
+                self._on_error(changed)
+            expected = seen
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _retrying(self, fn: Callable[[], Awaitable[T]]) -> T:
-        return await until_done(
-            fn,
-            transient=_is_transient,
-            stopping=lambda: self.stopping,
-            on_failure=self._note,
-            first_wait_s=0.05,
-            max_wait_s=self._max_backoff_s,
-        )
+        refused = False
+
+        def note(exc: BaseException, attempt: int) -> None:
+            nonlocal refused
+            text = refusal_text(exc)
+            if text is not None:
+                if not refused:
+                    refused = True
+                    self._held_by_refusal += 1
+                if self._stalls is not None:
+                    self._stalls.report("redis_refused", text)
+            self._note(exc, attempt)
+
+        try:
+            return await until_done(
+                fn,
+                transient=_is_transient,
+                stopping=lambda: self.stopping,
+                on_failure=note,
+                first_wait_s=0.05,
+                max_wait_s=self._max_backoff_s,
+            )
+        finally:
+            if refused:
+                self._held_by_refusal -= 1
+                if self._held_by_refusal == 0 and self._stalls is not None:
+                    self._stalls.clear("redis_refused")
 
     def _note(self, exc: BaseException, attempt: int) -> None:
         if self._on_error:
@@ -150,8 +280,20 @@ class RedisOps:
             extra={"attempt": attempt, "error": f"{type(exc).__name__}: {exc}"},
         )
 
-    async def wait_durable(self) -> None:
-        """Return once every write Redis had accepted so far meets the durability mode.
+    async def server_identity(self) -> ServerIdentity:
+        """The identity of the server a pooled connection reaches now."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.info("server")
+        pipe.info("replication")
+        server, replication = await pipe.execute()
+        return ServerIdentity.from_info(server, replication)
+
+    async def wait_durable(self, expected: ServerIdentity | None = None) -> ServerIdentity:
+        """Wait until every write Redis had accepted so far meets the durability mode.
+
+        Returns the identity of the server that answered. When it is not ``expected``
+        the wait's answer is meaningless for the caller's write (that server may never
+        have seen it) and no DurabilityError is raised: the caller re-sends.
 
         WAIT and WAITAOF only count the writes of the connection they are sent on, and the
         connection pool gives no say over which connection that is. So a fence write goes
@@ -161,22 +303,37 @@ class RedisOps:
         """
         mode = self.settings.durability
         if mode == "local":
-            return
+            return await self.server_identity()
         pipe = self.client.pipeline(transaction=False)
+        pipe.info("server")
+        pipe.info("replication")
         pipe.incr(self.fence_key)
-        if mode == "wait_replicas":
-            pipe.execute_command("WAIT", self.settings.wait_replicas, self.settings.wait_timeout_ms)
-            _, acked = await pipe.execute()
-            if int(acked) < self.settings.wait_replicas:
-                raise DurabilityError(
-                    f"WAIT: {acked} of {self.settings.wait_replicas} replicas acknowledged "
-                    f"within {self.settings.wait_timeout_ms} ms"
-                )
-        else:  # wait_aof
+        if mode == "wait_aof":
             pipe.execute_command("WAITAOF", 1, 0, self.settings.wait_timeout_ms)
-            _, (local, _replicas) = await pipe.execute()
+        else:
+            pipe.execute_command("WAIT", self.settings.wait_replicas, self.settings.wait_timeout_ms)
+        try:
+            server, replication, _, acked = await pipe.execute()
+        except ResponseError as exc:
+            if "appendonly is disabled" in str(exc):  # AOF switched off at run time
+                raise RedisRefused(
+                    f"WAITAOF refused: {exc} (WORKER_REDIS__DURABILITY=wait_aof needs "
+                    "appendonly yes on Redis)"
+                ) from exc
+            raise
+        seen = ServerIdentity.from_info(server, replication)
+        if expected is not None and seen != expected:
+            return seen
+        if mode == "wait_aof":
+            local, _replicas = acked
             if int(local) < 1:
                 raise DurabilityError("WAITAOF: the write is not yet fsynced to the local AOF")
+        elif int(acked) < self.settings.wait_replicas:
+            raise DurabilityError(
+                f"WAIT: {acked} of {self.settings.wait_replicas} replicas acknowledged "
+                f"within {self.settings.wait_timeout_ms} ms"
+            )
+        return seen
 
     @property
     def fence_key(self) -> str:
@@ -193,12 +350,12 @@ class RedisOps:
             info = await self.client.info("persistence")
         except NoPermissionError:
             message = (
-                "the Redis user may not run INFO, so Redis persistence cannot be checked "
-                "(grant +info to the worker's ACL user)"
+                "the Redis user may not run INFO, so Redis persistence and eviction cannot be "
+                "checked (grant +info to the worker's ACL user)"
             )
-            if mode == "wait_aof":
+            if mode != "local":  # the wait reads INFO to know which server answered
                 raise ConfigurationError(
-                    f"{message}; WORKER_REDIS__DURABILITY=wait_aof needs it"
+                    f"{message}; WORKER_REDIS__DURABILITY={mode} needs it"
                 ) from None
             if self.settings.require_persistence:
                 raise ConfigurationError(
@@ -206,6 +363,7 @@ class RedisOps:
                 ) from None
             return [message]
         warnings: list[str] = []
+        _check_eviction(await self.client.info("memory"))
         aof_on = int(info.get("aof_enabled", 0)) == 1
         if not aof_on:
             message = (
@@ -257,6 +415,33 @@ class RedisOps:
         if isinstance(value, bytes):
             return value.decode()
         return value if isinstance(value, str) else None
+
+
+def _check_eviction(memory: dict[str, Any]) -> None:
+    """Refuse a Redis that may evict keys: each key the worker writes is a promise.
+
+    Read from INFO memory, not CONFIG GET, so it holds where CONFIG is forbidden.
+    """
+    limit = int(memory.get("maxmemory", 0) or 0)
+    policy = str(memory.get("maxmemory_policy", "noeviction"))
+    if limit == 0 or policy == "noeviction":
+        return
+    if policy.startswith("volatile-"):
+        cost = (
+            "it evicts keys that have a TTL, and the done-markers are such keys: a redelivered "
+            "or resent payment whose marker was evicted is granted a second time"
+        )
+    else:
+        cost = (
+            "it evicts any key: parked retries (whose offsets are committed: lost payments), "
+            "done-markers (second grants) and ledger entries"
+        )
+    raise ConfigurationError(
+        f"Redis maxmemory-policy is {policy!r} with maxmemory {limit} bytes: {cost}. "
+        "Set maxmemory-policy noeviction (a full Redis then refuses writes with OOM and the "
+        "worker holds its records, loudly, until memory is freed) or maxmemory 0; refusing "
+        "to start (docs/durability.md)"
+    )
 
 
 def _version(text: str) -> tuple[int, int]:
