@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from service.devstack import KafkaBroker, RedisServer, create_topics
-from service.pipeline.reconcile import ReconcileConfig, print_report, run_reconcile
+from service.pipeline.reconcile import DedupeField, ReconcileConfig, print_report, run_reconcile
 from service.pipeline.source import read_topic
 from service.pipeline.spark import build_spark, parse_conf
 from service.pipeline.synthetic import Scenario, produce_dataset
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             bootstrap=broker.bootstrap,
             out_dir=out,
             topics=(source,),
+            fields={source: DedupeField("payment_id", "payment_id")},
             outcomes_topic=outcomes,
             dlq_topics=(dlq,),
             redis_url=redis_url,

@@ -1,8 +1,9 @@
 """`service pipeline ...`: the Spark jobs, as typer commands (`pipeline_app`).
 
 Imports stay light here (no pyspark at import time) so the main CLI starts fast; each command
-imports Spark when it runs. Defaults follow the worker's environment (docs/contracts.md), so
-on a box configured for the worker `service pipeline reconcile` needs no flags.
+imports Spark when it runs. Defaults are the worker's own `Settings` (WORKER_* environment,
+`.env`, service/project.py), so on a box configured for the worker `service pipeline
+reconcile` needs no flags and reads exactly the topics the worker consumes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from rich.console import Console
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+    from service.pipeline.reconcile import DedupeField
+    from service.settings import Settings
 
 __all__ = ["parse_duration", "pipeline_app"]
 
@@ -61,42 +65,51 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
 
 
-def _default_topics() -> list[str]:
-    raw = os.environ.get("WORKER_TOPICS")
-    if raw:
-        try:
-            bound = json.loads(raw)
-            if isinstance(bound, dict) and bound:
-                return [str(t) for t in bound.values()]
-        except json.JSONDecodeError:
-            pass
-    return ["payments"]
+def _worker_settings() -> Settings:
+    """The worker's settings, the one source of the pipeline's defaults; exit 2 if invalid."""
+    from service.errors import ConfigurationError
+    from service.settings import load_settings
+
+    try:
+        return load_settings()
+    except ConfigurationError as exc:
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
 
 
-def _default_outcomes_topic() -> str:
-    explicit = os.environ.get("WORKER_OUTCOMES__TOPIC")
-    if explicit:
-        return explicit
-    return f"{os.environ.get('WORKER_KAFKA__GROUP_ID', 'payments-worker')}.outcomes"
+def _key_fields(settings: Settings, declared: list[str]) -> dict[str, DedupeField]:
+    """Topic -> DedupeField from the handlers the worker binds, then `--dedupe-field T=F`."""
+    from service.errors import ConfigurationError
+    from service.pipeline.reconcile import DedupeField, dedupe_fields
+    from service.registry import Registry
+
+    try:
+        fields = dedupe_fields(Registry.from_settings(settings.topics))
+    except ConfigurationError as exc:
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    for item in declared:
+        topic, sep, name = item.partition("=")
+        if not sep or not topic.strip() or not name.strip():
+            raise typer.BadParameter(f"--dedupe-field takes TOPIC=FIELD, not {item!r}")
+        fields[topic.strip()] = DedupeField(name.strip(), name.strip())
+    return fields
 
 
-def _dlq_topics(topics: list[str]) -> list[str]:
-    template = os.environ.get("WORKER_DEAD_LETTER__TOPIC_TEMPLATE", "{topic}.dlq")
-    return [template.format(topic=t) for t in topics]
-
-
-def _kafka_options() -> dict[str, str]:
-    """Security settings from the worker's environment, as `kafka_py` options."""
-    mapping = {
-        "WORKER_KAFKA__SECURITY_PROTOCOL": "kafka.security.protocol",
-        "WORKER_KAFKA__SASL_MECHANISM": "kafka.sasl.mechanism",
-        "WORKER_KAFKA__SASL_USERNAME": "kafka.sasl.username",
-        "WORKER_KAFKA__SASL_PASSWORD": "kafka.sasl.password",
-        "WORKER_KAFKA__SSL_CAFILE": "kafka.ssl.cafile",
-        "WORKER_KAFKA__SSL_CERTFILE": "kafka.ssl.certfile",
-        "WORKER_KAFKA__SSL_KEYFILE": "kafka.ssl.keyfile",
+def _kafka_options(settings: Settings) -> dict[str, str]:
+    """The worker's Kafka security settings, as `kafka_py` options."""
+    k = settings.kafka
+    password = k.sasl_password.get_secret_value() if k.sasl_password is not None else None
+    values = {
+        "kafka.security.protocol": k.security_protocol,
+        "kafka.sasl.mechanism": k.sasl_mechanism,
+        "kafka.sasl.username": k.sasl_username,
+        "kafka.sasl.password": password,
+        "kafka.ssl.cafile": k.ssl_cafile,
+        "kafka.ssl.certfile": k.ssl_certfile,
+        "kafka.ssl.keyfile": k.ssl_keyfile,
     }
-    return {opt: os.environ[env] for env, opt in mapping.items() if os.environ.get(env)}
+    return {opt: value for opt, value in values.items() if value}
 
 
 def _as_of(text: str) -> int | None:
@@ -115,12 +128,24 @@ def _as_of(text: str) -> int | None:
 @pipeline_app.command()
 def reconcile(
     bootstrap: Annotated[
-        str, typer.Option(envvar="WORKER_KAFKA__BOOTSTRAP_SERVERS", help="Kafka bootstrap servers.")
-    ] = "localhost:9092",
+        str | None,
+        typer.Option(help="Kafka bootstrap servers. Default: WORKER_KAFKA__BOOTSTRAP_SERVERS."),
+    ] = None,
     topic: Annotated[
         list[str] | None,
         typer.Option(
-            "--topic", "-t", help="Source topic (repeatable). Default: WORKER_TOPICS, or payments."
+            "--topic",
+            "-t",
+            help="Source topic (repeatable). Default: the worker's bindings (WORKER_TOPICS, "
+            "else service/project.py).",
+        ),
+    ] = None,
+    dedupe_field: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--dedupe-field",
+            help="TOPIC=FIELD: the JSON and ledger field of a topic's dedupe key (repeatable). "
+            "Default: the dedupe_key of the handler bound to the topic.",
         ),
     ] = None,
     outcomes_topic: Annotated[
@@ -138,19 +163,33 @@ def reconcile(
     redis_url: Annotated[
         str | None,
         typer.Option(
-            envvar="WORKER_REDIS__URL", help="Redis with the ledger stream; skipped if unreachable."
+            help="Redis with the ledger stream; skipped if unreachable. Default: WORKER_REDIS__URL."
         ),
     ] = None,
     no_ledger: Annotated[
         bool,
         typer.Option("--no-ledger", help="Do not read the ledger even if Redis is configured."),
     ] = False,
-    key_prefix: Annotated[
-        str,
+    ledger_stream: Annotated[
+        str | None,
         typer.Option(
-            envvar="WORKER_REDIS__KEY_PREFIX", help="Key prefix of the worker's Redis keys."
+            help="The ledger stream. Default: {key_prefix}:ledger:purchases, skipped if missing; "
+            "named here, a missing stream means no grants."
         ),
-    ] = "payments-worker",
+    ] = None,
+    ledger_topic: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ledger-topic",
+            help="Topic whose grants the ledger records (repeatable). Default: every topic.",
+        ),
+    ] = None,
+    key_prefix: Annotated[
+        str | None,
+        typer.Option(
+            help="Key prefix of the worker's Redis keys. Default: WORKER_REDIS__KEY_PREFIX."
+        ),
+    ] = None,
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Output directory (Parquet: payments/, summary/).")
     ] = Path("reconcile-out"),
@@ -178,29 +217,41 @@ def reconcile(
 ) -> None:
     """Reconcile source, outcomes, dead letters and ledger; exit 1 if anything is lost or
     granted twice."""
+    from service.errors import ConfigurationError
     from service.pipeline.reconcile import ReconcileConfig, print_report, run_reconcile
     from service.pipeline.spark import parse_conf
 
-    topics = topic or _default_topics()
+    settings = _worker_settings()
+    topics = topic or list(settings.topics.values())
     try:
         spark_conf = parse_conf(conf or [])
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     rc = ReconcileConfig(
-        bootstrap=bootstrap,
+        bootstrap=bootstrap or settings.kafka.bootstrap_servers,
         out_dir=out,
         topics=tuple(topics),
-        outcomes_topic=outcomes_topic or _default_outcomes_topic(),
-        dlq_topics=tuple(dlq_topic) if dlq_topic else tuple(_dlq_topics(topics)),
-        redis_url=None if no_ledger else redis_url,
-        key_prefix=key_prefix,
+        fields=_key_fields(settings, dedupe_field or []),
+        outcomes_topic=outcomes_topic
+        or settings.outcomes_topic()
+        or f"{settings.kafka.group_id}.outcomes",
+        dlq_topics=tuple(dlq_topic or [settings.dead_letter_topic(t) for t in topics]),
+        redis_url=None if no_ledger else (redis_url or settings.redis.url.get_secret_value()),
+        key_prefix=key_prefix or settings.redis.key_prefix,
+        ledger_key=ledger_stream,
+        ledger_topics=tuple(ledger_topic) if ledger_topic else None,
         stuck_after=parse_duration(stuck_after),
         as_of_ms=_as_of(as_of),
         grace_ms=int(parse_duration(grace).total_seconds() * 1000),
         max_listed=max_listed,
-        kafka_options=_kafka_options(),
+        kafka_options=_kafka_options(settings),
         implementation=implementation,
     )
+    try:  # before Spark starts: a topic no handler is bound to cannot be joined
+        rc.key_fields()
+    except ConfigurationError as exc:
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
     from pyspark.sql import SparkSession
 
     # Inside a process that already runs Spark (a notebook, the tests) reuse its session and

@@ -3,20 +3,24 @@
 The worker's own metrics cannot answer that question: a record it never saw, or a grant it
 made twice, is by definition invisible to it. This job re-derives the truth from what the
 worker wrote (docs/contracts.md): the source topic(s), the outcomes topic, the dead-letter
-topic(s) and, when Redis is reachable, the ledger stream. Per payment (the `payment_id` of the
-source record's JSON, the worker's dedupe key) it decides one final state:
+topic(s) and, when Redis is reachable, the ledger stream. Per payment (its dedupe key: the
+field that the handler bound to the topic names, read from the source record's JSON and from
+the ledger entry; for a handler that computes its key, the key the outcome events and dead
+letters carry for the record's coordinates) it decides one final state:
 
 | state | meaning |
 | --- | --- |
-| granted | a `succeeded` outcome or a ledger entry (or, without a ledger, a `duplicate`) |
+| granted | a ledger entry; without a ledger, a `succeeded` (or only a `duplicate`) outcome |
 | dead_lettered | a dead-letter record or `dead_lettered` outcome, and no grant |
 | retrying | `retry_scheduled` outcomes and nothing terminal yet (`stuck` when too long) |
 | pending | no outcome yet, but younger than the grace period (only with `grace_ms` > 0) |
 | lost | in the source topic, yet none of the above |
 
-and flags `doubled` (more than one `succeeded` outcome or ledger entry). Records whose value
-is not JSON or has no `payment_id` are "malformed" entities named `@topic/partition/offset`
-and are matched to dead letters and outcomes by those source coordinates.
+and flags `doubled` (more than one `succeeded` outcome or ledger entry). When the ledger is
+readable it is the source of truth: a `succeeded` outcome with no ledger entry behind it is a
+`lost_grant`, and the payment is `lost`. Records whose value is not JSON or has no dedupe key
+are "malformed" entities named `@topic/partition/offset` and are matched to dead letters and
+outcomes by those source coordinates.
 
 The heavy lifting is Spark DataFrame work (parse, groupBy, full outer joins); the driver only
 reads the ledger (a Redis stream, the grant log) and collects the small summary.
@@ -25,6 +29,7 @@ reads the ledger (a Redis stream, the grant log) and collects the small summary.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,6 +37,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from service import project
+from service.errors import ConfigurationError
 from service.pipeline.kafka_reader import (
     EARLIEST,
     LATEST,
@@ -46,10 +53,14 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
     from rich.console import Console
 
+    from service.registry import Registry
+
 __all__ = [
     "STATES",
+    "DedupeField",
     "ReconcileConfig",
     "ReconcileReport",
+    "dedupe_fields",
     "parse_dead_letters",
     "parse_outcomes",
     "parse_source",
@@ -70,6 +81,47 @@ OUTCOME_SCHEMA = (
 LEDGER_PAGE = 10_000
 BROADCAST_MAX_ROWS = 1_000_000
 """Unkeyed (undecodable) events up to this many are joined to the source by broadcast."""
+_PLAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class DedupeField:
+    """Where a topic's dedupe key is: its JSON field in the source record and in the ledger.
+
+    None for a handler whose `dedupe_key` is a callable: no field holds the key, so reconcile
+    takes it from the outcome events and dead letters of the record's coordinates.
+    """
+
+    json: str | None
+    ledger: str | None
+
+
+def dedupe_fields(registry: Registry) -> dict[str, DedupeField]:
+    """Topic -> DedupeField, from the handler bound to each topic (one truth with the worker).
+
+    The JSON name is the field's alias when the model declares one (that is what producers
+    write); the ledger field is the model's field name, as the handler writes it.
+    """
+    out: dict[str, DedupeField] = {}
+    for topic, h in registry.items():
+        if callable(h.dedupe_key):
+            out[topic] = DedupeField(None, None)
+            continue
+        info = h.model.model_fields[h.dedupe_key]
+        alias = info.validation_alias if info.validation_alias is not None else info.alias
+        if alias is not None and not isinstance(alias, str):  # AliasChoices / AliasPath
+            log.warning("topic %s: dedupe key %s has a compound alias", topic, h.dedupe_key)
+            out[topic] = DedupeField(None, h.dedupe_key)
+            continue
+        out[topic] = DedupeField(alias or h.dedupe_key, h.dedupe_key)
+    return out
+
+
+def _bound_topics() -> tuple[str, ...]:
+    """The worker's topics: WORKER_TOPICS, else service/project.py's TOPICS (via Settings)."""
+    from service.settings import load_settings
+
+    return tuple(load_settings().topics.values())
 
 
 @dataclass(frozen=True)
@@ -78,14 +130,21 @@ class ReconcileConfig:
 
     bootstrap: str
     out_dir: Path
-    topics: tuple[str, ...] = ("payments",)
-    outcomes_topic: str = "payments-worker.outcomes"
+    topics: tuple[str, ...] = field(default_factory=_bound_topics)
+    """Source topics; the default is the worker's own bindings (WORKER_TOPICS or project.py)."""
+    fields: Mapping[str, DedupeField] | None = None
+    """Topic -> where its dedupe key is; None asks the handler registry the worker builds."""
+    outcomes_topic: str = f"{project.CONSUMER_GROUP}.outcomes"
     dlq_topics: tuple[str, ...] | None = None
     """Dead-letter topics; None means `{topic}.dlq` for every source topic."""
     redis_url: str | None = None
-    key_prefix: str = "payments-worker"
+    key_prefix: str = project.REDIS_KEY_PREFIX
     ledger_key: str | None = None
-    """Overrides `{key_prefix}:ledger:purchases`."""
+    """Overrides `{key_prefix}:ledger:purchases`. Named explicitly, a missing stream reads as
+    empty (every `succeeded` then is a lost grant); the default one missing means "no ledger"
+    (a service whose handlers keep none), logged as a warning."""
+    ledger_topics: tuple[str, ...] | None = None
+    """Topics whose grants the ledger records; None means all of them."""
     stuck_after: timedelta = timedelta(minutes=15)
     as_of_ms: int | None = None
     """Reference time for `stuck` and `pending`; None = the newest outcome's finished_at."""
@@ -103,6 +162,27 @@ class ReconcileConfig:
     @property
     def ledger_stream(self) -> str:
         return self.ledger_key or f"{self.key_prefix}:ledger:purchases"
+
+    def key_fields(self) -> dict[str, DedupeField]:
+        """Each source topic's DedupeField; a clear error for a topic no handler is bound to."""
+        known = dict(self.fields) if self.fields is not None else _registry_fields()
+        unbound = [t for t in self.topics if t not in known]
+        if unbound:
+            raise ConfigurationError(
+                f"no handler is bound to topic(s) {', '.join(map(repr, unbound))}, so their "
+                "dedupe key is unknown and reconcile cannot join them: bind them in "
+                "WORKER_TOPICS (or service/project.py), or name the field with "
+                "--dedupe-field TOPIC=FIELD"
+            )
+        return {t: known[t] for t in self.topics}
+
+
+def _registry_fields() -> dict[str, DedupeField]:
+    """DedupeFields of the registry the worker would build from its settings."""
+    from service.registry import Registry
+    from service.settings import load_settings
+
+    return dedupe_fields(Registry.from_settings(load_settings().topics))
 
 
 @dataclass
@@ -135,6 +215,8 @@ class ReconcileReport:
     elapsed_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase (snapshot, ledger, outcomes, payments, summary), for tuning."""
+    lost_grants: int = 0
+    """Payments with a `succeeded` outcome but no ledger entry: the grant is gone (lost)."""
 
     @property
     def ledger_available(self) -> bool:
@@ -161,38 +243,69 @@ class ReconcileReport:
 # --------------------------------------------------------------------------------------------
 
 
-def read_ledger(
-    redis_url: str, stream: str, page: int = LEDGER_PAGE
-) -> list[tuple[str, int | None, str | None]] | None:
-    """(payment_id, granted_at ms, source) per ledger entry, or None if Redis is unreachable.
+LedgerRow = tuple[str | None, int | None, str | None]
+"""(dedupe key, granted_at ms, source coordinates) of one ledger entry."""
 
+
+def read_ledger(
+    redis_url: str,
+    stream: str,
+    fields: Mapping[str, DedupeField],
+    *,
+    must_exist: bool = True,
+    page: int = LEDGER_PAGE,
+) -> list[LedgerRow] | None:
+    """One LedgerRow per ledger entry; None if Redis is unreachable, or if the stream is missing
+    and not `must_exist`.
+
+    The key is the ledger field of the topic in the entry's `source` (`fields`), else the
+    first of the topics' ledger fields the entry has; None when neither (reconcile then maps
+    the `source` coordinates to the source record's key), `@ledger/<id>` without a source.
     Read in XRANGE pages so a large ledger never needs one huge reply; the ledger is the grant
     log, small enough to hold on the driver even at millions of entries.
     """
     import redis
 
+    by_topic = {t: [f.ledger.encode()] if f.ledger else [] for t, f in fields.items()}
+    any_field = list(dict.fromkeys(f for names in by_topic.values() for f in names))
     client: Any = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=30)
     try:
         client.ping()
+        exists = bool(client.exists(stream))
     except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
         log.warning("ledger skipped: Redis at %s is unreachable (%s)", redis_url, exc)
+        client.close()
         return None
-    entries: list[tuple[str, int | None, str | None]] = []
+    if not exists and not must_exist:
+        log.warning(
+            "ledger skipped: stream %s does not exist; grants are taken from `succeeded` "
+            "outcomes unchecked (name the stream to make its absence mean no grants)",
+            stream,
+        )
+        client.close()
+        return None
+    entries: list[LedgerRow] = []
     start = "-"
     try:
         while True:
             chunk: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(
                 stream, min=start, max="+", count=page
             )
-            for entry_id, fields in chunk:
-                pid = fields.get(b"payment_id")
-                granted = fields.get(b"granted_at")
-                source = fields.get(b"source")
+            for entry_id, entry in chunk:
+                raw_source = entry.get(b"source")
+                source = raw_source.decode("utf-8", "replace") if raw_source else None
+                own = by_topic.get(source.rsplit("/", 2)[0]) if source else None
+                key = next(
+                    (entry[f] for f in (any_field if own is None else own) if entry.get(f)), None
+                )
+                granted = entry.get(b"granted_at")
                 entries.append(
                     (
-                        pid.decode() if pid is not None else f"@ledger/{entry_id.decode()}",
-                        int(granted) if granted is not None else None,
-                        source.decode() if source is not None else None,
+                        key.decode("utf-8", "replace")
+                        if key is not None
+                        else (None if source else f"@ledger/{entry_id.decode()}"),
+                        int(granted) if granted is not None and granted.isdigit() else None,
+                        source,
                     )
                 )
             if len(chunk) < page:
@@ -280,17 +393,36 @@ def _attribute(rows: DataFrame, mapping: DataFrame, broadcast: bool) -> DataFram
     return keyed.unionByName(unkeyed).where(F.col("entity").isNotNull())
 
 
-def parse_source(source: DataFrame) -> DataFrame:
-    """One row per source record: coordinates, record_ts and its entity (payment or @coord)."""
+def _json_path(name: str) -> str:
+    """A get_json_object path for the top-level field `name`."""
+    if _PLAIN_NAME.match(name):
+        return f"$.{name}"
+    if "'" in name or "]" in name:
+        raise ConfigurationError(f"dedupe field {name!r} cannot be read as a JSON path")
+    return f"$['{name}']"
+
+
+def parse_source(source: DataFrame, fields: Mapping[str, DedupeField]) -> DataFrame:
+    """One row per source record: coordinates, record_ts, its dedupe key and entity (the key or
+    @coord), the key read from the JSON field of the record's topic (`fields`).
+
+    A topic whose key no field holds (a callable dedupe_key) leaves `dedupe_key` null here;
+    `reconcile_frames` takes it from the outcomes and dead letters of the same coordinates.
+    """
     from pyspark.sql import functions as F
 
-    payment_id = _nonempty(F.get_json_object(F.col("value").cast("string"), "$.payment_id"))
+    value = F.col("value").cast("string")
+    key: Column = F.lit(None).cast("string")
+    for topic, where in fields.items():
+        if where.json is not None:
+            read = _nonempty(F.get_json_object(value, _json_path(where.json)))
+            key = F.when(F.col("topic") == F.lit(topic), read).otherwise(key)
     coord = _coord(F.col("topic"), F.col("partition"), F.col("offset"))
     return source.select(
         coord.alias("coord"),
         F.unix_millis("timestamp").alias("record_ts"),
-        payment_id.alias("payment_id"),
-    ).withColumn("entity", F.coalesce("payment_id", F.concat(F.lit("@"), "coord")))
+        key.alias("dedupe_key"),
+    ).withColumn("entity", F.coalesce("dedupe_key", F.concat(F.lit("@"), "coord")))
 
 
 def parse_outcomes(outcomes: DataFrame) -> DataFrame:
@@ -334,28 +466,37 @@ def reconcile_frames(
     stuck_after_ms: int,
     grace_ms: int = 0,
     broadcast_unkeyed: bool = True,
+    keys_from_events: bool = False,
+    ledger_topics: Sequence[str] | None = None,
 ) -> DataFrame:
-    """The per-entity table from the parsed inputs (`parse_*`; ledger: payment_id, granted_at).
+    """The per-entity table from the parsed inputs (`parse_*`; ledger: dedupe_key, granted_at,
+    coord).
 
     All inputs are stacked into one frame and aggregated with a single `groupBy(entity)`: one
     shuffle, instead of an aggregation per input and full outer joins between them. Only the
-    few unkeyed events meet the source table in a join, broadcast unless told it is large.
+    few unkeyed events (and ledger entries) meet the source table in a join, broadcast unless
+    told it is large. `keys_from_events` (some topic's key is computed, not a field) gives
+    source records without a key the one their outcomes or dead letters carry. With a ledger,
+    the ledger decides what is granted, for the entities of `ledger_topics` (None: all).
     """
     from pyspark.sql import functions as F
 
     readable = events.where(F.col("event").isNotNull())
+    if keys_from_events:
+        src = _keys_from_events(src, readable, dlq)
     unkeyed = (
         readable.where(F.col("dedupe_key").isNull())
         .select("coord")
         .unionByName(dlq.where(F.col("dedupe_key").isNull()).select("coord"))
-        .where(F.col("coord").isNotNull())
-        .distinct()
     )
+    if ledger is not None:
+        unkeyed = unkeyed.unionByName(ledger.where(F.col("dedupe_key").isNull()).select("coord"))
+    unkeyed = unkeyed.where(F.col("coord").isNotNull()).distinct()
     coords = src.select("coord", F.col("entity").alias("src_entity"))
     mapping = coords.join(F.broadcast(unkeyed) if broadcast_unkeyed else unkeyed, on="coord")
 
     stacked = (
-        src.select("entity", "payment_id", "coord", "record_ts", F.lit("src").alias("kind"))
+        src.select("entity", "dedupe_key", "coord", "record_ts", F.lit("src").alias("kind"))
         .unionByName(
             _attribute(readable, mapping, broadcast_unkeyed).select(
                 "entity",
@@ -379,8 +520,8 @@ def reconcile_frames(
     )
     if ledger is not None:
         stacked = stacked.unionByName(
-            ledger.select(
-                F.col("payment_id").alias("entity"), "granted_at", F.lit("ledger").alias("kind")
+            _attribute(ledger, mapping, broadcast_unkeyed).select(
+                "entity", "granted_at", F.lit("ledger").alias("kind")
             ),
             allowMissingColumns=True,
         )
@@ -388,8 +529,13 @@ def reconcile_frames(
     kind, ev = F.col("kind"), F.col("event")
     is_src, is_dlq = kind == "src", kind == "dlq"
     succeeded = ev == "succeeded"
+    in_scope = F.lit(True)
+    if ledger_topics is not None:
+        in_scope = F.substring_index(F.col("coord"), "/", 1).isin(list(ledger_topics))
     agg = stacked.groupBy("entity").agg(
-        F.first("payment_id", ignorenulls=True).alias("payment_id"),
+        F.first(F.when(is_src, F.col("dedupe_key")), ignorenulls=True).alias("dedupe_key"),
+        # Entities with no source record (only events or ledger entries) are checked too.
+        F.coalesce(F.max(F.when(is_src, in_scope)), F.lit(True)).alias("ledger_scope"),
         F.count_if(is_src).alias("source_records"),
         F.min(F.when(is_src, F.col("record_ts"))).alias("first_record_ts"),
         F.min(F.when(is_src, F.col("coord"))).alias("source_coord"),
@@ -426,15 +572,19 @@ def reconcile_frames(
     )
 
     as_of = F.lit(as_of_ms)
-    ledger_on = F.lit(ledger is not None)
+    # The ledger is the grant itself, so where it is readable (and covers the entity's topic)
+    # only a ledger entry is a grant: a `succeeded` outcome without one is a lost grant.
+    ledger_on = F.lit(ledger is not None) & F.col("ledger_scope")
     ledger_entries = F.col("ledger_entries") if ledger is not None else F.lit(0)
     in_source = F.col("source_records") > 0
-    has_grant = (F.col("succeeded_events") > 0) | (ledger_entries > 0)
+    has_grant = F.when(ledger_on, ledger_entries > 0).otherwise(F.col("succeeded_events") > 0)
+    lost_grant = ledger_on & (F.col("succeeded_events") > 0) & (ledger_entries == 0)
     has_dead_letter = (F.col("dlq_records") > 0) | (F.col("dead_lettered_events") > 0)
     only_duplicate = ~has_grant & ~has_dead_letter & (F.col("duplicate_events") > 0)
     state = (
         F.when(has_grant, "granted")
         .when(has_dead_letter, "dead_lettered")
+        .when(lost_grant, "lost")
         # "already done" with no grant anywhere: trusted only when there is no ledger to check
         .when(only_duplicate & ~ledger_on, "granted")
         .when(only_duplicate, "lost")
@@ -449,7 +599,7 @@ def reconcile_frames(
     )
     return agg.select(
         "entity",
-        "payment_id",
+        "dedupe_key",
         (F.col("entity").startswith("@") & in_source).alias("malformed"),
         in_source.alias("in_source"),
         "source_records",
@@ -460,7 +610,7 @@ def reconcile_frames(
         F.coalesce("dlq_reason", F.col("last_dead_letter_event")["reason"]).alias(
             "dead_letter_reason"
         ),
-        F.greatest("succeeded_events", ledger_entries).alias("grants"),
+        F.when(ledger_on, ledger_entries).otherwise(F.col("succeeded_events")).alias("grants"),
         "succeeded_events",
         (ledger_entries if ledger is not None else F.lit(None).cast("long")).alias(
             "ledger_entries"
@@ -481,10 +631,36 @@ def reconcile_frames(
         ((F.col("succeeded_events") > 1) | (ledger_entries > 1)).alias("doubled"),
         (only_duplicate & ~ledger_on).alias("unverified_grant"),
         (ledger_on & (F.col("succeeded_events") != ledger_entries)).alias("ledger_mismatch"),
+        lost_grant.alias("lost_grant"),
     ).withColumn(
         "stuck",
         (F.col("state") == "retrying") & (as_of - F.col("first_retry_at") > F.lit(stuck_after_ms)),
     )
+
+
+def _keys_from_events(src: DataFrame, readable: DataFrame, dlq: DataFrame) -> DataFrame:
+    """Source records with no key get the dedupe key their outcomes or dead letters carry.
+
+    For handlers whose key is computed (no JSON field holds it): the worker wrote the key it
+    computed into each outcome event and dead letter, next to the record's coordinates.
+    """
+    from pyspark.sql import functions as F
+
+    carried = (
+        readable.select("coord", "dedupe_key")
+        .unionByName(dlq.select("coord", "dedupe_key"))
+        .where(F.col("coord").isNotNull() & F.col("dedupe_key").isNotNull())
+        .groupBy("coord")
+        .agg(F.min("dedupe_key").alias("carried_key"))
+    )
+    missing = src.where(F.col("dedupe_key").isNull()).drop("entity")
+    found = (
+        missing.join(carried, on="coord", how="left")
+        .withColumn("dedupe_key", F.col("carried_key"))
+        .drop("carried_key")
+        .withColumn("entity", F.coalesce("dedupe_key", F.concat(F.lit("@"), "coord")))
+    )
+    return src.where(F.col("dedupe_key").isNotNull()).unionByName(found)
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,16 +668,15 @@ def reconcile_frames(
 # --------------------------------------------------------------------------------------------
 
 
-def _ledger_frame(
-    spark: SparkSession, rows: Sequence[tuple[str, int | None, str | None]]
-) -> DataFrame:
+def _ledger_frame(spark: SparkSession, rows: Sequence[LedgerRow]) -> DataFrame:
     """The ledger as a DataFrame, shipped to the JVM as Arrow (fast for millions of rows)."""
     import pyarrow as pa
 
     table = pa.table(
         {
-            "payment_id": pa.array([r[0] for r in rows], pa.string()),
+            "dedupe_key": pa.array([r[0] for r in rows], pa.string()),
             "granted_at": pa.array([r[1] for r in rows], pa.int64()),
+            "coord": pa.array([r[2] for r in rows], pa.string()),
         }
     )
     return spark.createDataFrame(table)
@@ -529,16 +704,21 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
         lap = now
         log.info("reconcile: %s took %.1fs", name, timings[name])
 
+    fields = rc.key_fields()
     kafka = KafkaConfig.from_options({**rc.kafka_options, "bootstrap": rc.bootstrap})
     source_end = _snapshot(kafka, rc.topics, required=True)
     outcomes_end = _snapshot(kafka, [rc.outcomes_topic], required=False)
     dlq_end = _snapshot(kafka, rc.dead_letter_topics, required=False)
     phase("snapshot")
-    ledger_rows = read_ledger(rc.redis_url, rc.ledger_stream) if rc.redis_url else None
+    ledger_rows = (
+        read_ledger(rc.redis_url, rc.ledger_stream, fields, must_exist=rc.ledger_key is not None)
+        if rc.redis_url
+        else None
+    )
     phase("ledger")
 
     cached = StorageLevel.MEMORY_AND_DISK
-    src = parse_source(_read(spark, rc, source_end)).persist(cached)
+    src = parse_source(_read(spark, rc, source_end), fields).persist(cached)
     events = parse_outcomes(_read(spark, rc, outcomes_end)).persist(cached)
     dlq = parse_dead_letters(_read(spark, rc, dlq_end)).persist(cached)
     ledger = _ledger_frame(spark, ledger_rows) if ledger_rows is not None else None
@@ -566,6 +746,8 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
             stuck_after_ms=int(rc.stuck_after.total_seconds() * 1000),
             grace_ms=rc.grace_ms,
             broadcast_unkeyed=int(counts["unkeyed"]) <= BROADCAST_MAX_ROWS,
+            keys_from_events=any(f.json is None for f in fields.values()),
+            ledger_topics=rc.ledger_topics,
         )
         out = str(rc.out_dir)
         payments.write.mode("overwrite").parquet(f"{out}/payments")
@@ -606,7 +788,7 @@ def _summarize(
     table: DataFrame,
     rc: ReconcileConfig,
     as_of_ms: int,
-    ledger_rows: Sequence[tuple[str, int | None, str | None]] | None,
+    ledger_rows: Sequence[LedgerRow] | None,
     snapshot: dict[str, dict[str, int]],
     *,
     outcome_events: int,
@@ -624,6 +806,7 @@ def _summarize(
         F.count_if("malformed").alias("malformed"),
         F.count_if("unverified_grant").alias("unverified"),
         F.count_if("ledger_mismatch").alias("ledger_mismatch"),
+        F.count_if("lost_grant").alias("lost_grants"),
         F.sum("source_records").alias("source_records"),
         F.sum("records_without_outcome").alias("without_outcome"),
         F.sum("dlq_records").alias("dead_letters"),
@@ -688,6 +871,7 @@ def _summarize(
         ledger_entries=None if ledger_rows is None else len(ledger_rows),
         unverified_grants=int(totals["unverified"]),
         ledger_mismatches=int(totals["ledger_mismatch"]),
+        lost_grants=int(totals["lost_grants"]),
         records_without_outcome=int(totals["without_outcome"] or 0),
         unreadable_events=unreadable_events,
         snapshot=snapshot,
@@ -753,6 +937,7 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
     checks.add_column("examples")
     rows: list[tuple[str, int, list[str], bool]] = [
         ("lost", report.lost, report.lost_keys, True),
+        ("of them: succeeded, but no ledger entry", report.lost_grants, [], True),
         ("doubled (granted more than once)", report.doubled, report.doubled_keys, True),
         ("stuck (retrying too long)", report.stuck, report.stuck_keys, False),
         ("malformed source records", report.malformed, [], False),

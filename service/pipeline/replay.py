@@ -19,7 +19,10 @@ again (readers deduplicate dead letters by source coordinates). Records parked f
 are picked up by the worker's retry scheduler, as any parked record is.
 
 `dry_run` only reads: it decodes every record and checks its key against the done-markers
-with MGET, so an operator sees how much of a range a replay would actually run.
+with MGET, so an operator sees how much of a range a replay would actually run. With a
+marker TTL configured (WORKER_IDEMPOTENCY__TTL_S), records older than the dedupe window are
+refused like the worker refuses them (dead-lettered as `beyond_dedupe_window`; the dry run
+counts them so), never run on the strength of a marker that may have expired.
 """
 
 from __future__ import annotations
@@ -211,6 +214,9 @@ class ReplayReport:
     """Dry run: the key was used for other content (a replay dead-letters it as conflict)."""
     undecodable: int = 0
     """Dry run: no dedupe key (malformed, tombstone, ...): a replay dead-letters it again."""
+    beyond_dedupe_window: int = 0
+    """Dry run: older than the done-markers' TTL allows (WORKER_IDEMPOTENCY__TTL_S): its
+    marker may have expired, so a replay dead-letters it as ``beyond_dedupe_window``."""
     failures: list[PartitionFailure] = field(default_factory=list)
     elapsed_s: float = 0.0
 
@@ -367,6 +373,7 @@ async def _check(
     from service.keys import RedisKeys
     from service.processing import DecodeFailure, decode
     from service.redis_client import make_client
+    from service.retries import now_ms
 
     first = next(chunks, None)
     if first is None:
@@ -389,6 +396,10 @@ async def _check(
                     dedupe_key = ""
                 if not dedupe_key:
                     state["counts"]["undecodable"] += 1
+                    continue
+                if settings.idempotency.window_refusal(d.timestamp_ms, now_ms()) is not None:
+                    # Not "the handler would run": the worker's path refuses it unread.
+                    state["counts"]["beyond_dedupe_window"] += 1
                     continue
                 identities.append(
                     (d, keys.idempotency(handler.name, dedupe_key), fingerprint(payload))
@@ -601,6 +612,11 @@ def print_report(report: ReplayReport, console: Console | None = None, listed: i
             ("claimed by a worker right now", report.in_progress, "yellow"),
             ("key used for other content (conflict)", report.conflicts, "yellow"),
             ("undecodable (dead-lettered again)", report.undecodable, "yellow"),
+            (
+                "beyond the dedupe window (dead-lettered, never run)",
+                report.beyond_dedupe_window,
+                "yellow",
+            ),
         ]
     else:
         rows = [

@@ -130,6 +130,7 @@ def payment_id(i: int) -> str:
 
 
 def _outcome(
+    handler: str,
     event: str,
     pid: str | None,
     topic: str,
@@ -143,7 +144,7 @@ def _outcome(
     return json.dumps(
         {
             "event": event,
-            "handler": "payments",
+            "handler": handler,
             "dedupe_key": pid,
             "topic": topic,
             "partition": partition,
@@ -159,7 +160,14 @@ def _outcome(
 
 
 def _dlq_headers(
-    reason: str, pid: str | None, topic: str, partition: int, offset: int, attempts: int, at_ms: int
+    handler: str,
+    reason: str,
+    pid: str | None,
+    topic: str,
+    partition: int,
+    offset: int,
+    attempts: int,
+    at_ms: int,
 ) -> list[Header]:
     return [
         ("x-dlq-reason", reason.encode()),
@@ -168,7 +176,7 @@ def _dlq_headers(
         ("x-dlq-source-partition", str(partition).encode()),
         ("x-dlq-source-offset", str(offset).encode()),
         ("x-dlq-attempts", str(attempts).encode()),
-        ("x-dlq-handler", b"payments" if pid else b""),
+        ("x-dlq-handler", handler.encode() if pid else b""),
         ("x-dlq-dedupe-key", (pid or "").encode()),
         ("x-dlq-at", str(at_ms).encode()),
     ]
@@ -187,8 +195,14 @@ async def produce_dataset(
     redis_url: str | None = None,
     ledger_key: str | None = None,
     latency_ms: int = 40,
+    key_field: str = "payment_id",
+    handler: str = "payments",
 ) -> Dataset:
-    """Write `scenario` to existing topics (and the ledger stream, if `redis_url`)."""
+    """Write `scenario` to existing topics (and the ledger stream, if `redis_url`).
+
+    `key_field` names the dedupe key in the source JSON and the ledger entries, and `handler`
+    the handler in outcomes and dead letters: a generated service's handler is not `payments`.
+    """
     s = scenario
     ids = [payment_id(i) for i in range(s.n)]
     data = Dataset(source_topic, outcomes_topic, dlq_topic, ledger_key, ids)
@@ -207,7 +221,7 @@ async def produce_dataset(
         for i, pid in enumerate(ids):
             value = json.dumps(
                 {
-                    "payment_id": pid,
+                    key_field: pid,
                     "user_id": f"user_{i % 997}",
                     "product_id": f"prod_{i % 13}",
                     "amount_minor": 100 + i % 900,
@@ -246,7 +260,9 @@ async def produce_dataset(
             await out.append(
                 part,
                 key,
-                _outcome(event, pid, source_topic, p, o, attempt, reason, record_ts, finished_at),
+                _outcome(
+                    handler, event, pid, source_topic, p, o, attempt, reason, record_ts, finished_at
+                ),
                 finished_at,
             )
             data.outcome_events += 1
@@ -260,7 +276,7 @@ async def produce_dataset(
                 pid.encode() if pid else None,
                 b"{}",
                 at_ms,
-                _dlq_headers(reason, pid, source_topic, p, o, attempts, at_ms),
+                _dlq_headers(handler, reason, pid, source_topic, p, o, attempts, at_ms),
             )
             data.dead_letters += 1
 
@@ -268,7 +284,7 @@ async def produce_dataset(
             p, o = where[ref]
             ledger.append(
                 {
-                    "payment_id": pid,
+                    key_field: pid,
                     "user_id": "u",
                     "product_id": "p",
                     "amount_minor": 100,

@@ -13,11 +13,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 from typer.testing import CliRunner, Result
 
+from service import Context, handler, project, registry
 from service.devstack import KafkaBroker, RedisServer, free_port
+from service.errors import ConfigurationError
 from service.pipeline.cli import pipeline_app
-from service.pipeline.reconcile import ReconcileConfig, ReconcileReport, run_reconcile
+from service.pipeline.reconcile import (
+    DedupeField,
+    ReconcileConfig,
+    ReconcileReport,
+    dedupe_fields,
+    run_reconcile,
+)
 from service.pipeline.synthetic import Dataset, Scenario, produce_dataset
 
 if TYPE_CHECKING:
@@ -28,6 +37,7 @@ pytestmark = pytest.mark.integration
 BASE_TS = 1_760_000_000_000
 KEY_PREFIX = "pw"
 LEDGER_KEY = f"{KEY_PREFIX}:ledger:purchases"
+PAYMENT_ID = DedupeField("payment_id", "payment_id")
 
 
 def write(
@@ -36,6 +46,7 @@ def write(
     scenario: Scenario,
     redis_url: str | None,
     make_topics: Callable[[dict[str, int]], None],
+    **options: Any,
 ) -> Dataset:
     source, outcomes, dlq = name, f"{name}.outcomes", f"{name}.dlq"
     make_topics({source: 3, outcomes: 2, dlq: 1})
@@ -51,6 +62,7 @@ def write(
             base_ts_ms=BASE_TS,
             redis_url=redis_url,
             ledger_key=LEDGER_KEY if redis_url else None,
+            **options,
         )
     )
 
@@ -60,6 +72,7 @@ def config(bootstrap: str, data: Dataset, out: Path, redis_url: str | None) -> R
         bootstrap=bootstrap,
         out_dir=out,
         topics=(data.source_topic,),
+        fields={data.source_topic: PAYMENT_ID},
         outcomes_topic=data.outcomes_topic,
         redis_url=redis_url,
         key_prefix=KEY_PREFIX,
@@ -76,6 +89,8 @@ def reconcile_cli(
         bootstrap,
         "--topic",
         data.source_topic,
+        "--dedupe-field",
+        f"{data.source_topic}=payment_id",
         "--outcomes-topic",
         data.outcomes_topic,
         "--redis-url",
@@ -116,17 +131,18 @@ def test_reconcile_finds_exactly_the_injected_problems(
         spark, config(kafka_broker.bootstrap, data, tmp_path / "out", redis_server.url)
     )
 
-    # A "duplicate" with no grant behind it, checked against the ledger, is a lost payment.
-    assert set(report.lost_keys) == data.ids({5, 700, 18})
+    # A "duplicate" with no grant behind it, checked against the ledger, is a lost payment;
+    # so is a "succeeded" whose grant the ledger does not hold (19).
+    assert set(report.lost_keys) == data.ids({5, 700, 18, 19})
     assert set(report.doubled_keys) == data.ids({9, 1200})
     assert set(report.stuck_keys) == data.ids({11})
-    assert (report.lost, report.doubled, report.stuck) == (3, 2, 1)
+    assert (report.lost, report.doubled, report.stuck, report.lost_grants) == (4, 2, 1, 1)
     assert report.states == {
-        "granted": 1500 - 3 - 2 - 2,  # minus lost, retrying (stuck too), dead-lettered
+        "granted": 1500 - 4 - 2 - 2,  # minus lost, retrying (stuck too), dead-lettered
         "dead_lettered": 2 + 2,  # + the two malformed records
         "retrying": 2,
         "pending": 0,
-        "lost": 3,
+        "lost": 4,
     }
     assert report.malformed == 2
     assert report.dead_letter_reasons == {"exhausted": 1, "malformed": 2, "permanent": 1}
@@ -148,7 +164,7 @@ def test_reconcile_finds_exactly_the_injected_problems(
     assert resent is not None
     assert (resent["state"], resent["source_records"], resent["grants"]) == ("granted", 2, 1)
     summary = spark.read.parquet(str(tmp_path / "out" / "summary")).first()
-    assert summary is not None and summary["lost"] == 3 and summary["clean"] is False
+    assert summary is not None and summary["lost"] == 4 and summary["clean"] is False
 
 
 def test_clean_dataset_reports_clean_and_the_cli_exits_zero(
@@ -258,3 +274,217 @@ def test_report_serializes(tmp_path: Path) -> None:
     data = json.loads(json.dumps(report.to_dict()))
     assert data["clean"] is True and data["attempts"] == {"1": 1}
     assert report.exit_code == 0 and not report.ledger_available
+
+
+def test_succeeded_without_ledger_entry_is_lost_not_clean(
+    spark: SparkSession,
+    kafka_broker: KafkaBroker,
+    redis_server: RedisServer,
+    unique_name: str,
+    tmp_path: Path,
+    make_topics: Callable[[dict[str, int]], None],
+) -> None:
+    """Defect 10: a `succeeded` outcome whose grant the ledger does not hold is a lost grant.
+
+    The ledger is the grant itself; the outcome event only says the worker believed it wrote
+    one. Payment 8 was retried first, so a "retrying" fallback would hide it too.
+    """
+    scenario = Scenario(
+        n=200, without_ledger=frozenset({7, 8}), retried_then_granted=frozenset({8, 9})
+    )
+    data = write(kafka_broker.bootstrap, unique_name, scenario, redis_server.url, make_topics)
+    report = run_reconcile(
+        spark, config(kafka_broker.bootstrap, data, tmp_path / "out", redis_server.url)
+    )
+
+    assert set(report.lost_keys) == data.ids({7, 8})
+    assert (report.lost, report.lost_grants, report.doubled) == (2, 2, 0)
+    assert report.states["granted"] == 198 and report.states["retrying"] == 0
+    assert not report.clean and report.exit_code == 1
+    table = spark.read.parquet(str(tmp_path / "out" / "payments"))
+    row = table.where(f"entity = '{data.payment_ids[8]}'").first()
+    assert row is not None
+    assert (row["state"], row["grants"], row["lost_grant"]) == ("lost", 0, True)
+
+
+class OrderPlaced(BaseModel):
+    """A generated service's payload: its dedupe key is not `payment_id`."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    order_id: str = Field(min_length=1)
+
+
+@handler("orders", model=OrderPlaced, dedupe_key="order_id")
+async def place_order(event: OrderPlaced, ctx: Context) -> None:
+    """Scaffold-style: one effect per order."""
+    ctx.effects.hset(ctx.redis_key("orders", event.order_id), {"placed": "1"})
+
+
+def _with_orders_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if `service new-handler orders` had added place_order to service/handlers/."""
+    found = registry.discover()
+    monkeypatch.setattr(registry, "discover", lambda package="": [*found, place_order])
+
+
+def test_handler_with_another_dedupe_key_reconciles_by_its_own_field(
+    spark: SparkSession,
+    kafka_broker: KafkaBroker,
+    redis_server: RedisServer,
+    unique_name: str,
+    tmp_path: Path,
+    make_topics: Callable[[dict[str, int]], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect 11: the key field comes from the handler bound to the topic, in the source JSON
+    and in the ledger; with `payment_id` hard-wired every order was "lost"."""
+    _with_orders_handler(monkeypatch)
+    scenario = Scenario(
+        n=300, lost=frozenset({4}), doubled=frozenset({5}), without_ledger=frozenset({6})
+    )
+    data = write(
+        kafka_broker.bootstrap,
+        unique_name,
+        scenario,
+        redis_server.url,
+        make_topics,
+        key_field="order_id",
+        handler="orders",
+    )
+    env = {"WORKER_TOPICS": json.dumps({"orders": data.source_topic})}
+    args = [
+        "reconcile",
+        "--bootstrap",
+        kafka_broker.bootstrap,
+        "--outcomes-topic",
+        data.outcomes_topic,
+        "--redis-url",
+        redis_server.url,
+        "--key-prefix",
+        KEY_PREFIX,
+        "--out",
+        str(tmp_path / "out"),
+        "--json",
+    ]
+    result = CliRunner().invoke(pipeline_app, args, env=env)
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    assert report["payments"] == 300 and report["malformed"] == 0
+    assert set(report["lost_keys"]) == data.ids({4, 6})
+    assert set(report["doubled_keys"]) == data.ids({5})
+    assert report["states"]["granted"] == 300 - 2
+    assert report["ledger_entries"] == data.ledger_entries
+
+
+def test_pipeline_defaults_to_the_projects_bindings_without_worker_topics(
+    spark: SparkSession,
+    kafka_broker: KafkaBroker,
+    unique_name: str,
+    tmp_path: Path,
+    make_topics: Callable[[dict[str, int]], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Defect 11: with WORKER_TOPICS unset the pipeline reads the topics service/project.py
+    binds (as the worker does), never a literal `payments`."""
+    data = write(kafka_broker.bootstrap, unique_name, Scenario(n=120), None, make_topics)
+    monkeypatch.delenv("WORKER_TOPICS", raising=False)
+    monkeypatch.setattr(project, "TOPICS", {"payments": data.source_topic})
+    args = [
+        "reconcile",
+        "--bootstrap",
+        kafka_broker.bootstrap,
+        "--outcomes-topic",
+        data.outcomes_topic,
+        "--no-ledger",
+        "--out",
+        str(tmp_path / "out"),
+        "--json",
+    ]
+    result = CliRunner().invoke(pipeline_app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["clean"] is True
+    assert report["source_records"] == data.source_records == 120
+    assert report["states"]["granted"] == 120
+    assert set(report["snapshot"]) == {data.source_topic, data.outcomes_topic, data.dlq_topic}
+
+
+class OrderByAlias(BaseModel):
+    """A producer writes `orderId`; the handler's field is `order_id`."""
+
+    order_id: str = Field(alias="orderId")
+
+
+@handler("orders_alias", model=OrderByAlias, dedupe_key="order_id")
+def place_aliased(event: OrderByAlias, ctx: Context) -> None:
+    """Reads the aliased field."""
+
+
+@handler("orders_computed", model=OrderPlaced, dedupe_key=lambda e: e.order_id)
+def place_computed(event: OrderPlaced, ctx: Context) -> None:
+    """Computes its key: no field names it."""
+
+
+def test_dedupe_fields_come_from_the_bound_handlers() -> None:
+    bound = registry.Registry(
+        [place_order, place_aliased, place_computed],
+        {"orders": "o1", "orders_alias": "o2", "orders_computed": "o3"},
+    )
+    assert dedupe_fields(bound) == {
+        "o1": DedupeField("order_id", "order_id"),
+        "o2": DedupeField("orderId", "order_id"),
+        "o3": DedupeField(None, None),
+    }
+
+
+def test_topic_without_a_handler_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """No handler bound, no declared field: reconcile says it cannot join, before Spark."""
+    args = ["reconcile", "--topic", "nobody-binds-this", "--no-ledger", "--out", str(tmp_path)]
+    result = CliRunner().invoke(pipeline_app, args)
+    assert result.exit_code == 2, result.output
+    assert "'nobody-binds-this'" in result.output and "--dedupe-field" in result.output
+    config = ReconcileConfig(bootstrap="127.0.0.1:1", out_dir=tmp_path, topics=("t",), fields={})
+    with pytest.raises(ConfigurationError, match="cannot join"):
+        config.key_fields()
+
+
+def test_computed_dedupe_key_is_taken_from_the_outcomes(
+    spark: SparkSession,
+    kafka_broker: KafkaBroker,
+    redis_server: RedisServer,
+    unique_name: str,
+    tmp_path: Path,
+    make_topics: Callable[[dict[str, int]], None],
+) -> None:
+    """A callable dedupe_key has no JSON path: source records take the key their outcome
+    events carry, ledger entries the key of the record their `source` names."""
+    scenario = Scenario(
+        n=200, lost=frozenset({4}), doubled=frozenset({5}), without_ledger=frozenset({6})
+    )
+    data = write(
+        kafka_broker.bootstrap,
+        unique_name,
+        scenario,
+        redis_server.url,
+        make_topics,
+        key_field="order_id",
+        handler="orders_computed",
+    )
+    fields = dedupe_fields(registry.Registry([place_computed], {"orders_computed": unique_name}))
+    rc = ReconcileConfig(
+        bootstrap=kafka_broker.bootstrap,
+        out_dir=tmp_path / "out",
+        topics=(unique_name,),
+        fields=fields,
+        outcomes_topic=data.outcomes_topic,
+        redis_url=redis_server.url,
+        key_prefix=KEY_PREFIX,
+    )
+    report = run_reconcile(spark, rc)
+
+    # Payment 4 has no outcome, so nothing names its key: it is lost under its coordinates.
+    assert report.payments == 200 and report.lost == 2 and report.lost_grants == 1
+    unnamed = set(report.lost_keys) - data.ids({6})
+    assert len(unnamed) == 1 and unnamed.pop().startswith(f"@{unique_name}/")
+    assert set(report.doubled_keys) == data.ids({5})
+    assert report.states["granted"] == 198
