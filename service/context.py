@@ -9,32 +9,217 @@ claimed by this record. So an effect is applied once and is never separated from
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from service.errors import PermanentError
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 EffectArg = str | bytes | int | float
 
+# Per command, far below the ~8000 values Lua's unpack() takes in the finish script.
+MAX_EFFECT_ARGS = 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_EXPIRE_S = 10**10 - 1  # ~300 years; the finish script checks the same bounds
+MAX_EXPIRE_MS = 10**13 - 1
+_INTEGER = re.compile(r"0|-?[1-9][0-9]{0,18}")
+
+
+class InvalidEffect(PermanentError, ValueError):
+    """A queued effect Redis would refuse whatever the data: a bug, never worth a retry.
+
+    Raised when the handler queues it, so it is the handler's own failure (a dead
+    letter with reason ``permanent``), never a half-applied record.
+    """
+
+
+def _int(value: EffectArg, what: str, low: int = INT64_MIN, high: int = INT64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str | bytes):
+        raise InvalidEffect(f"{what} must be an integer, not {type(value).__name__}")
+    if isinstance(value, int):
+        number = value
+    else:
+        text = value.decode() if isinstance(value, bytes) else value
+        if not _INTEGER.fullmatch(text):  # what Redis reads as an integer, no more
+            raise InvalidEffect(f"{what} must be an integer, not {text[:40]!r}")
+        number = int(text)
+    if not low <= number <= high:
+        raise InvalidEffect(f"{what} {number} is outside [{low}, {high}]")
+    return number
+
+
+def _finite(value: EffectArg, what: str) -> None:
+    try:
+        number = float(value.decode() if isinstance(value, bytes) else value)
+    except (TypeError, ValueError):
+        raise InvalidEffect(f"{what} must be a number, not {value!r:.40}") from None
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise InvalidEffect(f"{what} must be a finite number, not {value!r:.40}")
+    if isinstance(value, str | bytes) and value.strip() != value:
+        raise InvalidEffect(f"{what} must be a number without spaces, not {value!r:.40}")
+
+
+def _word(value: EffectArg) -> str:
+    return (value.decode() if isinstance(value, bytes) else str(value)).upper()
+
+
+def _pairs(name: str, rest: tuple[EffectArg, ...], what: str) -> None:
+    if not rest or len(rest) % 2:
+        raise InvalidEffect(f"{name} needs one or more {what} pairs, got {len(rest)} arguments")
+
+
+def _check_xadd(rest: tuple[EffectArg, ...]) -> None:
+    i = 0
+    if i < len(rest) and _word(rest[i]) == "NOMKSTREAM":
+        i += 1
+    if i < len(rest) and _word(rest[i]) == "MAXLEN":
+        i += 1
+        if i < len(rest) and rest[i] in ("~", "="):
+            i += 1
+        _int(rest[i] if i < len(rest) else "", "XADD MAXLEN", 0)
+        i += 1
+    if i >= len(rest) or rest[i] != "*":
+        raise InvalidEffect("XADD effects take [NOMKSTREAM] [MAXLEN [~|=] n] * field value ...")
+    _pairs("XADD", rest[i + 1 :], "field/value")
+
+
+def _check_zadd(rest: tuple[EffectArg, ...]) -> None:
+    flags: set[str] = set()
+    i = 0
+    while i < len(rest) and _word(rest[i]) in ("NX", "XX", "GT", "LT", "CH"):
+        flags.add(_word(rest[i]))
+        i += 1
+    if ("NX" in flags and flags & {"XX", "GT", "LT"}) or {"GT", "LT"} <= flags:
+        raise InvalidEffect(f"ZADD options {sorted(flags)} do not go together")
+    _pairs("ZADD", rest[i:], "score/member")
+    for score in rest[i::2]:
+        _finite(score, "ZADD score")
+
+
+def _check_set(rest: tuple[EffectArg, ...]) -> None:
+    seen: set[str] = set()
+    i = 1
+    while i < len(rest):
+        option = _word(rest[i])
+        if option in seen:
+            raise InvalidEffect(f"SET option {option} given twice")
+        seen.add(option)
+        if option in ("EX", "PX"):
+            high = MAX_EXPIRE_S if option == "EX" else MAX_EXPIRE_MS
+            _int(rest[i + 1] if i + 1 < len(rest) else "", f"SET {option}", 1, high)
+            i += 2
+        elif option in ("NX", "XX", "KEEPTTL"):
+            i += 1
+        else:
+            raise InvalidEffect(f"SET option {option!r:.40} is not allowed in effects")
+    if {"NX", "XX"} <= seen or len(seen & {"EX", "PX", "KEEPTTL"}) > 1:
+        raise InvalidEffect(f"SET options {sorted(seen)} do not go together")
+
+
+def _exactly(n: int, form: str) -> Callable[[str, tuple[EffectArg, ...]], None]:
+    def check(name: str, rest: tuple[EffectArg, ...]) -> None:
+        if len(rest) != n:
+            raise InvalidEffect(f"{name} takes {form}, got {len(rest)} arguments after the key")
+
+    return check
+
+
+def _at_least_one(name: str, rest: tuple[EffectArg, ...]) -> None:
+    if not rest:
+        raise InvalidEffect(f"{name} needs at least one value after the key")
+
+
+def _then(
+    first: Callable[[str, tuple[EffectArg, ...]], None],
+    then: Callable[[tuple[EffectArg, ...]], object],
+) -> Callable[[str, tuple[EffectArg, ...]], None]:
+    def check(name: str, rest: tuple[EffectArg, ...]) -> None:
+        first(name, rest)
+        then(rest)
+
+    return check
+
+
+def _check_set_value(name: str, rest: tuple[EffectArg, ...]) -> None:
+    if not rest:
+        raise InvalidEffect("SET needs a value after the key")
+
+
+# The write commands an effect may be, and what each needs after its key. The finish
+# script (service/redis_scripts.py, EFFECTS) allows the same set and re-checks against the
+# data (key types, counters, overflow) before it applies any effect of a record.
+EFFECT_COMMANDS: dict[str, Callable[[str, tuple[EffectArg, ...]], None]] = {
+    "XADD": lambda _, rest: _check_xadd(rest),
+    "HSET": lambda name, rest: _pairs(name, rest, "field/value"),
+    "HSETNX": _exactly(2, "a field and a value"),
+    "HINCRBY": _then(_exactly(2, "a field and an integer"), lambda r: _int(r[1], "HINCRBY amount")),
+    "HDEL": _at_least_one,
+    "SADD": _at_least_one,
+    "SREM": _at_least_one,
+    "ZADD": lambda _, rest: _check_zadd(rest),
+    "ZINCRBY": _then(_exactly(2, "an increment and a member"), lambda r: _finite(r[0], "ZINCRBY")),
+    "LPUSH": _at_least_one,
+    "RPUSH": _at_least_one,
+    "INCR": _exactly(0, "no arguments"),
+    "DECR": _exactly(0, "no arguments"),
+    "INCRBY": _then(_exactly(1, "an integer"), lambda r: _int(r[0], "INCRBY amount")),
+    # -INT64_MIN does not fit: Redis refuses DECRBY by it.
+    "DECRBY": _then(_exactly(1, "an integer"), lambda r: _int(r[0], "DECRBY amount", -INT64_MAX)),
+    "SET": _then(_check_set_value, _check_set),
+    "DEL": _exactly(0, "no arguments"),
+    "EXPIRE": _then(_exactly(1, "seconds"), lambda r: _int(r[0], "EXPIRE", 1, MAX_EXPIRE_S)),
+    "PEXPIRE": _then(
+        _exactly(1, "milliseconds"), lambda r: _int(r[0], "PEXPIRE", 1, MAX_EXPIRE_MS)
+    ),
+}
+
 
 @dataclass(slots=True)
 class Effects:
     """Redis commands queued by a handler, applied atomically with the done-marker.
 
-    Arguments travel to Redis as text, so bytes must be UTF-8: a handler learns that
-    when it queues the effect (a handler error like any other), not at commit time.
+    Each command is checked when it is queued (a handler error like any other, never a
+    half-applied record at commit time): one of ``EFFECT_COMMANDS`` with the arguments
+    Redis takes for it, at most ``MAX_EFFECT_ARGS`` of them, integers in int64 range, finite
+    scores, and bytes in UTF-8 since arguments travel to Redis as text.
     """
 
     commands: list[tuple[EffectArg, ...]] = field(default_factory=list)
 
     def command(self, *args: EffectArg) -> None:
-        """Queue any single-key write command, e.g. ``command("HINCRBY", key, "n", 1)``."""
+        """Queue one single-key write command, e.g. ``command("HINCRBY", key, "n", 1)``."""
         if len(args) < 2:
-            raise ValueError("an effect needs a command name and a key")
+            raise InvalidEffect("an effect needs a command name and a key")
+        if len(args) > MAX_EFFECT_ARGS:
+            raise InvalidEffect(
+                f"an effect takes at most {MAX_EFFECT_ARGS} arguments, got {len(args)}"
+            )
+        name = args[0]
+        if not isinstance(name, str):
+            raise InvalidEffect(f"the command name must be a str, not {type(name).__name__}")
+        check = EFFECT_COMMANDS.get(name.upper())
+        if check is None:
+            raise InvalidEffect(
+                f"{name[:40]!r} is not an effect command (allowed: {', '.join(EFFECT_COMMANDS)})"
+            )
+        if not isinstance(args[1], str | bytes):
+            raise InvalidEffect(f"the key must be str or bytes, not {type(args[1]).__name__}")
         for arg in args:
             if isinstance(arg, bytes):
-                arg.decode("utf-8")  # raises UnicodeDecodeError for binary values
+                try:
+                    arg.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise InvalidEffect(f"effect arguments must be UTF-8: {exc}") from None
+            elif isinstance(arg, bool) or not isinstance(arg, str | int | float):
+                raise InvalidEffect(f"an effect argument cannot be a {type(arg).__name__}")
+            elif isinstance(arg, float) and not math.isfinite(arg):
+                raise InvalidEffect(f"an effect argument cannot be {arg}")
+        check(name.upper(), args[2:])
         self.commands.append(tuple(args))
 
     def xadd(self, stream: str, fields: dict[str, EffectArg], maxlen: int | None = None) -> None:

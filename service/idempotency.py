@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from redis.commands.core import AsyncScript
 from service import redis_scripts
 from service.context import EffectArg
 from service.keys import RedisKeys
-from service.redis_client import RedisOps, reply_text
+from service.redis_client import RedisOps, RedisRefused, is_refusal, reply_text
 
 R = TypeVar("R")
 
@@ -41,6 +42,7 @@ class ClaimStatus(StrEnum):
     DONE = "done"  # already succeeded with the same content
     DEAD = "dead"  # already dead-lettered with the same content
     CONFLICT = "conflict"  # the key was used for different content
+    PARTIAL = "partial"  # done with effects applied in part; its dead letter not yet acked
 
 
 class FinishStatus(StrEnum):
@@ -49,7 +51,8 @@ class FinishStatus(StrEnum):
     DEAD = "dead"  # someone else dead-lettered it meanwhile
     CONFLICT = "conflict"  # the key was completed meanwhile with different content
     SUPERSEDED = "superseded"  # another delivery holds the claim (ours ended, or we had none)
-    ERROR = "error"  # an effect command failed inside Redis
+    ERROR = "error"  # an effect command failed inside Redis; nothing of the record applied
+    PARTIAL = "partial"  # an effect failed after others applied; marker written, dead-letter
 
 
 @dataclass(slots=True)
@@ -67,6 +70,24 @@ class FinishRequest:
     fingerprint: str
     retry_id: str
     effects: list[tuple[EffectArg, ...]]
+
+
+@dataclass(slots=True)
+class ExtendRequest:
+    """Leases a record must still hold when its handler starts, and how much longer."""
+
+    key: str  # '' when the record holds no claim
+    token: str
+    claim_ms: int
+    retry_id: str  # '' when the record is not a retry
+    retry_lease: int | None  # the retry's fencing deadline, when it is one
+    retry_ms: int
+
+
+class ExtendStatus(StrEnum):
+    OK = "ok"  # both still ours, and now last at least as long as asked
+    LOST_CLAIM = "lost_claim"  # the claim expired (and may be another delivery's now)
+    LOST_LEASE = "lost_lease"  # the retry lease expired; the item may be another run's
 
 
 @dataclass(slots=True)
@@ -105,19 +126,21 @@ class Idempotency:
         ops: RedisOps,
         keys: RedisKeys,
         *,
-        ttl_s: int,
+        ttl_s: int | None,
         lease_ms: int,
         max_batch: int = 500,
     ) -> None:
         self._ops = ops
         self._keys = keys
-        self._ttl_s = ttl_s
+        # None: done and dead markers never expire ('' tells the scripts so).
+        self._ttl_arg: EffectArg = "" if ttl_s is None else ttl_s
         self._lease_ms = lease_ms
         client = ops.client
         self._claim_script: AsyncScript = client.register_script(redis_scripts.CLAIM)
         self._finish_script: AsyncScript = client.register_script(redis_scripts.FINISH)
         self._dead_script: AsyncScript = client.register_script(redis_scripts.MARK_DEAD)
         self._release_script: AsyncScript = client.register_script(redis_scripts.RELEASE)
+        self._extend_script: AsyncScript = client.register_script(redis_scripts.EXTEND)
         self._max_batch = max_batch
         self.tokens = TokenSource()
 
@@ -148,6 +171,42 @@ class Idempotency:
         for chunk in self._chunks(requests):
             await self._dead_chunk(chunk)
 
+    async def extend_many(
+        self, requests: Sequence[ExtendRequest]
+    ) -> list[tuple[ExtendStatus, int | None]]:
+        """Stretch the claims and retry leases of records whose handlers start now.
+
+        A lease taken at claim time burns while the record waits for a pool runner; the
+        handler's own deadline only starts with the runner. Returns per record the status
+        and, for a retry, its new lease: the fencing token PARK will check from now on.
+        """
+        return [s for chunk in self._chunks(requests) for s in await self._extend_chunk(chunk)]
+
+    async def _extend_chunk(
+        self, batch: Sequence[ExtendRequest]
+    ) -> list[tuple[ExtendStatus, int | None]]:
+        records = [
+            (
+                r.key,
+                r.token,
+                r.claim_ms,
+                r.retry_id,
+                "" if r.retry_lease is None else str(r.retry_lease),
+                r.retry_ms,
+            )
+            for r in batch
+        ]
+        args: list[EffectArg] = [_json(records)]
+        keys = [self._keys.retry_inflight]
+        # No durability wait, as for claims: an extension lost in a failover only shortens
+        # a lease, and FINISH and PARK still check the claim and the fencing token.
+        replies = await self._ops.call(lambda: self._extend_script(keys=keys, args=args))
+        out: list[tuple[ExtendStatus, int | None]] = []
+        for reply in replies:
+            status, _, lease = reply_text(reply).partition(":")
+            out.append((ExtendStatus(status), int(lease) if lease else None))
+        return out
+
     def _chunks(self, items: Sequence[R]) -> list[Sequence[R]]:
         """Slices small enough that one script never blocks Redis for long."""
         size = self._max_batch
@@ -170,16 +229,25 @@ class Idempotency:
             else (r.key, r.token, r.fingerprint, r.retry_id, ())
             for r in batch
         ]
-        args: list[EffectArg] = [self._ttl_s, _json(records)]
+        args: list[EffectArg] = [self._ttl_arg, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
-        replies = await self._ops.call(
-            lambda: self._finish_script(keys=keys, args=args), durable=True
-        )
-        return [_FINISH_STATUS.get(reply) or _finish_error(reply) for reply in replies]
+
+        async def finish() -> list[tuple[FinishStatus, str | None]]:
+            replies = await self._finish_script(keys=keys, args=args)
+            results = [_FINISH_STATUS.get(reply) or _finish_error(reply) for reply in replies]
+            for status, detail in results:
+                # Redis refusing the record's first write (OOM, ACL, ...) is not the
+                # record's fault: raised here so the whole call is held and re-sent (it is
+                # idempotent), never counted as a failure of the record.
+                if status is FinishStatus.ERROR and detail and is_refusal(detail):
+                    raise RedisRefused(detail)
+            return results
+
+        return await self._ops.call(finish, durable=True)
 
     async def _dead_chunk(self, batch: Sequence[DeadRequest]) -> None:
         records = [(r.key, r.token, r.fingerprint, r.retry_id) for r in batch]
-        args: list[EffectArg] = [self._ttl_s, _json(records)]
+        args: list[EffectArg] = [self._ttl_arg, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         await self._ops.call(lambda: self._dead_script(keys=keys, args=args), durable=True)
 
@@ -198,9 +266,26 @@ def _json(value: object) -> bytes:
 
 def _finish_error(reply: object) -> tuple[FinishStatus, str | None]:
     text = reply_text(reply)
-    if not text.startswith("error:"):
+    kind, sep, detail = text.partition(":")
+    if not sep or kind not in ("error", "partial"):
         raise ValueError(f"unexpected reply from the finish script: {text!r}")
-    return FinishStatus.ERROR, text[len("error:") :]
+    return FinishStatus(kind), redis_error_text(detail)
+
+
+_SCRIPT_PREFIX = re.compile(r"^@user_script: ?\d+: ")
+_ACL_IN_SCRIPT = "The user executing the script can't"
+
+
+def redis_error_text(text: str) -> str:
+    """A command's error inside a script as Redis would answer it outside one.
+
+    Redis 6 wraps some (``@user_script: 1: -OOM ...``) and words ACL denials without
+    their ``NOPERM`` code; Redis 7 answers ``OOM ...`` and ``NOPERM ...`` as is.
+    """
+    text = _SCRIPT_PREFIX.sub("", text).lstrip("-").strip()
+    if text.startswith(_ACL_IN_SCRIPT):
+        return f"NOPERM {text}"
+    return text
 
 
 _CLAIM_STATUS = {s.value.encode(): s for s in ClaimStatus}

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,6 +42,8 @@ from service.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
+    ExtendRequest,
+    ExtendStatus,
     FinishRequest,
     FinishStatus,
     Idempotency,
@@ -55,6 +58,7 @@ from service.redis_client import RedisOps, make_client
 from service.registry import Handler, Registry
 from service.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms, now_ms
 from service.settings import Settings
+from service.stalls import Stalls
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,9 @@ REDRIVE_HEADER = "x-redrive-of"
 # A record whose processing fails unexpectedly this often is dead-lettered as "internal".
 INTERNAL_ATTEMPTS = 5
 INTERNAL_BACKOFF_MAX_S = 30.0
+# A lease stretched as a handler starts outlives its timeout by this much: the watchdog's
+# tick, a loaded event loop, and the finish or park that follows the handler.
+LEASE_MARGIN_MS = 1_000
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,6 +123,7 @@ class _Job:
     fingerprint: str = ""
     optimistic: bool = False  # an effects-only handler's delivery: no claim, checked at finish
     holds_claim: bool = False
+    claim_until: float = 0.0  # monotonic time the claim surely lasts to (from its send time)
     effects: Effects | None = None
     fate: _Fate | None = None
     reason: str | None = None  # dead-letter reason, retry error, or duplicate kind
@@ -168,8 +176,13 @@ class Processor:
         ops: RedisOps,
         producer: AIOKafkaProducer,
         metrics: Metrics,
+        stalls: Stalls | None = None,
     ) -> Processor:
-        """The record path over an open Redis client and a started producer."""
+        """The record path over an open Redis client and a started producer.
+
+        ``stalls`` hears of what holds progress back outside the records (the worker's,
+        so readiness and ``worker_stalled`` see it), e.g. a dead-letter topic that is missing.
+        """
         keys = RedisKeys(settings.redis.key_prefix)
         idempotency = Idempotency(
             ops, keys, ttl_s=settings.idempotency.ttl_s, lease_ms=settings.idempotency.lease_ms
@@ -178,6 +191,7 @@ class Processor:
             producer,
             dead_letter_topic=settings.dead_letter_topic,
             outcomes_topic=settings.outcomes_topic(),
+            stalls=stalls,
         )
         retries = RetryQueue(ops, keys)
         return cls(settings, registry, idempotency, retries, publisher, ops.client, metrics)
@@ -278,6 +292,13 @@ class Processor:
             return job
         job.payload = payload
         job.dedupe_key = dedupe_key
+        idem = self._settings.idempotency
+        if idem.ttl_s is not None:
+            beyond = idem.window_refusal(d.timestamp_ms, now_ms())
+            if beyond is not None:
+                # Its done-marker may have expired: granting it could grant a second time.
+                job.dead_letter("beyond_dedupe_window", beyond)
+                return job
         job.idem_key = self._idem.key(handler.name, dedupe_key)
         job.token = self._idem.tokens.next()
         job.fingerprint = fingerprint(payload)
@@ -306,6 +327,8 @@ class Processor:
     async def _claim_jobs(self, claiming: list[_Job]) -> None:
         if not claiming:
             return
+        # The lease starts when Redis runs the script, after this: it surely lasts till here.
+        lease_ends = time.monotonic() + self._settings.idempotency.lease_ms / 1000
         statuses = await self._idem.claim_many(
             [
                 ClaimRequest(j.idem_key, j.token, j.fingerprint, _is_redrive(j.delivery))
@@ -316,10 +339,13 @@ class Processor:
         for job, status in zip(claiming, statuses, strict=True):
             if status is ClaimStatus.CLAIMED:
                 job.holds_claim = True
+                job.claim_until = lease_ends
             elif status in (ClaimStatus.DONE, ClaimStatus.DEAD):
                 job.fate, job.reason = _Fate.DUPLICATE, status.value
             elif status is ClaimStatus.CONFLICT:
                 job.dead_letter("conflict", _conflict(job))
+            elif status is ClaimStatus.PARTIAL:  # the delivery that applied them died
+                job.dead_letter("effects_partial", _PARTIAL_EARLIER)
             else:  # BUSY: another delivery of this key is running; park briefly, same attempt
                 job.park(job.delivery.attempt, "busy: key claimed by another delivery", busy_ms)
 
@@ -369,6 +395,10 @@ class Processor:
     ) -> None:
         """One async handler on a pool runner, under its timeout; records its own failure."""
         assert job.handler is not None and job.payload is not None
+        if (job.holds_claim or job.delivery.is_retry) and not await self._renew_leases(
+            job, limit_s
+        ):
+            return
         started = time.perf_counter()
         try:
             with slot.deadline(limit_s):
@@ -385,6 +415,44 @@ class Processor:
             self._failed(job, exc)
         finally:
             self._latency_of(job.name).observe(time.perf_counter() - started)
+
+    async def _renew_leases(self, job: _Job, limit_s: float) -> bool:
+        """Make the claim and retry lease outlast the handler about to start, or park.
+
+        Both were taken when the wave was claimed, but the record may have waited for a
+        runner since, while its timeout only starts now: without this a lease could end
+        mid-run and another delivery of the key run beside it. A fresh claim with time to
+        spare costs nothing; otherwise one script stretches both, only while still ours.
+        Returns False (the record parked, same attempt) when one was already lost.
+        """
+        need_ms = math.ceil(limit_s * 1000) + LEASE_MARGIN_MS
+        retry_lease = job.delivery.retry_lease
+        if retry_lease is None and job.claim_until - time.monotonic() >= need_ms / 1000:
+            return True
+        sent = time.monotonic()
+        claim_ms = max(self._settings.idempotency.lease_ms, need_ms)
+        request = ExtendRequest(
+            key=job.idem_key if job.holds_claim else "",
+            token=job.token,
+            claim_ms=claim_ms,
+            retry_id=job.delivery.retry_id if retry_lease is not None else "",
+            retry_lease=retry_lease,
+            retry_ms=max(self._settings.retry.lease_ms, need_ms),
+        )
+        ((status, lease),) = await self._idem.extend_many([request])
+        if status is ExtendStatus.OK:
+            job.claim_until = sent + claim_ms / 1000
+            if lease is not None:  # the new fencing token: PARK must present this one
+                job.delivery = replace(job.delivery, retry_lease=lease)
+            return True
+        busy_ms = self._settings.retry.busy_delay_ms
+        if status is ExtendStatus.LOST_CLAIM:
+            job.holds_claim = False
+            why = "busy: claim lease expired before the handler started"
+        else:  # PARK will find the lease lost too, and release our claim
+            why = "superseded: retry lease expired before the handler started"
+        job.park(job.delivery.attempt, why, busy_ms)
+        return False
 
     def stop_retrying(self) -> None:
         """Kafka writes give up after their current try (shutdown, past its grace)."""
@@ -460,6 +528,12 @@ class Processor:
                 job.fate, job.reason = _Fate.DUPLICATE, status.value
             elif status is FinishStatus.CONFLICT:
                 job.dead_letter("conflict", _conflict(job))
+            elif status is FinishStatus.PARTIAL:
+                # Its done-marker is written: no run will ever apply these effects again.
+                job.dead_letter(
+                    "effects_partial",
+                    f"an effect failed in Redis after others were applied: {detail}",
+                )
             elif status is FinishStatus.SUPERSEDED:
                 why = "busy: key claimed by another delivery"
                 if job.holds_claim:
@@ -483,7 +557,7 @@ class Processor:
                     first_failed_ms=j.delivery.first_failed_ms or now,
                     last_error=j.reason,
                 ),
-                due_ms=now + j.delay_ms,
+                delay_ms=j.delay_ms,
                 idem_key=j.idem_key,
                 token=j.token if j.holds_claim else "",
             )
@@ -523,16 +597,18 @@ class Processor:
         )
         # Only now, with every dead letter acknowledged, may Redis forget the records.
         # A key is marked dead when we hold its claim, or, for an effects-only delivery
-        # (never claimed), when no other delivery has claimed or completed it.
+        # (never claimed), when no other delivery has claimed or completed it; a partial
+        # apply's marker is settled, so later deliveries are duplicates.
         marks = [
             DeadRequest(
-                key=j.idem_key if j.holds_claim or j.optimistic else "",
-                token=j.token if j.holds_claim or j.optimistic else "",
-                fingerprint=j.fingerprint if j.holds_claim or j.optimistic else "",
+                key=j.idem_key if marks_key else "",
+                token=j.token if marks_key else "",
+                fingerprint=j.fingerprint if marks_key else "",
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
             )
             for j in jobs
-            if j.holds_claim or j.optimistic or j.delivery.is_retry
+            for marks_key in [j.holds_claim or j.optimistic or j.reason == "effects_partial"]
+            if marks_key or j.delivery.is_retry
         ]
         if marks:
             await self._idem.mark_dead_many(marks)
@@ -570,7 +646,10 @@ class Processor:
 
 @contextlib.asynccontextmanager
 async def open_processor(
-    settings: Settings, registry: Registry, metrics: Metrics | None = None
+    settings: Settings,
+    registry: Registry,
+    metrics: Metrics | None = None,
+    stalls: Stalls | None = None,
 ) -> AsyncIterator[Processor]:
     """A Processor with its own Redis client and producer, for work outside the worker.
 
@@ -578,7 +657,7 @@ async def open_processor(
     the worker's path: same claims, same effects, same dead letters and outcome events.
     """
     client = make_client(settings.redis)
-    ops = RedisOps(client, settings.redis)
+    ops = RedisOps(client, settings.redis, stalls=stalls)
     producer = make_producer(settings.kafka)
     processor: Processor | None = None
     try:
@@ -586,7 +665,12 @@ async def open_processor(
             log.warning(warning)
         await producer.start()
         processor = Processor.build(
-            settings, registry, ops=ops, producer=producer, metrics=metrics or Metrics()
+            settings,
+            registry,
+            ops=ops,
+            producer=producer,
+            metrics=metrics or Metrics(),
+            stalls=stalls,
         )
         yield processor
     finally:
@@ -614,6 +698,12 @@ def _waves(jobs: list[_Job]) -> list[list[_Job]]:
             waves.append([])
         waves[n].append(job)
     return waves
+
+
+_PARTIAL_EARLIER = (
+    "an earlier delivery applied this record's effects in part and its dead letter was "
+    "never acknowledged"
+)
 
 
 def _conflict(job: _Job) -> str:

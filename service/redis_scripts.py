@@ -9,13 +9,17 @@ array, which is fine on a standalone Redis or a primary with replicas.
 
 Idempotency key states (one string per dedupe key):
     c|<token>|<fingerprint>   claimed by one delivery; expires with its lease (PX)
-    d|<fingerprint>|<token>   done: the effects were applied (EX = idempotency TTL)
+    d|<fingerprint>|<token>   done: the effects were applied (no expiry unless a TTL is set)
+    d|<fingerprint>|<token>|p done, but an effect failed after others applied: every
+                              delivery is dead-lettered `effects_partial` until one is
+    d|<fingerprint>|<token>|P acknowledged by the dead-letter topic (MARK_DEAD), then done
     x|<fingerprint>|<token>   dead-lettered: acknowledged by the dead-letter topic
 The fingerprint is a hash of the decoded payload, so the same id with other
 content is a conflict, never a second grant.
 
 Retry queue: ``due`` (ZSET id -> due ms), ``inflight`` (ZSET id -> lease deadline ms;
 the deadline doubles as the fencing token of the claim), ``items`` (HASH id -> JSON).
+Both times are on Redis's clock (TIME inside the scripts), never a host's.
 """
 
 from __future__ import annotations
@@ -45,8 +49,21 @@ local function drop_item(inflight, due, items, id)
 end
 """
 
+# Redis's clock, the one every host shares: due times and retry lease deadlines are
+# taken from TIME inside the scripts, never from a host's clock, which may be off by
+# seconds. replicate_commands lets a script write after TIME on Redis 6.2 (a no-op on 7+,
+# absent in fakeredis, hence the guard).
+_NOW = """
+if redis.replicate_commands then redis.replicate_commands() end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
 # ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, allow_over_dead (bool)], ...]
-# Returns per record: claimed | busy | done | dead | conflict
+# Returns per record: claimed | busy | done | dead | conflict | partial
+# (partial: done with effects applied in part, and no dead letter acknowledged yet)
 CLAIM = (
     _PARSE
     + """
@@ -62,7 +79,9 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
   elseif kind == 'c' then
     if f1 == token then status = 'claimed' else status = 'busy' end
   elseif kind == 'd' then
-    if f1 == fp then status = 'done' else status = 'conflict' end
+    if f1 ~= fp then status = 'conflict'
+    elseif string.sub(f2, -2) == '|p' then status = 'partial'
+    else status = 'done' end
   elseif kind == 'x' and over_dead == true then
     status = 'claimed'
   elseif kind == 'x' then
@@ -80,41 +99,238 @@ return out
 )
 
 # KEYS: inflight, due, items
-# ARGV[1]: ttl_s; ARGV[2]: [[idem_key, token, fingerprint, retry_id, [[cmd, arg...], ...]], ...]
-# Returns per record: ok | done | dead | conflict | superseded | error:<message>
+# ARGV[1]: ttl_s ('' = done-markers never expire);
+# ARGV[2]: [[idem_key, token, fingerprint, retry_id, [[cmd, arg...], ...]], ...]
+# Returns per record: ok | done | dead | conflict | superseded | error:<message> | partial:<message>
 # The same checks serve a delivery that claimed the key and one that did not (an
 # effects-only handler's): the effects apply only while the key is free or ours.
+# error: nothing of the record was applied (the record is retried);
+# partial: an effect failed after another was applied. The done-marker is kept, flagged
+# '|p', so the effects are never applied again; the record is dead-lettered.
 FINISH = (
     _PARSE
     + """
--- Redis never rolls back a script's earlier writes when a later command fails, so the
--- effects are checked before any is applied: a record's effects then fail as a whole
--- (nothing written) instead of half applied, and re-applied by every retry.
-local NEEDS = {
-  xadd = 'stream', hset = 'hash', hsetnx = 'hash', hincrby = 'hash', hdel = 'hash',
-  sadd = 'set', srem = 'set', zadd = 'zset', zincrby = 'zset', lpush = 'list',
-  rpush = 'list', incr = 'string', incrby = 'string', decr = 'string', decrby = 'string',
+-- Redis never rolls back a script's earlier writes when a later command fails. So every
+-- effect of a record is checked first against what it will meet (command, arity, key
+-- types, integer counters and their int64 overflow), simulating the record's own earlier
+-- effects on the same keys; and the done-marker is written before the effects, so one
+-- that still fails after another was applied leaves the marker: never applied twice.
+local MAX_ARGS = 1024  -- per command, far below what unpack() takes (~8000)
+-- effect -> {type the key must hold ('' any), fewest arguments after the key, most (-1 any)}
+local EFFECTS = {
+  xadd = {'stream', 3, -1}, hset = {'hash', 2, -1}, hsetnx = {'hash', 2, 2},
+  hincrby = {'hash', 2, 2}, hdel = {'hash', 1, -1}, sadd = {'set', 1, -1},
+  srem = {'set', 1, -1}, zadd = {'zset', 2, -1}, zincrby = {'zset', 2, 2},
+  lpush = {'list', 1, -1}, rpush = {'list', 1, -1}, incr = {'string', 0, 0},
+  incrby = {'string', 1, 1}, decr = {'string', 0, 0}, decrby = {'string', 1, 1},
+  set = {'', 1, 6}, del = {'', 0, 0}, expire = {'', 1, 1}, pexpire = {'', 1, 1},
 }
-local COUNTERS = {incr = true, incrby = true, decr = true, decrby = true}
+local KEEPS_TYPE = {hdel = true, srem = true, expire = true, pexpire = true}
+-- Exact int64 arithmetic with doubles: value = h * 1e10 + l, 0 <= l < 1e10.
+local E10 = 1e10
+local function in_range(h, l)
+  return (h < 922337203 or (h == 922337203 and l <= 6854775807))
+    and (h > -922337204 or (h == -922337204 and l >= 3145224192))
+end
+local function to_int(s)  -- nil unless Redis reads s as an int64 (string2ll)
+  if type(s) ~= 'string' then return nil end
+  if s == '0' then return 0, 0 end
+  if #s > 20 or not string.match(s, '^-?[1-9]%d*$') then return nil end
+  local neg = string.sub(s, 1, 1) == '-'
+  local digits = neg and string.sub(s, 2) or s
+  local n = #digits
+  if n > 19 then return nil end
+  local h = n > 10 and tonumber(string.sub(digits, 1, n - 10)) or 0
+  local l = tonumber(string.sub(digits, math.max(1, n - 9)))
+  if neg then
+    h, l = -h, -l
+    if l < 0 then h, l = h - 1, l + E10 end
+  end
+  if not in_range(h, l) then return nil end
+  return h, l
+end
+local function add(h1, l1, h2, l2)
+  local h, l = h1 + h2, l1 + l2
+  if l >= E10 then h, l = h + 1, l - E10 end
+  return h, l
+end
+local function negate(h, l)
+  if l == 0 then return -h, 0 end
+  return -h - 1, E10 - l
+end
+local function finite(s)
+  local n = type(s) == 'string' and not string.find(s, '^%s') and tonumber(s)
+  return n and n == n and n ~= math.huge and n ~= -math.huge
+end
+local OVERFLOW = 'ERR increment or decrement would overflow'
+local NOT_INT = 'ERR value is not an integer or out of range'
 local function effects_error(cmds)
-  for _, cmd in ipairs(cmds) do
-    local name = string.lower(cmd[1])
-    local want = NEEDS[name]
-    if want then
-      local have = redis.call('TYPE', cmd[2])['ok']
-      if have ~= 'none' and have ~= want then
-        return 'WRONGTYPE ' .. string.upper(name) .. ' needs a ' .. want
-          .. ', the key holds a ' .. have
-      end
-      local value = COUNTERS[name] and have == 'string' and redis.call('GET', cmd[2])
-      if value and value ~= '0' and not (#value <= 20 and string.match(value, '^-?[1-9]%d*$')) then
-        return 'ERR ' .. string.upper(name) .. ': the key does not hold an integer'
+  local types, ints, fields, gone = {}, {}, {}, {}
+  local function type_of(key)
+    if types[key] == nil then
+      local t = redis.pcall('TYPE', key)
+      if t.err then return nil, t.err end
+      types[key] = t['ok']
+    end
+    return types[key]
+  end
+  local function counter(key)  -- {h, l}, or false when the key holds no integer
+    if ints[key] == nil then
+      local v = redis.call('GET', key)
+      local h, l = 0, 0
+      if v then h, l = to_int(v) end
+      ints[key] = h and {h, l} or false
+    end
+    return ints[key]
+  end
+  local function field(key, name)  -- {h, l}, 'text' or 'none'
+    local fs = fields[key]
+    if not fs then fs = {}; fields[key] = fs end
+    if fs[name] == nil then
+      local v = not gone[key] and redis.call('HGET', key, name)
+      if not v then fs[name] = 'none'
+      else
+        local h, l = to_int(v)
+        fs[name] = h and {h, l} or 'text'
       end
     end
+    return fs[name]
+  end
+  local function set_field(key, name, value)
+    field(key, name)
+    local h, l = to_int(value)
+    fields[key][name] = h and {h, l} or 'text'
+  end
+  local function replaced(key, kind)
+    types[key], gone[key], fields[key] = kind, true, {}
+    ints[key] = kind == 'none' and {0, 0} or nil
+  end
+  for _, cmd in ipairs(cmds) do
+    local name = string.lower(tostring(cmd[1]))
+    local NAME = string.upper(name)
+    local spec = EFFECTS[name]
+    if not spec then return 'ERR ' .. NAME .. ' is not an effect command' end
+    if #cmd > MAX_ARGS then
+      return 'ERR ' .. NAME .. ' has ' .. #cmd .. ' arguments, more than ' .. MAX_ARGS
+    end
+    local nargs = #cmd - 2
+    if nargs < spec[2] or (spec[3] >= 0 and nargs > spec[3]) then
+      return "ERR wrong number of arguments for '" .. name .. "' command"
+    end
+    local key = cmd[2]
+    local have, err = type_of(key)
+    if not have then return err end
+    local want = spec[1]
+    if want ~= '' and have ~= 'none' and have ~= want then
+      return 'WRONGTYPE ' .. NAME .. ' needs a ' .. want .. ', the key holds a ' .. have
+    end
+    if name == 'incr' or name == 'incrby' or name == 'decr' or name == 'decrby' then
+      local c = counter(key)
+      if not c then return 'ERR ' .. NAME .. ': the key does not hold an integer' end
+      local h, l = 0, 1
+      if nargs == 1 then
+        h, l = to_int(cmd[3])
+        if not h then return NOT_INT end
+      end
+      if name == 'decr' or name == 'decrby' then
+        if h == -922337204 and l == 3145224192 then return OVERFLOW end
+        h, l = negate(h, l)
+      end
+      h, l = add(c[1], c[2], h, l)
+      if not in_range(h, l) then return OVERFLOW end
+      ints[key] = {h, l}
+    elseif name == 'hincrby' then
+      local c = field(key, cmd[3])
+      if c == 'text' then return 'ERR hash value is not an integer' end
+      if c == 'none' then c = {0, 0} end
+      local h, l = to_int(cmd[4])
+      if not h then return NOT_INT end
+      h, l = add(c[1], c[2], h, l)
+      if not in_range(h, l) then return OVERFLOW end
+      fields[key][cmd[3]] = {h, l}
+    elseif name == 'hset' then
+      if nargs % 2 ~= 0 then return "ERR wrong number of arguments for 'hset' command" end
+      for i = 3, #cmd, 2 do set_field(key, cmd[i], cmd[i + 1]) end
+    elseif name == 'hsetnx' then
+      if field(key, cmd[3]) == 'none' then set_field(key, cmd[3], cmd[4]) end
+    elseif name == 'hdel' then
+      field(key, cmd[3])
+      for i = 3, #cmd do fields[key][cmd[i]] = 'none' end
+    elseif name == 'zadd' then
+      local i, seen = 3, {}
+      while cmd[i] and ({NX = 1, XX = 1, GT = 1, LT = 1, CH = 1})[string.upper(cmd[i])] do
+        seen[string.upper(cmd[i])] = true
+        i = i + 1
+      end
+      if (seen.NX and (seen.XX or seen.GT or seen.LT)) or (seen.GT and seen.LT) then
+        return 'ERR ZADD: incompatible options'
+      end
+      if #cmd - i + 1 < 2 or (#cmd - i + 1) % 2 ~= 0 then
+        return "ERR wrong number of arguments for 'zadd' command"
+      end
+      for j = i, #cmd, 2 do
+        if not finite(cmd[j]) then return 'ERR ZADD: a score is not a finite number' end
+      end
+    elseif name == 'zincrby' then
+      if not finite(cmd[3]) then return 'ERR ZINCRBY: the increment is not a finite number' end
+    elseif name == 'xadd' then
+      local i = 3
+      if string.upper(cmd[i]) == 'NOMKSTREAM' then i = i + 1 end
+      if cmd[i] and string.upper(cmd[i]) == 'MAXLEN' then
+        i = i + 1
+        if cmd[i] == '~' or cmd[i] == '=' then i = i + 1 end
+        local h = to_int(cmd[i])
+        if not h or h < 0 then return 'ERR XADD: MAXLEN needs a count >= 0' end
+        i = i + 1
+      end
+      if cmd[i] ~= '*' then return 'ERR XADD effects take the id *' end
+      if #cmd - i < 2 or (#cmd - i) % 2 ~= 0 then
+        return "ERR wrong number of arguments for 'xadd' command"
+      end
+    elseif name == 'set' then
+      local seen, i = {}, 4
+      while i <= #cmd do
+        local opt = string.upper(cmd[i])
+        if seen[opt] then return 'ERR SET: ' .. opt .. ' given twice' end
+        seen[opt] = true
+        if opt == 'EX' or opt == 'PX' then
+          local h, l = to_int(cmd[i + 1])
+          if not h or h < 0 or (h == 0 and l == 0) or h >= 1000 then
+            return 'ERR SET: invalid expire time'
+          end
+          i = i + 2
+        elseif opt == 'NX' or opt == 'XX' or opt == 'KEEPTTL' then
+          i = i + 1
+        else
+          return 'ERR SET: option ' .. opt .. ' is not allowed in effects'
+        end
+      end
+      if (seen.NX and seen.XX) or ((seen.EX and 1 or 0) + (seen.PX and 1 or 0)
+          + (seen.KEEPTTL and 1 or 0)) > 1 then
+        return 'ERR SET: incompatible options'
+      end
+      if not ((seen.NX and have ~= 'none') or (seen.XX and have == 'none')) then
+        replaced(key, 'string')
+        local h, l = to_int(cmd[3])
+        ints[key] = h and {h, l} or false
+      end
+    elseif name == 'del' then
+      replaced(key, 'none')
+    elseif name == 'expire' or name == 'pexpire' then
+      local h, l = to_int(cmd[3])
+      if not h or h < 0 or (h == 0 and l == 0) or h >= 1000 then
+        return 'ERR ' .. NAME .. ': invalid expire time'
+      end
+    end
+    if want ~= '' and not KEEPS_TYPE[name] then types[key] = want end
   end
   return nil
 end
 local ttl = ARGV[1]
+local function set_marker(key, value)
+  if ttl == '' then return redis.pcall('SET', key, value) end
+  return redis.pcall('SET', key, value, 'EX', ttl)
+end
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[2])) do
   local key, token, fp, retry_id, cmds = r[1], r[2], r[3], r[4], r[5]
@@ -123,6 +339,9 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
   local status
   if kind == 'd' then
     if f2 == token then status = 'ok'
+    elseif f2 == token .. '|p' then status = 'partial:effects applied in part (reply re-sent)'
+    elseif f1 == fp and string.sub(f2, -2) == '|p' then
+      status = 'partial:an earlier delivery applied the effects in part'
     elseif f1 == fp then status = 'done'
     else status = 'conflict' end
   elseif kind == 'x' then
@@ -130,21 +349,33 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
   elseif kind == 'c' and f1 ~= token then
     status = 'superseded'
   else
-    status = 'ok'
     local problem = effects_error(cmds)
     if problem then
       status = 'error:' .. problem
-      cmds = {}
-    end
-    for _, cmd in ipairs(cmds) do
-      local r = redis.pcall(unpack(cmd))
-      if type(r) == 'table' and r.err then
-        status = 'error:' .. r.err
-        break
+    else
+      local was_ttl = v and redis.call('PTTL', key)
+      local done = 'd|' .. fp .. '|' .. token
+      local wrote = set_marker(key, done)
+      if wrote.err then
+        status = 'error:' .. wrote.err  -- Redis refused the first write: nothing written
+      else
+        status = 'ok'
+        for i, cmd in ipairs(cmds) do
+          local res = redis.pcall(unpack(cmd))
+          if type(res) == 'table' and res.err then
+            if i == 1 then  -- nothing of the record applied: put the key back, fail whole
+              if not v then redis.call('DEL', key)
+              elseif was_ttl > 0 then redis.call('SET', key, v, 'PX', was_ttl)
+              else redis.call('SET', key, v) end
+              status = 'error:' .. res.err
+            else  -- applied in part: keep the marker, so they are never applied again
+              redis.call('SET', key, done .. '|p', 'KEEPTTL')
+              status = 'partial:' .. res.err
+            end
+            break
+          end
+        end
       end
-    end
-    if status == 'ok' then
-      redis.call('SET', key, 'd|' .. fp .. '|' .. token, 'EX', ttl)
     end
   end
   if status == 'ok' or status == 'done' or status == 'dead' then
@@ -157,16 +388,20 @@ return out
 )
 
 # KEYS: inflight, due, items
-# ARGV[1]: [[id, item_json, due_ms, idem_key, token, lease], ...]
+# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease], ...]
 #   lease '' for a fresh delivery (park unless already parked), else the fencing
-#   deadline of the retry claim being rescheduled. due_ms and lease are strings.
+#   deadline of the retry claim being rescheduled. delay_ms and lease are strings.
+#   The item is due at Redis's now + delay_ms.
 # Returns per record: parked | exists | lost_lease
 PARK = (
     _PARSE
+    + _NOW
     + """
+local now = now_ms()
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[1])) do
-  local id, item, due_ms, key, token, lease = r[1], r[2], r[3], r[4], r[5], r[6]
+  local id, item, delay_ms, key, token, lease = r[1], r[2], r[3], r[4], r[5], r[6]
+  local due_ms = string.format('%d', now + tonumber(delay_ms))
   local status
   if lease == '' then
     if redis.call('HEXISTS', KEYS[3], id) == 1 then
@@ -195,8 +430,10 @@ return out
 )
 
 # KEYS: inflight, due, items
-# ARGV[1]: ttl_s; ARGV[2]: [[idem_key ('' when undecodable), token, fingerprint, retry_id], ...]
-# Marks the key dead-lettered (unless someone completed it meanwhile), drops the retry item.
+# ARGV[1]: ttl_s ('' = no expiry);
+# ARGV[2]: [[idem_key ('' when undecodable), token, fingerprint, retry_id], ...]
+# Marks the key dead-lettered (unless someone completed it meanwhile), settles a partial
+# apply's marker ('|p' -> '|P'), drops the retry item.
 MARK_DEAD = (
     _PARSE
     + """
@@ -209,7 +446,15 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
     local v = redis.call('GET', key)
     local kind, f1, f2 = parse(v)
     if (not v) or (kind == 'c' and f1 == token) then
-      redis.call('SET', key, 'x|' .. fp .. '|' .. token, 'EX', ttl)
+      if ttl == '' then
+        redis.call('SET', key, 'x|' .. fp .. '|' .. token)
+      else
+        redis.call('SET', key, 'x|' .. fp .. '|' .. token, 'EX', ttl)
+      end
+    elseif kind == 'd' and f1 == fp and string.sub(f2, -2) == '|p' then
+      -- a partial apply's dead letter is acknowledged: later deliveries are duplicates
+      redis.call('SET', key, string.sub(v, 1, -2) .. 'P', 'KEEPTTL')
+      status = 'settled'
     else
       status = 'kept'
     end
@@ -232,17 +477,20 @@ return 1
 """
 )
 
-# KEYS: due, inflight, items; ARGV: now_ms, lease_ms, limit
+# KEYS: due, inflight, items; ARGV: lease_ms, limit. Due and lease times are Redis's TIME.
 # Returns a flat list: id, lease deadline, item json, ...
-CLAIM_DUE = """
-local now = tonumber(ARGV[1])
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
+CLAIM_DUE = (
+    _NOW
+    + """
+local now = now_ms()
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now),
+  'LIMIT', 0, ARGV[2])
+local deadline = string.format('%d', now + tonumber(ARGV[1]))
 local out = {}
 for _, id in ipairs(ids) do
   redis.call('ZREM', KEYS[1], id)
   local item = redis.call('HGET', KEYS[3], id)
   if item then
-    local deadline = string.format('%d', now + tonumber(ARGV[2]))
     redis.call('ZADD', KEYS[2], deadline, id)
     out[#out + 1] = id
     out[#out + 1] = deadline
@@ -251,13 +499,78 @@ for _, id in ipairs(ids) do
 end
 return out
 """
+)
 
-# KEYS: due, inflight; ARGV: now_ms, limit. Expired retry leases go back to the queue.
-REAP = """
-local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+# KEYS: due, inflight; ARGV: limit. Retry leases past Redis's TIME go back to the queue.
+REAP = (
+    _NOW
+    + """
+local now = string.format('%d', now_ms())
+local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[1])
 for _, id in ipairs(ids) do
   redis.call('ZREM', KEYS[2], id)
-  redis.call('ZADD', KEYS[1], ARGV[1], id)
+  redis.call('ZADD', KEYS[1], now, id)
 end
 return #ids
 """
+)
+
+# KEYS: inflight
+# ARGV[1]: [[idem_key, token, claim_ms, retry_id, lease, retry_ms], ...]
+#   idem_key '' when the record holds no claim; retry_id '' (and lease '') when it is
+#   not a retry. Called as a pool runner starts the handler: the leases taken at claim
+#   time may have burned while the record waited for a runner.
+# Returns per record: ok:<retry lease, '' when not a retry> | lost_claim | lost_lease
+# Only when both are still ours: the claim lives at least claim_ms more, and the retry
+# lease (the inflight score, also PARK's fencing token) at least retry_ms more. A moved
+# lease is remembered in <inflight>:ext:<id> for as long as it runs, so a re-sent call
+# (lost reply) recognises its own extension instead of reporting the lease lost.
+EXTEND = (
+    _PARSE
+    + _NOW
+    + """
+local now = now_ms()
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local key, token, claim_ms = r[1], r[2], tonumber(r[3])
+  local id, lease, retry_ms = r[4], r[5], tonumber(r[6])
+  local status = 'ok'
+  local current = 0
+  if key ~= '' then
+    local v = redis.call('GET', key)
+    if not (v and string.sub(v, 1, 3 + #token) == 'c|' .. token .. '|') then
+      status = 'lost_claim'
+    end
+  end
+  local mark = KEYS[1] .. ':ext:' .. id
+  if status == 'ok' and id ~= '' then
+    local score = redis.call('ZSCORE', KEYS[1], id)
+    local moved = score and redis.call('GET', mark)
+    if score and tonumber(score) == tonumber(lease) then
+      current = tonumber(score)
+    elseif moved and moved == lease .. '|' .. string.format('%d', tonumber(score)) then
+      current = tonumber(score)
+    else
+      status = 'lost_lease'
+    end
+  end
+  if status == 'ok' then
+    if key ~= '' and redis.call('PTTL', key) < claim_ms then
+      redis.call('PEXPIRE', key, claim_ms)
+    end
+    if id ~= '' then
+      if current < now + retry_ms then
+        current = now + retry_ms
+        redis.call('ZADD', KEYS[1], string.format('%d', current), id)
+        redis.call('SET', mark, lease .. '|' .. string.format('%d', current), 'PX', retry_ms)
+      end
+      status = 'ok:' .. string.format('%d', current)
+    else
+      status = 'ok:'
+    end
+  end
+  out[#out + 1] = status
+end
+return out
+"""
+)

@@ -5,7 +5,8 @@ can then be committed, because the record now lives in Redis. The scheduler clai
 due items into an in-flight set with a lease deadline; a reaper returns items whose
 lease expired (their worker died) to the queue. An item leaves Redis only in the
 same atomic script that makes its outcome durable (done-marker, or the
-dead-letter mark after the dead-letter topic acknowledged it).
+dead-letter mark after the dead-letter topic acknowledged it). Due times and lease
+deadlines are Redis's clock (TIME inside the scripts): hosts' clocks may disagree.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class ParkStatus(StrEnum):
 @dataclass(slots=True)
 class ParkRequest:
     delivery: Delivery  # with attempt, first_failed_ms and last_error of the next run
-    due_ms: int
+    delay_ms: int  # due this long after PARK runs, on Redis's clock
     idem_key: str  # '' when no claim is held
     token: str
 
@@ -57,6 +58,7 @@ def backoff_ms(attempt: int, policy: RetrySettings, rng: random.Random | None = 
 
 
 def now_ms() -> int:
+    """This host's wall clock: for timestamps people read, never for due times or leases."""
     return int(time.time() * 1000)
 
 
@@ -80,11 +82,10 @@ class RetryQueue:
             out += await self._park_chunk(requests[i : i + size])
         return out
 
-    async def claim_due(self, *, now: int, lease_ms: int, limit: int) -> list[Delivery]:
+    async def claim_due(self, *, lease_ms: int, limit: int) -> list[Delivery]:
+        """Move what is due by Redis's clock to in flight, leased for ``lease_ms``."""
         keys = [self._keys.retry_due, self._keys.retry_inflight, self._keys.retry_items]
-        flat = await self._ops.call(
-            lambda: self._claim_script(keys=keys, args=[now, lease_ms, limit])
-        )
+        flat = await self._ops.call(lambda: self._claim_script(keys=keys, args=[lease_ms, limit]))
         out: list[Delivery] = []
         for i in range(0, len(flat), 3):
             lease = int(flat[i + 1])
@@ -96,9 +97,10 @@ class RetryQueue:
                 log.error("unreadable retry item", extra={"retry_id": reply_text(flat[i])})
         return out
 
-    async def reap(self, *, now: int, limit: int = 1000) -> int:
+    async def reap(self, *, limit: int = 1000) -> int:
+        """Re-queue items whose lease ended by Redis's clock (a host's may be off)."""
         keys = [self._keys.retry_due, self._keys.retry_inflight]
-        reaped = await self._ops.call(lambda: self._reap_script(keys=keys, args=[now, limit]))
+        reaped = await self._ops.call(lambda: self._reap_script(keys=keys, args=[limit]))
         return int(reaped)
 
     async def depth(self) -> tuple[int, int]:
@@ -120,12 +122,32 @@ class RetryQueue:
         head = await self._ops.call(first)
         return int(head[0][1]) if head else None
 
+    async def due_in_ms(self) -> int | None:
+        """How long until the earliest item is due, by Redis's clock; None when none waits.
+
+        The due times are Redis's TIME, so comparing them with this host's clock would make
+        a host behind wait too long and one ahead poll without pause.
+        """
+
+        async def head_and_now() -> tuple[list[Any], list[Any]]:
+            pipe = self._ops.client.pipeline(transaction=False)
+            pipe.zrange(self._keys.retry_due, 0, 0, withscores=True)
+            pipe.time()
+            head, server = await pipe.execute()
+            return list(head), list(server)
+
+        head, server = await self._ops.call(head_and_now)
+        if not head:
+            return None
+        now = int(server[0]) * 1000 + int(server[1]) // 1000
+        return max(0, int(head[0][1]) - now)
+
     async def _park_chunk(self, batch: Sequence[ParkRequest]) -> list[ParkStatus]:
         records = [
             [
                 r.delivery.retry_id,
                 r.delivery.to_json(),
-                str(r.due_ms),
+                str(r.delay_ms),
                 r.idem_key,
                 r.token,
                 "" if r.delivery.retry_lease is None else str(r.delivery.retry_lease),
@@ -140,20 +162,30 @@ class RetryQueue:
         return [ParkStatus(reply_text(r)) for r in replies]
 
 
+# Runs a batch of retries to a durable fate, record by record when the batch breaks
+# (Processor.process_reliably); the callable says when to give up (the scheduler stops).
+ProcessRetries = Callable[[list[Delivery], Callable[[], bool]], Awaitable[object]]
+
+
 class RetryScheduler:
-    """Claims due retries and runs them, a batch at a time, through the fresh records' path."""
+    """Claims due retries and runs them, a batch at a time, through the fresh records' path.
+
+    Like a fetched batch, a claimed one goes through the isolating path: a record that
+    breaks processing itself is retried alone and dead-lettered as ``internal`` after a few
+    tries, so it neither holds its batch-mates back nor loops through the reaper forever.
+    """
 
     def __init__(
         self,
         queue: RetryQueue,
-        process_batch: Callable[[list[Delivery]], Awaitable[object]],
+        process: ProcessRetries,
         policy: RetrySettings,
         *,
         max_in_flight: int,
         on_depth: Callable[[int, int], None] | None = None,
     ) -> None:
         self._queue = queue
-        self._process_batch = process_batch
+        self._process = process
         self._policy = policy
         self._max_in_flight = max_in_flight
         self._in_flight = 0
@@ -175,7 +207,7 @@ class RetryScheduler:
         while not self._stop.is_set():
             loop_now = time.monotonic()
             if loop_now >= next_reap:
-                reaped = await self._queue.reap(now=now_ms())
+                reaped = await self._queue.reap()
                 if reaped:
                     log.warning("retry leases expired; items re-queued", extra={"count": reaped})
                 if self._on_depth:
@@ -185,7 +217,6 @@ class RetryScheduler:
             claimed: list[Delivery] = []
             if free > 0:
                 claimed = await self._queue.claim_due(
-                    now=now_ms(),
                     lease_ms=self._policy.lease_ms,
                     limit=min(free, self._policy.claim_batch),
                 )
@@ -200,19 +231,22 @@ class RetryScheduler:
 
     async def _wait_for_next(self) -> None:
         wait_s = self._policy.poll_interval_ms / 1000
-        head = await self._queue.next_due_ms()
-        if head is not None:
-            wait_s = min(wait_s, max(0.0, (head - now_ms()) / 1000))
+        due_in = await self._queue.due_in_ms()
+        if due_in is not None:
+            wait_s = min(wait_s, due_in / 1000)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), timeout=max(wait_s, 0.005))
 
     async def _run_batch(self, batch: list[Delivery]) -> None:
         try:
-            await self._process_batch(batch)
+            # Gives up only when stopping: the unfinished items stay in flight, and the
+            # reaper re-queues them when their leases expire.
+            await self._process(batch, self._stop.is_set)
         except asyncio.CancelledError:
             raise
         except Exception:
-            # The items stay in flight; their leases expire and the reaper re-queues them.
+            # Not even the isolating path finished (it only raises on a bug of its own):
+            # the items stay in flight; their leases expire and the reaper re-queues them.
             log.exception(
                 "retry batch processing failed",
                 extra={"retry_ids": [d.retry_id for d in batch[:10]], "count": len(batch)},

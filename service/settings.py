@@ -141,10 +141,49 @@ class RetrySettings(BaseModel):
 
 
 class IdempotencySettings(BaseModel):
-    """How long a done-marker is remembered and how long a claim is held."""
+    """How long a done-marker is remembered and how long a claim is held.
 
-    ttl_s: int = Field(default=7 * 24 * 3600, ge=60)
+    ``ttl_s`` None (the default): done and dead markers never expire, so "granted" is
+    permanent whatever is replayed or redelivered later (docs/contracts.md gives the memory
+    it costs). With a TTL, a record is granted only inside the dedupe window, timestamps in
+    ``[now - ttl_s + window_margin_s, now + window_margin_s]``: older ones could find their
+    marker expired, so they are dead-lettered as ``beyond_dedupe_window`` instead.
+    """
+
+    ttl_s: int | None = Field(default=None, ge=60)
+    # Slack for clocks (producers set record timestamps) and for the time between a
+    # record's timestamp and its marker being written.
+    window_margin_s: int = Field(default=3600, ge=0)
     lease_ms: int = Field(default=60_000, ge=100)
+
+    @model_validator(mode="after")
+    def _window_fits(self) -> IdempotencySettings:
+        if self.ttl_s is not None and self.ttl_s <= 2 * self.window_margin_s:
+            raise ValueError(
+                "WORKER_IDEMPOTENCY__TTL_S must be more than twice "
+                f"WORKER_IDEMPOTENCY__WINDOW_MARGIN_S ({self.window_margin_s} s), or unset "
+                "(markers that never expire)"
+            )
+        return self
+
+    def window_refusal(self, timestamp_ms: int, now_ms: int) -> str | None:
+        """Why a record with this Kafka timestamp must not be granted, or None when it may."""
+        if self.ttl_s is None:
+            return None
+        oldest = now_ms - (self.ttl_s - self.window_margin_s) * 1000
+        newest = now_ms + self.window_margin_s * 1000
+        if timestamp_ms < oldest:
+            return (
+                f"record timestamp {timestamp_ms} is older than the dedupe window "
+                f"(WORKER_IDEMPOTENCY__TTL_S={self.ttl_s} minus a margin of "
+                f"{self.window_margin_s} s): its done-marker may have expired"
+            )
+        if timestamp_ms > newest:
+            return (
+                f"record timestamp {timestamp_ms} is more than {self.window_margin_s} s in the "
+                "future: its done-marker could expire before its redeliveries end"
+            )
+        return None
 
 
 class OutcomeSettings(BaseModel):
@@ -201,6 +240,9 @@ class Settings(BaseSettings):
     # Records fetched and not yet done, in total and per partition (memory and redelivery bound).
     max_in_flight: int = Field(default=5000, ge=1)
     max_in_flight_per_partition: int = Field(default=2500, ge=1)
+    # And their bytes (key + value + headers): 5000 records of up to 1 MiB would be 5 GB.
+    # 128 MiB leaves the 512Mi pod of deploy/k8s room for the fetch buffer and the heap.
+    max_in_flight_bytes: int = Field(default=128 * 1024 * 1024, ge=1024)
     # A partition's fetched records are processed in batches of at most this many.
     max_batch_records: int = Field(default=500, ge=1, le=10_000)
     # Async handlers running at once (what the services they call see as concurrency).
@@ -218,6 +260,11 @@ class Settings(BaseSettings):
     tune_gc: bool = True
     # The event loop: uvloop when installed (auto), or one of the two by name.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    # Start-up check of the dead-letter and outcome topics' replication factor and
+    # min.insync.replicas (docs/durability.md): "auto" refuses to start when
+    # WORKER_REDIS__DURABILITY is not "local" and only warns when it is.
+    topic_durability: Literal["auto", "off", "warn", "require"] = "auto"
+    topic_min_insync_replicas: int = Field(default=2, ge=1)
     # Run the retry scheduler inside the worker (it can also run as its own process).
     run_retry_scheduler: bool = True
     # Fault injection from record headers (x-fault); for demos and chaos tests, never production.
@@ -242,6 +289,11 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.max_in_flight_per_partition > self.max_in_flight:
             raise ValueError("WORKER_MAX_IN_FLIGHT_PER_PARTITION must be <= WORKER_MAX_IN_FLIGHT")
+        if self.max_in_flight_bytes < self.kafka.max_partition_fetch_bytes:
+            raise ValueError(
+                "WORKER_MAX_IN_FLIGHT_BYTES must be >= WORKER_KAFKA__MAX_PARTITION_FETCH_BYTES "
+                f"({self.kafka.max_partition_fetch_bytes}), or a fetched record may never fit"
+            )
         if self.handler_timeout_s * 1000 >= self.idempotency.lease_ms:
             raise ValueError(
                 "WORKER_IDEMPOTENCY__LEASE_MS must exceed WORKER_HANDLER_TIMEOUT_S (in ms), "

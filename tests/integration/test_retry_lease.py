@@ -72,10 +72,10 @@ async def test_a_dead_workers_retry_runs_again_after_its_lease(
             last_error="RetryableError: dependency down",
         )
         parked = await queue.park(
-            ParkRequest(delivery=delivery, due_ms=started, idem_key="", token="")
+            ParkRequest(delivery=delivery, delay_ms=0, idem_key="", token="")
         )
         assert parked is ParkStatus.PARKED
-        (dead_run,) = await queue.claim_due(now=now_ms(), lease_ms=DEAD_LEASE_MS, limit=1)
+        (dead_run,) = await queue.claim_due(lease_ms=DEAD_LEASE_MS, limit=1)
         assert dead_run.retry_lease is not None
         lease_ends = dead_run.retry_lease
         claim = ClaimRequest(

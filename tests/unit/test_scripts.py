@@ -45,6 +45,11 @@ class Env:
         item = await self.redis.hexists(self.keys.retry_items, retry_id)
         return due is not None, inflight is not None, bool(item)
 
+    async def server_ms(self) -> int:
+        """Redis's clock, which the delay queue's scripts go by."""
+        seconds, micros = await self.redis.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
 
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
@@ -252,42 +257,50 @@ async def test_park_is_idempotent_for_fresh_deliveries(env: Env) -> None:
     d = replace(delivery(), attempt=2, last_error="boom")
     key = env.idem.key("payments", "p1")
     await env.idem.claim(claim(key, "A"))
-    request = ParkRequest(delivery=d, due_ms=5_000, idem_key=key, token="A")
+    request = ParkRequest(delivery=d, delay_ms=5_000, idem_key=key, token="A")
+    before = await env.server_ms()
     assert await env.queue.park(request) is ParkStatus.PARKED
+    after = await env.server_ms()
     assert await env.structures(d.retry_id) == (True, False, True)
-    assert await env.redis.zscore(env.keys.retry_due, d.retry_id) == 5_000
+    due = await env.redis.zscore(env.keys.retry_due, d.retry_id)
+    assert due is not None and before + 5_000 <= due <= after + 5_000, "Redis's now + delay"
     # Parking released our claim, so the retry can claim the key later.
     assert await env.idem.claim(claim(key, "B")) is ClaimStatus.CLAIMED
     # A redelivery of the same record (after a crash before the commit) finds it parked.
-    again = ParkRequest(delivery=delivery(), due_ms=9_000, idem_key=key, token="C")
+    again = ParkRequest(delivery=delivery(), delay_ms=9_000, idem_key=key, token="C")
     assert await env.queue.park(again) is ParkStatus.EXISTS
-    assert await env.redis.zscore(env.keys.retry_due, d.retry_id) == 5_000
+    assert await env.redis.zscore(env.keys.retry_due, d.retry_id) == due
     assert await env.queue.depth() == (1, 0)
 
 
 async def test_claim_due_moves_due_items_to_inflight(env: Env) -> None:
     early, late = delivery(offset=1), delivery(offset=2)
-    await env.queue.park(ParkRequest(delivery=early, due_ms=1_000, idem_key="", token=""))
-    await env.queue.park(ParkRequest(delivery=late, due_ms=10_000, idem_key="", token=""))
-    assert await env.queue.next_due_ms() == 1_000
-    claimed = await env.queue.claim_due(now=2_000, lease_ms=500, limit=10)
+    await env.queue.park(ParkRequest(delivery=early, delay_ms=0, idem_key="", token=""))
+    await env.queue.park(ParkRequest(delivery=late, delay_ms=10_000, idem_key="", token=""))
+    assert await env.queue.next_due_ms() == await env.redis.zscore(
+        env.keys.retry_due, early.retry_id
+    )
+    before = await env.server_ms()
+    claimed = await env.queue.claim_due(lease_ms=500, limit=10)
+    after = await env.server_ms()
     assert [c.offset for c in claimed] == [1]
     got = claimed[0]
-    assert got.retry_lease == 2_500 and got.is_retry
+    assert got.retry_lease is not None and got.is_retry
+    assert before + 500 <= got.retry_lease <= after + 500, "Redis's now + lease"
     assert (got.key, got.value, got.headers) == (early.key, early.value, early.headers)
     assert await env.structures(early.retry_id) == (False, True, True)
-    assert await env.redis.zscore(env.keys.retry_inflight, early.retry_id) == 2_500
+    assert await env.redis.zscore(env.keys.retry_inflight, early.retry_id) == got.retry_lease
     assert await env.structures(late.retry_id) == (True, False, True)
     assert await env.queue.depth() == (1, 1)
-    assert await env.queue.claim_due(now=2_000, lease_ms=500, limit=10) == []
+    assert await env.queue.claim_due(lease_ms=500, limit=10) == []
 
 
 async def test_claim_due_respects_the_limit(env: Env) -> None:
     for offset in range(5):
         d = delivery(offset=offset)
-        await env.queue.park(ParkRequest(delivery=d, due_ms=100 + offset, idem_key="", token=""))
-    first = await env.queue.claim_due(now=1_000, lease_ms=500, limit=2)
-    second = await env.queue.claim_due(now=1_000, lease_ms=500, limit=10)
+        await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    first = await env.queue.claim_due(lease_ms=500, limit=2)
+    second = await env.queue.claim_due(lease_ms=500, limit=10)
     assert [d.offset for d in first] == [0, 1]
     assert [d.offset for d in second] == [2, 3, 4]
 
@@ -295,39 +308,38 @@ async def test_claim_due_respects_the_limit(env: Env) -> None:
 async def test_reap_returns_expired_leases(env: Env) -> None:
     a, b = delivery(offset=1), delivery(offset=2)
     for d in (a, b):
-        await env.queue.park(ParkRequest(delivery=d, due_ms=0, idem_key="", token=""))
-    await env.queue.claim_due(now=1_000, lease_ms=500, limit=1)  # a: deadline 1500
-    await env.queue.claim_due(now=1_200, lease_ms=500, limit=1)  # b: deadline 1700
-    assert await env.queue.reap(now=1_400) == 0
-    assert await env.queue.reap(now=1_600) == 1
+        await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    (first,) = await env.queue.claim_due(lease_ms=0, limit=1)  # a: ended at once
+    await env.queue.claim_due(lease_ms=60_000, limit=1)  # b: a minute to go
+    assert await env.queue.reap() == 1
     assert await env.structures(a.retry_id) == (True, False, True)
     assert await env.structures(b.retry_id) == (False, True, True)
-    again = await env.queue.claim_due(now=1_600, lease_ms=500, limit=10)
+    again = await env.queue.claim_due(lease_ms=500, limit=10)
     assert [d.offset for d in again] == [1]
-    assert again[0].retry_lease == 2_100, "a new claim gets a new fencing deadline"
+    assert first.retry_lease is not None and again[0].retry_lease is not None
+    assert again[0].retry_lease > first.retry_lease, "a new claim gets a new fencing deadline"
 
 
 async def test_reschedule_needs_the_current_lease(env: Env) -> None:
     d = delivery()
-    await env.queue.park(ParkRequest(delivery=d, due_ms=0, idem_key="", token=""))
-    (run,) = await env.queue.claim_due(now=1_000, lease_ms=500, limit=1)
-    assert run.retry_lease == 1_500
-    await env.queue.reap(now=2_000)  # the lease expired; someone else claims it
-    (other,) = await env.queue.claim_due(now=2_000, lease_ms=500, limit=1)
-    stale = ParkRequest(delivery=replace(run, attempt=3), due_ms=9_000, idem_key="", token="")
+    await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    (run,) = await env.queue.claim_due(lease_ms=0, limit=1)
+    assert await env.queue.reap() == 1  # the lease expired; someone else claims it
+    (other,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
+    stale = ParkRequest(delivery=replace(run, attempt=3), delay_ms=0, idem_key="", token="")
     assert await env.queue.park(stale) is ParkStatus.LOST_LEASE
     assert await env.structures(d.retry_id) == (False, True, True)
-    current = ParkRequest(delivery=replace(other, attempt=3), due_ms=9_000, idem_key="", token="")
+    current = ParkRequest(delivery=replace(other, attempt=3), delay_ms=0, idem_key="", token="")
     assert await env.queue.park(current) is ParkStatus.PARKED
     assert await env.structures(d.retry_id) == (True, False, True)
-    (later,) = await env.queue.claim_due(now=9_000, lease_ms=500, limit=1)
+    (later,) = await env.queue.claim_due(lease_ms=500, limit=1)
     assert later.attempt == 3
 
 
 async def test_reschedule_without_any_inflight_entry_is_lost(env: Env) -> None:
     run = replace(delivery(), retry_lease=12345)
     assert (
-        await env.queue.park(ParkRequest(delivery=run, due_ms=0, idem_key="", token=""))
+        await env.queue.park(ParkRequest(delivery=run, delay_ms=0, idem_key="", token=""))
         is ParkStatus.LOST_LEASE
     )
     assert await env.structures(run.retry_id) == (False, False, False)
@@ -335,8 +347,8 @@ async def test_reschedule_without_any_inflight_entry_is_lost(env: Env) -> None:
 
 async def test_finish_of_a_retry_drops_it_everywhere(env: Env) -> None:
     d = delivery()
-    await env.queue.park(ParkRequest(delivery=d, due_ms=0, idem_key="", token=""))
-    (run,) = await env.queue.claim_due(now=1_000, lease_ms=500, limit=1)
+    await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    (run,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
     key = env.idem.key("payments", "p1")
     assert await env.idem.claim(claim(key, "R")) is ClaimStatus.CLAIMED
     status = await env.idem.finish(finish(key, "R", retry_id=run.retry_id))
@@ -351,8 +363,8 @@ async def test_finish_of_a_retry_already_done_still_drops_it(env: Env) -> None:
     await env.idem.claim(claim(key, "A"))
     await env.idem.finish(finish(key, "A"))
     d = delivery()
-    await env.queue.park(ParkRequest(delivery=d, due_ms=0, idem_key="", token=""))
-    (run,) = await env.queue.claim_due(now=1_000, lease_ms=500, limit=1)
+    await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    (run,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
     status = await env.idem.finish(finish(key, "R", retry_id=run.retry_id))
     assert status == (FinishStatus.DONE, None)
     assert await env.structures(run.retry_id) == (False, False, False)
@@ -361,8 +373,8 @@ async def test_finish_of_a_retry_already_done_still_drops_it(env: Env) -> None:
 
 async def test_superseded_finish_keeps_the_retry_item(env: Env) -> None:
     d = delivery()
-    await env.queue.park(ParkRequest(delivery=d, due_ms=0, idem_key="", token=""))
-    (run,) = await env.queue.claim_due(now=1_000, lease_ms=500, limit=1)
+    await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    (run,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
     key = env.idem.key("payments", "p1")
     await env.idem.claim(claim(key, "other"))
     status = await env.idem.finish(finish(key, "R", retry_id=run.retry_id))
@@ -372,8 +384,8 @@ async def test_superseded_finish_keeps_the_retry_item(env: Env) -> None:
 
 async def test_mark_dead_of_a_retry_drops_it_everywhere(env: Env) -> None:
     d = delivery()
-    await env.queue.park(ParkRequest(delivery=d, due_ms=0, idem_key="", token=""))
-    (run,) = await env.queue.claim_due(now=1_000, lease_ms=500, limit=1)
+    await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    (run,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
     await env.idem.mark_dead(DeadRequest(key="", token="", fingerprint="", retry_id=run.retry_id))
     assert await env.structures(run.retry_id) == (False, False, False)
 
@@ -381,7 +393,7 @@ async def test_mark_dead_of_a_retry_drops_it_everywhere(env: Env) -> None:
 async def test_unreadable_item_stays_in_flight(env: Env) -> None:
     await env.redis.hset(env.keys.retry_items, "bad/0/1", "not json")
     await env.redis.zadd(env.keys.retry_due, {"bad/0/1": 0})
-    assert await env.queue.claim_due(now=1_000, lease_ms=500, limit=10) == []
+    assert await env.queue.claim_due(lease_ms=500, limit=10) == []
     assert await env.structures("bad/0/1") == (False, True, True)
 
 
