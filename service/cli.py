@@ -168,14 +168,23 @@ def dlq_redrive(
     ] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="At most this many.")] = None,
 ) -> None:
-    """Re-publish dead letters to their source topic (after fixing the cause)."""
+    """Re-publish dead letters to their source topic (after fixing the cause).
+
+    With --reason, records of other reasons are left for a later redrive; nothing already
+    redriven is sent twice. Reads up to the end offsets seen at start.
+    """
     from service.redrive import redrive
 
     settings = _settings()
     report = asyncio.run(
         redrive(settings, topic, reasons=set(reason) if reason else None, limit=limit)
     )
-    console.print(f"redriven {report.redriven}, skipped {report.skipped}")
+    console.print(
+        f"redriven {report.redriven} {dict(sorted(report.by_reason.items()))}, "
+        f"skipped (other reasons, left for a later run) {report.skipped}, "
+        f"already redriven earlier {report.already}",
+        highlight=False,
+    )
 
 
 def main() -> None:  # pragma: no cover - console script shim

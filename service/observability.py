@@ -29,7 +29,20 @@ StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
 @dataclass
 class HealthState:
-    """Written by the worker's loop, read by the HTTP thread."""
+    """Written by the worker's loop, read by the HTTP thread.
+
+    Live means the process still makes progress by itself: its event loop turns (the
+    heartbeat), no background loop (commits, retry scheduler) has died, and, for a
+    consuming worker, the poll loop came back to ``getmany`` recently. A dependency that
+    is down is not a liveness failure (a restart would not fix it): readiness says so.
+
+    Ready means this replica is doing its share: connected to Kafka and Redis, nothing
+    stalled, not stopping, and, for a consuming worker, a member of the group holding at
+    least one partition. A member given no partition (more replicas than partitions) is
+    a *standby*: live but not ready, so a rollout never counts it as capacity (see
+    deploy/k8s/deployment.yaml). The retry-scheduler-only process has no partitions and
+    is ready once connected.
+    """
 
     started: bool = False
     stopping: bool = False
@@ -37,23 +50,49 @@ class HealthState:
     assigned_partitions: int = 0
     kafka_ok: bool = False
     redis_ok: bool = False
+    # False for `service retry-scheduler`: no group, no poll loop.
+    consuming: bool = True
+    # Injectable so a test can move time instead of waiting for it.
+    clock: Callable[[], float] = time.monotonic
     last_poll: float = field(default_factory=time.monotonic)
+    # Ticked by a task of the event loop; stale when the loop is blocked.
+    heartbeat: float = field(default_factory=time.monotonic)
     # The loop must come back to poll within this; beyond it the worker is stuck.
     max_poll_gap_s: float = 120.0
+    # Background loops that ended with an error while the worker was not stopping.
+    crashed: dict[str, str] = field(default_factory=dict)
     # Causes outside the records that hold progress back (not ready while any is active).
     stalls: Stalls = field(default_factory=Stalls)
 
+    def mark_started(self) -> None:
+        """Gaps count from here: connecting at start is the startup probe's business."""
+        self.last_poll = self.heartbeat = self.clock()
+        self.started = True
+
     def live(self) -> tuple[bool, dict[str, Any]]:
-        gap = time.monotonic() - self.last_poll
-        ok = not self.started or gap < self.max_poll_gap_s
-        return ok, {"poll_gap_s": round(gap, 3), "started": self.started}
+        now = self.clock()
+        loop_gap = now - self.heartbeat
+        detail: dict[str, Any] = {"started": self.started, "loop_gap_s": round(loop_gap, 3)}
+        problems = []
+        if loop_gap >= self.max_poll_gap_s:
+            problems.append("event loop blocked")
+        if self.consuming:
+            poll_gap = now - self.last_poll
+            detail["poll_gap_s"] = round(poll_gap, 3)
+            if poll_gap >= self.max_poll_gap_s:
+                problems.append("poll loop stalled")
+        problems += [f"{name} loop died: {error}" for name, error in sorted(self.crashed.items())]
+        ok = not self.started or not problems
+        return ok, {**detail, "problems": problems}
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
+        standby = self.consuming and self.joined_group and self.assigned_partitions == 0
         detail = {
             "started": self.started,
             "stopping": self.stopping,
             "joined_group": self.joined_group,
             "assigned_partitions": self.assigned_partitions,
+            "standby": standby,
             "kafka": self.kafka_ok,
             "redis": self.redis_ok,
             "stalled": sorted(self.stalls.active()),
@@ -61,10 +100,10 @@ class HealthState:
         ok = (
             self.started
             and not self.stopping
-            and self.joined_group
             and self.kafka_ok
             and self.redis_ok
             and not self.stalls
+            and (not self.consuming or (self.joined_group and self.assigned_partitions > 0))
         )
         return ok, detail
 

@@ -2,29 +2,111 @@
 
 A redriven record carries ``x-redrive-of`` (its dead-letter coordinates), which lets
 it claim a dedupe key that is marked dead-lettered; a key that succeeded meanwhile
-stays done, so a redrive can never grant twice. The dead-letter topic is read with
-its own consumer group, committed after each batch is acknowledged by the source
-topic, so an interrupted redrive resumes where it stopped.
+stays done, so a redrive can never grant twice.
+
+What has been redriven is remembered as committed offsets of consumer groups (commit
+metadata would be simpler, but not every broker keeps it): ``<group>.redrive`` marks
+where an unfiltered redrive got to (every record below it went back), and
+``<group>.redrive.reason.<reason>`` where a redrive of that reason got to (every record
+of that reason below it went back). A record of reason R at offset O is therefore
+already redriven when O is below either mark. Each run commits its own marks after
+every batch the source topic acknowledged, so an interrupted redrive resumes where it
+stopped, a ``--reason A`` run never hides the records of reason B from a later run,
+and nothing is sent twice. A run reads only up to the end offsets seen when it
+started: the dead letters its own records produce (the cause was not fixed after all)
+wait for the next run instead of looping.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from service.audit import high_watermarks
 from service.kafka_client import connection_kwargs, make_producer
 from service.processing import REDRIVE_HEADER
+from service.publisher import KEY_SUBSTITUTED_HEADER
 from service.settings import Settings
 
+log = logging.getLogger(__name__)
+
 DLQ_HEADERS_PREFIX = "x-dlq-"
+REASON_HEADER = "x-dlq-reason"
+_PLAIN_REASON = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
 class RedriveReport:
     redriven: int = 0
-    skipped: int = 0  # filtered out by reason
+    skipped: int = 0  # another reason than the ones asked for: left for a later run
+    already: int = 0  # redriven by an earlier run (its group's mark is past it)
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def main_group(settings: Settings) -> str:
+    """The group whose committed offsets mark where unfiltered redrives got to."""
+    return f"{settings.kafka.group_id}.redrive"
+
+
+def reason_group(settings: Settings, reason: str) -> str:
+    """The group whose committed offsets mark where redrives of ``reason`` got to."""
+    slug = reason if _PLAIN_REASON.fullmatch(reason) else "h" + _digest(reason)
+    return f"{settings.kafka.group_id}.redrive.reason.{slug}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+class _Marks:
+    """Committed offsets of the redrive groups, read once per group and run."""
+
+    def __init__(self, settings: Settings, tps: list[TopicPartition]) -> None:
+        self._settings = settings
+        self._tps = tps
+        self._admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
+        self._marks: dict[str, dict[TopicPartition, int]] = {}
+        self._committers: dict[str, AIOKafkaConsumer] = {}
+
+    async def start(self) -> None:
+        await self._admin.start()
+
+    async def close(self) -> None:
+        for consumer in self._committers.values():
+            await consumer.stop()
+        await self._admin.close()
+
+    async def get(self, group: str) -> dict[TopicPartition, int]:
+        """The group's committed offset per partition; -1 where it has none."""
+        if group not in self._marks:
+            found = await self._admin.list_consumer_group_offsets(group, partitions=self._tps)
+            self._marks[group] = {tp: found[tp].offset if tp in found else -1 for tp in self._tps}
+        return self._marks[group]
+
+    async def advance(self, group: str, positions: dict[TopicPartition, int]) -> None:
+        """Commit ``positions`` for ``group``, never moving a mark backwards."""
+        marks = await self.get(group)
+        ahead = {tp: off for tp, off in positions.items() if off > marks[tp]}
+        if not ahead:
+            return
+        consumer = self._committers.get(group)
+        if consumer is None:
+            consumer = AIOKafkaConsumer(
+                group_id=group, enable_auto_commit=False, **connection_kwargs(self._settings.kafka)
+            )
+            await consumer.start()
+            consumer.assign(self._tps)
+            self._committers[group] = consumer
+        await consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in ahead.items()})
+        marks.update(ahead)
 
 
 async def redrive(
@@ -33,57 +115,134 @@ async def redrive(
     *,
     reasons: set[str] | None = None,
     limit: int | None = None,
-    idle_timeout_ms: int = 2000,
+    idle_timeout_ms: int = 5000,
 ) -> RedriveReport:
+    """Re-publish the dead letters of ``source_topic`` (only ``reasons``, when given)."""
     dlq = settings.dead_letter_topic(source_topic)
+    ends = {
+        TopicPartition(dlq, p): high
+        for p, high in (await high_watermarks(settings.kafka, dlq)).items()
+    }
+    tps = sorted(ends, key=lambda tp: tp.partition)
+    report = RedriveReport()
+    if not tps:
+        return report
+    marks = _Marks(settings, tps)
     consumer = AIOKafkaConsumer(
-        group_id=f"{settings.kafka.group_id}.redrive",
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        **connection_kwargs(settings.kafka),
+        enable_auto_commit=False, auto_offset_reset="earliest", **connection_kwargs(settings.kafka)
     )
     producer = make_producer(settings.kafka)
-    report = RedriveReport()
+    await marks.start()
     await consumer.start()
     await producer.start()
     try:
-        consumer.subscribe([dlq])
-        while limit is None or report.redriven < limit:
-            batch = await consumer.getmany(timeout_ms=idle_timeout_ms, max_records=500)
+        main = await marks.get(main_group(settings))
+        wanted = sorted(reasons) if reasons is not None else None
+        for reason in wanted or ():
+            await marks.get(reason_group(settings, reason))
+        starts = {tp: await _start_offset(marks, settings, tp, main, wanted) for tp in tps}
+        remaining = {tp for tp in tps if starts[tp] < ends[tp]}
+        consumer.assign(tps)
+        for tp in tps:
+            if starts[tp] >= 0:
+                consumer.seek(tp, starts[tp])
+            else:
+                await consumer.seek_to_beginning(tp)
+        while remaining and (limit is None or report.redriven < limit):
+            batch = await consumer.getmany(*remaining, timeout_ms=idle_timeout_ms, max_records=500)
             if not batch:
+                log.warning(
+                    "redrive: no records before the end offsets seen at start; stopping",
+                    extra={"topic": dlq, "remaining": sorted(tp.partition for tp in remaining)},
+                )
                 break
-            commits: dict[TopicPartition, OffsetAndMetadata] = {}
+            positions: dict[TopicPartition, int] = {}
             futures = []
             for tp, records in batch.items():
                 for record in records:
-                    headers = dict((k, v) for k, v in record.headers or ())
-                    reason = (headers.get("x-dlq-reason") or b"").decode()
-                    if reasons is not None and reason not in reasons:
-                        report.skipped += 1
-                    elif limit is None or report.redriven < limit:
-                        original = [
-                            (k, v)
-                            for k, v in record.headers or ()
-                            if not k.startswith(DLQ_HEADERS_PREFIX) and k != REDRIVE_HEADER
-                        ]
-                        marker = f"{record.topic}/{record.partition}/{record.offset}".encode()
-                        futures.append(
-                            await producer.send(
-                                source_topic,
-                                key=record.key,
-                                value=record.value,
-                                headers=[*original, (REDRIVE_HEADER, marker)],
-                            )
-                        )
-                        report.redriven += 1
-                    else:
+                    if record.offset >= ends[tp]:
+                        remaining.discard(tp)  # arrived after the start: the next run's
                         break
-                    commits[tp] = OffsetAndMetadata(record.offset + 1, "")
+                    if limit is not None and report.redriven >= limit:
+                        break
+                    reason = _reason(record.headers)
+                    if wanted is not None and reason not in wanted:
+                        report.skipped += 1
+                    elif record.offset < max(
+                        main[tp], (await marks.get(reason_group(settings, reason)))[tp]
+                    ):
+                        report.already += 1
+                    else:
+                        futures.append(await _send(producer, source_topic, record))
+                        report.redriven += 1
+                        report.by_reason[reason] = report.by_reason.get(reason, 0) + 1
+                    positions[tp] = record.offset + 1
+                if positions.get(tp, -1) >= ends[tp]:
+                    remaining.discard(tp)
             for fut in futures:
-                await fut
-            if commits:
-                await consumer.commit(commits)
+                await fut  # acknowledged by the source topic before any mark moves
+            if wanted is None:
+                await marks.advance(main_group(settings), positions)
+            else:
+                for reason in wanted:
+                    await marks.advance(reason_group(settings, reason), positions)
     finally:
         await producer.stop()
         await consumer.stop()
+        await marks.close()
     return report
+
+
+async def _start_offset(
+    marks: _Marks,
+    settings: Settings,
+    tp: TopicPartition,
+    main: dict[TopicPartition, int],
+    wanted: list[str] | None,
+) -> int:
+    """Where this run starts reading: the lowest mark that still leaves work (-1: beginning)."""
+    if wanted is None:
+        return main[tp]
+    per_reason = [max(main[tp], (await marks.get(reason_group(settings, r)))[tp]) for r in wanted]
+    return min(per_reason)
+
+
+def _reason(headers: Iterable[tuple[str, bytes]] | None) -> str:
+    return _header(headers, REASON_HEADER) or ""
+
+
+async def _send(producer: Any, source_topic: str, record: Any) -> Any:
+    """Queue the record for its source topic with its own headers and ``x-redrive-of``.
+
+    A dead letter whose key the worker substituted (``x-dlq-key-substituted``: the record
+    had none, or it was dropped for size) goes back with a null key, as it came. With a
+    null value too (a keyless tombstone) ``send()`` refuses the record, so it goes as a
+    one-record batch to the partition it was read from.
+    """
+    original = [
+        (k, v)
+        for k, v in record.headers or ()
+        if not k.startswith(DLQ_HEADERS_PREFIX) and k != REDRIVE_HEADER
+    ]
+    headers = [
+        *original,
+        (REDRIVE_HEADER, f"{record.topic}/{record.partition}/{record.offset}".encode()),
+    ]
+    key = None if _header(record.headers, KEY_SUBSTITUTED_HEADER) is not None else record.key
+    if key is not None or record.value is not None:
+        return await producer.send(source_topic, key=key, value=record.value, headers=headers)
+    batch = producer.create_batch()
+    batch.append(key=None, value=None, timestamp=None, headers=headers)
+    partitions = await producer.partitions_for(source_topic)
+    source = _header(record.headers, "x-dlq-source-partition")
+    partition = int(source) if source and source.isdigit() else 0
+    return await producer.send_batch(
+        batch, source_topic, partition=partition if partition in partitions else min(partitions)
+    )
+
+
+def _header(headers: Iterable[tuple[str, bytes]] | None, name: str) -> str | None:
+    for key, value in headers or ():
+        if key == name:
+            return bytes(value or b"").decode("utf-8", "replace")
+    return None

@@ -18,9 +18,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
@@ -40,8 +39,10 @@ from service.retries import RetryQueue, RetryScheduler
 from service.runtime import tune_gc
 from service.settings import Settings
 from service.stalls import Stalls
+from service.topic_check import check_topic_durability
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_TIMEOUT_MS = 200
 PAUSED_POLL_TIMEOUT_MS = 20
@@ -75,7 +76,9 @@ class Worker:
         self.metrics = metrics or Metrics()
         self.stalls = Stalls(self.metrics)
         self.health = HealthState(
-            max_poll_gap_s=settings.kafka.max_poll_interval_ms / 2000, stalls=self.stalls
+            max_poll_gap_s=settings.kafka.max_poll_interval_ms / 2000,
+            stalls=self.stalls,
+            consuming=consume,
         )
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._stop = asyncio.Event()
@@ -88,6 +91,10 @@ class Worker:
         self._revoking: set[TopicPartition] = set()
         self._paused: set[TopicPartition] = set()
         self._in_flight = 0
+        # Bytes of those records (key + value + headers), bounded by max_in_flight_bytes, and
+        # the largest record of the last fetch: how many more may be asked for.
+        self._in_flight_bytes = 0
+        self._size_hint = settings.kafka.max_partition_fetch_bytes
         self._starved = False  # no room freed up during a whole capacity wait
         self._completed_since_commit = 0
         self._background: list[asyncio.Task[Any]] = []
@@ -125,34 +132,44 @@ class Worker:
             self._http = HttpServer(self.health, self.metrics, s.http.host, s.http.port)
             self._http.start()
         self.redis = make_client(s.redis)
-        self.ops = RedisOps(self.redis, s.redis, on_error=lambda _: self._redis_failed())
+        self.ops = RedisOps(
+            self.redis, s.redis, on_error=lambda _: self._redis_failed(), stalls=self.stalls
+        )
         for warning in await self.ops.call(self.ops.check_persistence):
             log.warning(warning)
         self.health.redis_ok = True
         self._producer = make_producer(s.kafka)
         await _until_started(self._producer.start, self._stop)
+        for warning in await _until_answered(lambda: check_topic_durability(s), self._stop):
+            log.warning(warning)
         self.processor = Processor.build(
-            s, self.registry, ops=self.ops, producer=self._producer, metrics=self.metrics
+            s,
+            self.registry,
+            ops=self.ops,
+            producer=self._producer,
+            metrics=self.metrics,
+            stalls=self.stalls,
         )
         if self.consume:
             self._consumer = make_consumer(s.kafka)
             await _until_started(self._consumer.start, self._stop)
             self._consumer.subscribe(self.registry.topics, listener=_Rebalance(self))
-            self._background.append(asyncio.create_task(self._commit_loop(), name="commits"))
-        else:
-            self.health.joined_group = True  # nothing to join: ready once connected
+            self._watch(asyncio.create_task(self._commit_loop(), name="commits"))
         self.health.kafka_ok = True
-        self._background.append(asyncio.create_task(self._observe_loop(), name="observe"))
+        self._watch(asyncio.create_task(self._observe_loop(), name="observe"))
+        self._watch(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
         if s.run_retry_scheduler or not self.consume:
             self.scheduler = RetryScheduler(
                 RetryQueue(self.ops, RedisKeys(s.redis.key_prefix)),
-                lambda batch: self.processor.process_batch(batch, ordered=False),
+                lambda batch, give_up: self.processor.process_reliably(
+                    batch, give_up=give_up, ordered=False
+                ),
                 s.retry,
                 max_in_flight=max(1, s.max_in_flight // 4),
                 on_depth=self._set_retry_depth,
             )
-            self._background.append(asyncio.create_task(self.scheduler.run(), name="retries"))
-        self.health.started = True
+            self._watch(asyncio.create_task(self.scheduler.run(), name="retries"))
+        self.health.mark_started()
         log.info(
             "worker started",
             extra={"topics": self.registry.topics, "group": s.kafka.group_id},
@@ -169,7 +186,7 @@ class Worker:
 
     async def _poll(self, consumer: AIOKafkaConsumer, stopping: asyncio.Future[Any]) -> None:
         while not self._stop.is_set():
-            capacity = self.settings.max_in_flight - self._in_flight
+            capacity = self._room()
             if capacity <= 0:
                 # Wait for room rather than pausing: aiokafka drops a paused partition's
                 # prefetched records, so pausing at every full moment would refetch them.
@@ -181,7 +198,9 @@ class Worker:
                     self._starved = False
                 except TimeoutError:
                     self._starved = True
-                capacity = self.settings.max_in_flight - self._in_flight
+                capacity = self._room()
+                if capacity <= 0:
+                    self._apply_backpressure()  # paused before the fetch: nothing more comes
             timeout = PAUSED_POLL_TIMEOUT_MS if self._paused else POLL_TIMEOUT_MS
             fetch = asyncio.ensure_future(
                 consumer.getmany(timeout_ms=timeout, max_records=max(1, capacity))
@@ -204,7 +223,9 @@ class Worker:
                     await asyncio.wait_for(self._stop.wait(), 1.0)
                 continue
             self.health.kafka_ok = True
-            self.health.last_poll = time.monotonic()
+            self.health.last_poll = self.health.clock()
+            if batches:
+                self._size_hint = max(_size(r) for records in batches.values() for r in records)
             for tp, records in batches.items():
                 epoch = self.tracker.epoch(tp)
                 if epoch is None or tp in self._revoking:
@@ -214,6 +235,19 @@ class Worker:
                 for i in range(0, len(fresh), size):
                     self._dispatch(tp, epoch, fresh[i : i + size])
             self._apply_backpressure()
+
+    def _room(self) -> int:
+        """How many more records may be fetched: under the count and the byte budget.
+
+        By bytes, as many records as fit if each is as large as the largest of the last
+        fetch; none while that would cross the budget, unless nothing is in flight (so a
+        record larger than the whole budget still goes through, alone).
+        """
+        room = self.settings.max_in_flight - self._in_flight
+        free = self.settings.max_in_flight_bytes - self._in_flight_bytes
+        if self._in_flight_bytes and free < self._size_hint:
+            return 0
+        return min(room, max(1, free // max(self._size_hint, 1)))
 
     # --- dispatch ---
 
@@ -242,11 +276,13 @@ class Worker:
             before = [t for t, k in running if not keys.isdisjoint(k)]
         else:
             before = []
-        task = asyncio.create_task(self._handle(tp, epoch, deliveries, before))
+        nbytes = sum(_size(r) for r in records)
+        task = asyncio.create_task(self._handle(tp, epoch, deliveries, before, nbytes))
         running.append((task, keys))
         self._batches[tp] = running
         self._tasks.setdefault(tp, set()).add(task)
         self._in_flight += len(deliveries)
+        self._in_flight_bytes += nbytes
 
     async def _handle(
         self,
@@ -254,6 +290,7 @@ class Worker:
         epoch: int,
         deliveries: list[Delivery],
         before: list[asyncio.Task[None]],
+        nbytes: int,
     ) -> None:
         def give_up() -> bool:  # shutdown, or the partition moved on to another owner
             return self._stop.is_set() or self.tracker.epoch(tp) != epoch
@@ -271,6 +308,7 @@ class Worker:
                 self._commit_now.set()
         finally:
             self._in_flight -= len(deliveries)
+            self._in_flight_bytes -= nbytes
             self._capacity_freed.set()
             tasks = self._tasks.get(tp)
             if tasks is not None:
@@ -280,7 +318,7 @@ class Worker:
         """Pause what is over its limit, resume what is under; polling never stops."""
         assert self._consumer is not None
         assigned = set(self._consumer.assignment()) - self._revoking
-        if self._starved and self._in_flight >= self.settings.max_in_flight:
+        if self._starved and self._room() <= 0:
             want = assigned  # full for a whole wait: pause everything, keep polling
         else:
             limit = self.settings.max_in_flight_per_partition
@@ -368,6 +406,31 @@ class Worker:
         self.metrics.retry_depth.labels("due").set(due)
         self.metrics.retry_depth.labels("inflight").set(inflight)
 
+    def _watch(self, task: asyncio.Task[Any]) -> None:
+        """Keep a background loop; one that dies while not stopping makes /healthz fail."""
+        self._background.append(task)
+
+        def ended(t: asyncio.Task[Any]) -> None:
+            if t.cancelled() or self._stop.is_set():
+                return
+            error = t.exception()
+            self.health.crashed[t.get_name()] = repr(error) if error else "returned"
+            log.error(
+                "background loop ended while running; /healthz fails so the process restarts",
+                exc_info=error,
+                extra={"loop": t.get_name()},
+            )
+
+        task.add_done_callback(ended)
+
+    async def _heartbeat_loop(self) -> None:
+        """Tick while the event loop turns: liveness of every process, scheduler-only too."""
+        interval = min(1.0, self.health.max_poll_gap_s / 4)
+        while not self._stop.is_set():
+            self.health.heartbeat = self.health.clock()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval)
+
     async def _observe_loop(self) -> None:
         """Refresh partition gauges and dependency health every few seconds."""
         while not self._stop.is_set():
@@ -449,8 +512,29 @@ class Worker:
             self.processor.stop_retrying()
 
 
+def _size(r: ConsumerRecord[Any, Any]) -> int:
+    """A record's bytes as the in-flight budget counts them: key, value and headers."""
+    size = len(r.key or b"") + len(r.value or b"")
+    if r.headers:
+        size += sum(len(k) + len(v or b"") for k, v in r.headers)
+    return size
+
+
 def _names(tps: Iterable[TopicPartition]) -> list[str]:
     return sorted(f"{tp.topic}[{tp.partition}]" for tp in tps)
+
+
+async def _until_answered(call: Callable[[], Awaitable[T]], stop: asyncio.Event) -> T:
+    """``call()`` with backoff until the broker answers or a stop is requested."""
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type((KafkaError, OSError)),
+        wait=wait_random_exponential(multiplier=0.2, max=5.0),
+        stop=lambda _: stop.is_set(),
+        reraise=True,
+    ):
+        with attempt:
+            return await call()
+    raise AssertionError("unreachable: tenacity either returns or raises")
 
 
 async def _until_started(start: Any, stop: asyncio.Event) -> None:
