@@ -52,7 +52,7 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0] if __doc__
 @app.command()
 def main(
     records: Annotated[int, typer.Option(min=100, help="source records to produce")] = 50_000,
-    partitions: Annotated[int, typer.Option(min=1, help="partitions of the topic")] = 6,
+    partitions: Annotated[int, typer.Option(min=1, help="partitions of the payments topic")] = 6,
     kills: Annotated[int, typer.Option(min=0, help="SIGKILLs of a worker")] = 10,
     sigterms: Annotated[int, typer.Option(min=0, help="SIGTERMs during a busy batch")] = 2,
     redis_restarts: Annotated[int, typer.Option(min=0, help="Redis kill + restart")] = 2,
@@ -69,12 +69,19 @@ def main(
     duplicate: Annotated[float, typer.Option(min=0, max=1)] = 0.04,
     hang: Annotated[float, typer.Option(min=0, max=1, help="handler never returns")] = 0.002,
     max_transient_failures: Annotated[int, typer.Option(min=1, max=3)] = 2,
+    claimed_share: Annotated[
+        float,
+        typer.Option(min=0, max=1, help="share of records for the claiming handler's topic"),
+    ] = 0.25,
+    claimed_partitions: Annotated[int, typer.Option(min=1)] = 3,
     ahead: Annotated[int, typer.Option(min=1, help="producer lead over the ledger")] = 2000,
     chunk: Annotated[int, typer.Option(min=1, help="records per produce batch")] = 500,
     redis_failures: Annotated[
         tuple[int, int],
-        typer.Option(help="each worker logs this many (seeded range) failed calls per outage"),
-    ] = (10, 40),
+        typer.Option(
+            help="per outage, one Redis call of each worker is retried this often (seeded range)"
+        ),
+    ] = (8, 16),
     sigterm_mid_rebalance: Annotated[
         bool,
         typer.Option(help="SIGTERM workers even while the group rebalances (see docs/chaos.md)"),
@@ -100,6 +107,8 @@ def main(
         records=records,
         seed=seed if seed is not None else seed_from_env(),
         partitions=partitions,
+        claimed_share=claimed_share,
+        claimed_partitions=claimed_partitions,
         kills=kills,
         sigterms=sigterms,
         redis_restarts=redis_restarts,

@@ -32,6 +32,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -40,27 +41,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.structs import TopicPartition
+from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 
-from service import audit, sample
-from service.devstack import RedisServer
+from service import sample
+from service.devstack import RedisServer, _die_with_parent_preexec
 from service.kafka_client import connection_kwargs
-from service.keys import RedisKeys
 from service.settings import Settings
+from tests.chaos import claiming
+from tests.chaos.outside import TP, Outside, View, Where, wait_settled
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import make_settings, prepare_topics
-from tests.integration.procs import (
-    Fates,
-    HangingRecord,
-    HangWatch,
-    Placed,
-    WorkerProcess,
-    fates,
-    wait_fates_settled,
-)
+from tests.integration.procs import HangingRecord, HangWatch, WorkerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SEED_ENV = "CHAOS_SEED"
 REDIS_FAILED = "redis call failed"
@@ -107,6 +101,10 @@ class ChaosConfig:
     records: int
     seed: int
     partitions: int = 6
+    # Share of the records that go to the claiming handler's topic (tests/chaos/claiming.py),
+    # and that topic's partitions: the claim path and its lease under the same faults.
+    claimed_share: float = 0.25
+    claimed_partitions: int = 3
     kills: int = 2
     sigterms: int = 1
     redis_restarts: int = 1
@@ -116,8 +114,9 @@ class ChaosConfig:
     ahead: int = 400  # the producer stays at most this many grants in front of the ledger
     chunk: int = 100
     duplicate_spread: int = 1500  # how far (in records) a duplicate may land after its original
-    # Failed Redis calls each worker must log before a killed Redis comes back (seeded in
-    # this range): how long an outage lasts, as a condition rather than a timer.
+    # How many times one Redis call of each worker must have been retried before a killed
+    # Redis comes back (seeded in this range): how long an outage lasts, as a condition
+    # rather than a timer (the retries back off, so 5 is about a second, 12 several).
     redis_failures: tuple[int, int] = (5, 12)
     # SIGTERM (the fault, scale-down, the final stop) only once every running worker holds
     # its partitions. A worker SIGTERMed mid-rebalance does not start its shutdown until the
@@ -133,8 +132,93 @@ class ChaosConfig:
 
 # --- records ---
 
+Handler = Literal["payments", "claimed"]
+PAYMENTS: Handler = "payments"  # the effects-only example handler (service/handlers/payments.py)
+CLAIMED: Handler = "claimed"  # the claiming handler (tests/chaos/claiming.py)
+assert claiming.NAME == CLAIMED
 
-def make_records(n: int, mix: ChaosMix, seed: int, spread: int = 1500) -> list[sample.SampleRecord]:
+
+@dataclass(frozen=True)
+class Routed:
+    """A record of the mix and the handler whose topic it goes to."""
+
+    handler: Handler
+    record: sample.SampleRecord
+
+    @property
+    def kind(self) -> str:
+        return self.record.kind
+
+    @property
+    def payment_id(self) -> str | None:
+        return self.record.payment_id
+
+    @property
+    def expect_grant(self) -> bool:
+        return self.record.expect_grant
+
+    @property
+    def expect_dead_letter(self) -> str | None:
+        return self.record.expect_dead_letter
+
+    @property
+    def hangs(self) -> bool:
+        return isinstance(self.record, HangingRecord)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A produced record and where it landed."""
+
+    routed: Routed
+    topic: str
+    partition: int
+    offset: int
+
+    @property
+    def where(self) -> Where:
+        return (self.topic, self.partition, self.offset)
+
+    @property
+    def record(self) -> Routed:
+        return self.routed
+
+
+def make_mix(cfg: ChaosConfig) -> list[Routed]:
+    """The run's records: the payments mix and the claimed mix, merged in a seeded order.
+
+    Each handler gets the same kinds of records (its own payment ids, so no payment is
+    granted by both); the order within each stream is kept.
+    """
+    claimed_n = round(cfg.records * cfg.claimed_share)
+    streams: list[list[Routed]] = [
+        [
+            Routed("payments", r)
+            for r in make_records(
+                cfg.records - claimed_n, cfg.mix, cfg.seed, cfg.duplicate_spread, prefix="pay"
+            )
+        ],
+        [
+            Routed("claimed", r)
+            for r in make_records(
+                claimed_n, cfg.mix, cfg.seed + 1, cfg.duplicate_spread, prefix="cpay"
+            )
+        ],
+    ]
+    rng = random.Random(cfg.seed * 31 + 7)
+    merged: list[Routed] = []
+    heads = [0, 0]
+    while len(merged) < cfg.records:
+        left = [len(s) - h for s, h in zip(streams, heads, strict=True)]
+        pick = 0 if rng.random() * sum(left) < left[0] else 1
+        merged.append(streams[pick][heads[pick]])
+        heads[pick] += 1
+    return merged
+
+
+def make_records(
+    n: int, mix: ChaosMix, seed: int, spread: int = 1500, prefix: str = "pay"
+) -> list[sample.SampleRecord]:
     """`n` records of the mix, duplicates spread out so some arrive batches or faults later.
 
     Hanging records are made only from payments delivered once: a second, healthy copy
@@ -152,7 +236,7 @@ def make_records(n: int, mix: ChaosMix, seed: int, spread: int = 1500) -> list[s
             max_transient_failures=mix.max_transient_failures,
         ),
         seed=seed,
-        prefix="pay",
+        prefix=prefix,
     )
     rng = random.Random(seed * 7919 + 1)
     copies = Counter(r.payment_id for r in base)
@@ -176,11 +260,15 @@ def _rank(position: float, record: sample.SampleRecord, rng: random.Random, spre
 
 
 def chaos_settings(bootstrap: str, redis_url: str, name: str, cfg: ChaosConfig) -> Settings:
-    """Short sessions and leases: a dead worker's partitions, claims and retries move on fast."""
+    """Short sessions and leases: a dead worker's partitions, claims and retries move on fast.
+
+    Two topics: the payments example's and the claiming handler's (`{name}-claimed`).
+    """
     return make_settings(
         bootstrap,
         redis_url,
         name,
+        topics={CLAIMED: f"{name}-claimed"},
         kafka={"session_timeout_ms": cfg.session_timeout_ms, "heartbeat_interval_ms": 1_000},
         idempotency={"lease_ms": 3_000},
         retry={"lease_ms": 3_000, "max_attempts": 4},
@@ -229,9 +317,7 @@ class PlannedFault:
         return f"{self.kind:<10} when {self.trigger.describe()}{extra}"
 
 
-def plan_faults(
-    cfg: ChaosConfig, records: list[sample.SampleRecord], rng: random.Random
-) -> list[PlannedFault]:
+def plan_faults(cfg: ChaosConfig, records: list[Routed], rng: random.Random) -> list[PlannedFault]:
     """The faults in firing order, each with a trigger spread over 8-85 % of the run."""
     kill: list[FaultKind] = ["kill"]
     sigterm: list[FaultKind] = ["sigterm"]
@@ -296,20 +382,23 @@ class Verdict:
     """Every invariant, checked from the outside; `problems` empty means the run held."""
 
     expected_grants: int
+    claimed_grants: int  # of which granted by the claiming handler
     lost: list[str]
     doubled: dict[str, int]
     unexpected_grants: list[str]
-    dead_missing: list[tuple[int, int]]
-    dead_unexpected: list[tuple[int, int]]
-    dead_wrong_reason: list[tuple[int, int, str]]
+    dead_missing: list[Where]
+    dead_unexpected: list[Where]
+    dead_wrong_reason: list[tuple[str, int, int, str]]
     dead_by_reason: Counter[str]
     dead_extra_copies: int
     offsets_behind: list[str]
     retry_depth: tuple[int, int, int]
     claims_left: list[str]
     markers: Counter[str]
-    outcome_missing: list[tuple[int, int]]
+    outcome_missing: list[Where]
     succeeded_twice: list[str]
+    overlaps: list[str]  # two runs of one claimed key at once (tests/chaos/claiming.py)
+    overlaps_excused: int  # met a marker its holder reported left behind
     problems: list[str]
 
     @property
@@ -329,7 +418,7 @@ class ChaosReport:
     faults: list[FaultRecord]
     verdict: Verdict
     produced: int  # every record produced, the probes included
-    probes: int  # extra records sent to every partition by SIGTERM and Redis faults
+    probes: int  # extra records sent to every partition of both topics by SIGTERM and Redis faults
     duration_s: float  # first produce to settled
     rebalances: int
     assignments: int
@@ -353,7 +442,7 @@ class ChaosReport:
             "seed": self.config.seed,
             "records": self.produced,
             "of which probes": self.probes,
-            "partitions": self.config.partitions,
+            "partitions": self.config.partitions + self.config.claimed_partitions,
             "kills": self.counts["kill"] + self.kills_in_outage,
             "kills during a Redis outage": self.kills_in_outage,
             "sigterms": self.counts["sigterm"],
@@ -361,6 +450,7 @@ class ChaosReport:
             "scaling steps": self.counts["scale_up"] + self.counts["scale_down"],
             "rebalances": self.rebalances,
             "expected grants": v.expected_grants,
+            "of which by the claiming handler": v.claimed_grants,
             "lost": v.lost_count,
             "lost payments (never granted)": len(v.lost),
             "lost dead letters (missing)": len(v.dead_missing),
@@ -368,6 +458,7 @@ class ChaosReport:
             "dead-lettered": sum(v.dead_by_reason.values()),
             "dead-lettered by reason": dict(sorted(v.dead_by_reason.items())),
             "dead-letter extra copies": v.dead_extra_copies,
+            "overlapping runs of a claimed key": len(v.overlaps),
             "duration s": round(self.duration_s, 1),
             "throughput rec/s": round(self.throughput, 1),
         }
@@ -417,9 +508,13 @@ def current_assignment(proc: WorkerProcess) -> frozenset[str]:
     return held
 
 
-def partition_numbers(proc: WorkerProcess) -> set[int]:
-    """The partition numbers of `current_assignment` ("topic[3]" -> 3)."""
-    return {int(name.rsplit("[", 1)[1].rstrip("]")) for name in current_assignment(proc)}
+def held_partitions(proc: WorkerProcess) -> set[TP]:
+    """`current_assignment` as (topic, partition) pairs ("topic[3]" -> ("topic", 3))."""
+    out = set()
+    for name in current_assignment(proc):
+        topic, number = name.rsplit("[", 1)
+        out.add((topic, int(number.rstrip("]"))))
+    return out
 
 
 def rebalance_rounds(logs: Iterable[Path]) -> tuple[int, int]:
@@ -441,12 +536,40 @@ def rebalance_rounds(logs: Iterable[Path]) -> tuple[int, int]:
     return max(0, rounds - 1), len(stamps)
 
 
+class ChaosWorkerProcess(WorkerProcess):
+    """`python -m tests.chaos.worker_main run`: `service run` with the claiming handler."""
+
+    def __init__(self, settings: Settings, log_path: Path, **overrides: str) -> None:
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        super().__init__(settings, log_path, PYTHONPATH=path, **overrides)
+
+    def start(self) -> ChaosWorkerProcess:
+        assert not self.running, "already running"
+        self.starts += 1
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"\n===== start #{self.starts} at {time.strftime('%X')} =====\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "tests.chaos.worker_main", "run"],
+                cwd=self.log_path.parent,  # no stray .env file is read
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent_preexec(),
+            )
+        return self
+
+
 class Pool:
     """Up to three worker subprocesses with distinct client ids, and which should be up."""
 
     def __init__(self, settings: Settings, work_dir: Path, name: str) -> None:
-        self.procs = [
-            WorkerProcess(settings, work_dir / f"w{i}.log", WORKER_KAFKA__CLIENT_ID=f"{name}-w{i}")
+        self.procs: list[WorkerProcess] = [
+            ChaosWorkerProcess(
+                settings, work_dir / f"w{i}.log", WORKER_KAFKA__CLIENT_ID=f"{name}-w{i}"
+            )
             for i in range(MAX_WORKERS)
         ]
         self.expected: set[int] = set()
@@ -490,9 +613,21 @@ class Pool:
         self.check_alive()
         return all(self.procs[s].log_count(STARTED) >= 1 for s in slots)
 
-    def failures_logged(self) -> dict[int, int]:
-        """Failed Redis calls each running worker has logged since its last start."""
-        return {s: self.procs[s].log_count(REDIS_FAILED) for s in self.running_slots()}
+    def log_sizes(self) -> dict[int, int]:
+        return {s: len(self.procs[s].log_text()) for s in self.running_slots()}
+
+    def retries_logged(self, since: dict[int, int]) -> dict[int, int]:
+        """The highest attempt of one Redis call each running worker has logged as failed
+        since ``since`` (its log's size then, from ``log_sizes``).
+
+        One call retried N times has waited through N backoffs, so "attempt N" measures how
+        long an outage lasted; a count of failed calls would not (many calls in flight fail
+        together in the first fraction of a second).
+        """
+        return {
+            s: _highest_attempt(self.procs[s], REDIS_FAILED, since.get(s, 0))
+            for s in self.running_slots()
+        }
 
     def stop_all(self) -> dict[str, int | None]:
         """SIGTERM every live worker at once, then wait for each; returns exit codes."""
@@ -539,50 +674,62 @@ async def frozen(procs: list[WorkerProcess]) -> AsyncIterator[None]:
 # --- progress, read from the outside ---
 
 
+def make_outside(settings: Settings, cfg: ChaosConfig) -> Outside:
+    """The plain-client reader of this run's Redis and topics (tests/chaos/outside.py)."""
+    outcomes = settings.outcomes_topic()
+    assert outcomes is not None
+    return Outside(
+        bootstrap=settings.kafka.bootstrap_servers,
+        redis_url=settings.redis.url.get_secret_value(),
+        prefix=settings.redis.key_prefix,
+        group=settings.kafka.group_id,
+        sources=source_partitions(settings, cfg),
+        dead_letter_topics={t: f"{t}.dlq" for t in settings.topics.values()},
+        outcomes_topic=outcomes,
+    )
+
+
+def source_partitions(settings: Settings, cfg: ChaosConfig) -> dict[str, int]:
+    return {
+        settings.topics[PAYMENTS]: cfg.partitions,
+        settings.topics[CLAIMED]: cfg.claimed_partitions,
+    }
+
+
 class Progress:
-    """Ledger length and committed offsets, through long-lived clients (polled often)."""
+    """Ledger length and committed offsets, polled often by the driver."""
 
-    def __init__(self, settings: Settings, partitions: int) -> None:
-        self.settings = settings
-        self.topic = settings.topics["payments"]
-        self.partitions = partitions
-        self._redis = aioredis.from_url(settings.redis.url.get_secret_value())
-        self._ledger_key = RedisKeys(settings.redis.key_prefix).effect("ledger", "purchases")
-        self._consumer: AIOKafkaConsumer | None = None
-
-    async def start(self) -> None:
-        # Never subscribes, so it never joins the group it reads the commits of.
-        self._consumer = AIOKafkaConsumer(
-            group_id=self.settings.kafka.group_id,
-            enable_auto_commit=False,
-            **connection_kwargs(self.settings.kafka),
-        )
-        await self._consumer.start()
-
-    async def close(self) -> None:
-        if self._consumer is not None:
-            await self._consumer.stop()
-        await self._redis.aclose()
+    def __init__(self, outside: Outside) -> None:
+        self.outside = outside
 
     async def ledger(self) -> int | None:
         """None while Redis is down (on purpose, during a restart)."""
         try:
-            return int(await self._redis.xlen(self._ledger_key))
+            return await self.outside.ledger_length()
         except (RedisError, OSError):
             return None
 
-    async def committed_offsets(self) -> dict[int, int]:
-        assert self._consumer is not None
-        return {
-            p: await self._consumer.committed(TopicPartition(self.topic, p)) or 0
-            for p in range(self.partitions)
-        }
+    async def committed_offsets(self) -> dict[TP, int]:
+        return {tp: c or 0 for tp, c in (await self.outside.committed()).items()}
 
     async def committed(self) -> int:
         return sum((await self.committed_offsets()).values())
 
     async def value(self, metric: Metric) -> int | None:
         return await self.ledger() if metric == "ledger" else await self.committed()
+
+
+def _probe_value(payment_id: str) -> bytes:
+    return json.dumps(
+        {
+            "payment_id": payment_id,
+            "user_id": "user_probe",
+            "product_id": "sku_probe",
+            "amount_minor": 100,
+            "currency": "EUR",
+            "status": "succeeded",
+        }
+    ).encode()
 
 
 class GatedProducer:
@@ -592,14 +739,12 @@ class GatedProducer:
     each fault fires and the faults land mid-run however fast the workers are.
     """
 
-    def __init__(
-        self, settings: Settings, records: list[sample.SampleRecord], cfg: ChaosConfig
-    ) -> None:
+    def __init__(self, settings: Settings, records: list[Routed], cfg: ChaosConfig) -> None:
         self.settings = settings
         self.records = records
         self.cfg = cfg
         self.placed: list[Placed] = []
-        self.probes: list[sample.SampleRecord] = []  # extra records, outside the plan
+        self.probes: list[Routed] = []  # extra records, outside the plan
         self.allowed = 0
         self._granted: set[str] = set()
         self._producer = AIOKafkaProducer(
@@ -615,48 +760,57 @@ class GatedProducer:
     def allow(self, upto: int) -> None:
         self.allowed = max(self.allowed, min(upto, len(self.records)))
 
+    def ends(self) -> dict[TP, int]:
+        """One past the last offset produced, per source partition (0 where none was)."""
+        out = {tp: 0 for tp in self._all_partitions()}
+        for p in self.placed:
+            out[(p.topic, p.partition)] = max(out[(p.topic, p.partition)], p.offset + 1)
+        return out
+
+    def _all_partitions(self) -> list[TP]:
+        return [
+            (topic, p)
+            for topic, n in source_partitions(self.settings, self.cfg).items()
+            for p in range(n)
+        ]
+
     async def probe(self, hang: bool, tag: str) -> list[str]:
-        """One extra record to every partition, so every worker gets one, whatever it holds.
+        """One extra record to every partition of both topics, so every worker gets one.
 
         A hanging probe keeps its partition's owner inside a handler for the handler
         timeout (so a busy worker can be caught); a valid one gives every worker something
         to finish and commit. Returns the probes' payment ids.
         """
-        topic = self.settings.topics["payments"]
-        made = []
-        for partition in range(self.cfg.partitions):
-            payment_id = f"probe_{self.cfg.seed}_{tag}_{partition}"
-            value = json.dumps(
-                {
-                    "payment_id": payment_id,
-                    "user_id": "user_probe",
-                    "product_id": "sku_probe",
-                    "amount_minor": 100,
-                    "currency": "EUR",
-                    "status": "succeeded",
-                }
-            ).encode()
-            key = payment_id.encode()
+        made: list[tuple[Routed, str, int]] = []
+        for topic, partition in self._all_partitions():
+            handler: Handler = CLAIMED if topic == self.settings.topics[CLAIMED] else PAYMENTS
+            prefix = "cprobe" if handler == CLAIMED else "probe"
+            payment_id = f"{prefix}_{self.cfg.seed}_{tag}_{partition}"
+            key, value = payment_id.encode(), _probe_value(payment_id)
             record = (
                 HangingRecord("ok", payment_id, key, value, [("x-fault", b"hang")])
                 if hang
                 else sample.SampleRecord("ok", payment_id, key, value)
             )
-            self.probes.append(record)  # before the send: it may be granted before the ack
-            made.append((record, partition))
+            routed = Routed(handler, record)
+            self.probes.append(routed)  # before the send: it may be granted before the ack
+            made.append((routed, topic, partition))
         futures = [
             await self._producer.send(
-                topic, key=r.key, value=r.value, headers=r.headers or None, partition=p
+                topic,
+                key=r.record.key,
+                value=r.record.value,
+                headers=r.record.headers or None,
+                partition=p,
             )
-            for r, p in made
+            for r, topic, p in made
         ]
-        for (record, _), fut in zip(made, futures, strict=True):
+        for (routed, topic, _), fut in zip(made, futures, strict=True):
             meta = await fut
-            self.placed.append(Placed(record, meta.partition, meta.offset))
-        return [str(r.payment_id) for r, _ in made]
+            self.placed.append(Placed(routed, topic, meta.partition, meta.offset))
+        return [str(r.payment_id) for r, _, _ in made]
 
     async def run(self, progress: Progress) -> None:
-        topic = self.settings.topics["payments"]
         # The driver's own waits are bounded; this one only has to outlast all of them.
         stall_timeout = self.cfg.step_timeout_s * 4
         start = 0
@@ -670,25 +824,29 @@ class GatedProducer:
 
             await await_until(ready, stall_timeout, interval=0.05, message="production stalled")
             batch = self.records[start : min(start + self.cfg.chunk, self.allowed)]
+            topics = [self.settings.topics[r.handler] for r in batch]
             futures = [
                 await self._producer.send(
-                    topic, key=r.key, value=r.value, headers=r.headers or None
+                    topic,
+                    key=r.record.key,
+                    value=r.record.value,
+                    headers=r.record.headers or None,
                 )
-                for r in batch
+                for r, topic in zip(batch, topics, strict=True)
             ]
-            for record, fut in zip(batch, futures, strict=True):
+            for record, topic, fut in zip(batch, topics, futures, strict=True):
                 meta = await fut
-                self.placed.append(Placed(record, meta.partition, meta.offset))
+                self.placed.append(Placed(record, topic, meta.partition, meta.offset))
                 if record.expect_grant and record.payment_id:
                     self._granted.add(record.payment_id)
             start += len(batch)
 
 
-# --- checks ---
+# --- checks, from the outside ---
 
 
 def durable_problems(
-    state: Fates, placed: list[Placed], records: list[sample.SampleRecord], when: str
+    state: View, placed: list[Placed], records: list[Routed], when: str
 ) -> list[str]:
     """Below the committed offsets, every record has a durable fate; nobody granted twice.
 
@@ -703,12 +861,12 @@ def durable_problems(
     lost = [
         p
         for p in placed
-        if p.offset < (state.committed.get(p.partition) or 0)
+        if p.offset < (state.committed.get((p.topic, p.partition)) or 0)
         and p.where not in homes
         and not (p.record.expect_grant and p.record.payment_id in state.grants)
     ]
     if lost:
-        examples = [(p.partition, p.offset, p.record.kind) for p in lost[:10]]
+        examples = [(*p.where, p.record.kind) for p in lost[:10]]
         problems.append(
             f"{when}: {len(lost)} records below the committed offsets have no durable fate, "
             f"e.g. {examples}; committed={state.committed}"
@@ -720,77 +878,88 @@ def durable_problems(
     return problems
 
 
-async def idempotency_markers(settings: Settings) -> tuple[Counter[str], list[str]]:
-    """Counts of done (d|) and dead (x|) markers, and every key left in another state."""
-    prefix = settings.redis.key_prefix
-    client = aioredis.from_url(settings.redis.url.get_secret_value())
-    markers: Counter[str] = Counter()
-    left: list[str] = []
-    try:
-        keys = [k async for k in client.scan_iter(match=f"{prefix}:idem:*", count=1000)]
-        for i in range(0, len(keys), 1000):
-            chunk = keys[i : i + 1000]
-            for key, value in zip(chunk, await client.mget(chunk), strict=True):
-                if not isinstance(value, bytes):  # expired since the scan
-                    continue
-                state = value[:2].decode(errors="replace")
-                if state in ("d|", "x|"):
-                    markers[state[0]] += 1
-                else:
-                    left.append(f"{key.decode(errors='replace')} = {value[:60]!r}")
-    finally:
-        await client.aclose()
-    return markers, left
+_OVERLAP = re.compile(re.escape(claiming.OVERLAP) + r" dedupe_key=(\S+) holder=(\S+) me=(\S+)")
+_LEFT = re.compile(re.escape(claiming.LEFT) + r" token=(\S+)")
 
 
-async def outcome_coverage(
-    settings: Settings, placed: list[Placed]
-) -> tuple[list[tuple[int, int]], list[str]]:
-    """Source offsets with no outcome event, and payments with more than one `succeeded`.
+def overlapping_runs(logs: Iterable[Path]) -> tuple[list[str], int]:
+    """Runs of one key that overlapped (the claiming handler's own watch), from the logs.
 
-    Events are at-least-once (a redelivery after a crash says `duplicate`), but every
-    record's event is acknowledged before its offset may be committed, and `succeeded`
-    means a grant.
+    A run that met a marker its holder logged as left behind (Redis was down when it
+    tried to remove it) is not an overlap: the holder had ended. Returns the overlaps
+    and how many were excused that way.
     """
-    outcomes_topic = settings.outcomes_topic()
-    assert outcomes_topic is not None
-    topic = settings.topics["payments"]
-    events = audit.outcome_events(await audit.read_all(settings.kafka, outcomes_topic, 60))
-    seen = {(e["partition"], e["offset"]) for e in events if e.get("topic") == topic}
-    missing = sorted(p.where for p in placed if p.where not in seen)
-    succeeded = Counter(e["dedupe_key"] for e in events if e.get("event") == "succeeded")
-    return missing, sorted(k for k, n in succeeded.items() if n > 1)
+    found: list[tuple[str, str, str]] = []
+    left: set[str] = set()
+    for log in logs:
+        with contextlib.suppress(OSError):
+            text = log.read_text(errors="replace")
+            found.extend(m.groups() for m in _OVERLAP.finditer(text))  # type: ignore[misc]
+            left.update(m.group(1) for m in _LEFT.finditer(text))
+    overlaps = [
+        f"{key}: {me} ran while {holder} ran" for key, holder, me in found if holder not in left
+    ]
+    return overlaps, len(found) - len(overlaps)
 
 
-async def final_verdict(
-    settings: Settings, state: Fates, placed: list[Placed], problems: list[str]
-) -> Verdict:
+@dataclass
+class EndState:
+    """What the end check read besides the settled view."""
+
+    high: dict[TP, int]
+    markers: Counter[str]
+    claims_left: list[str]
+    events: list[dict[str, Any]]
+    overlaps: list[str]
+    overlaps_excused: int
+
+
+async def read_end_state(outside: Outside, ends: dict[TP, int], logs: list[Path]) -> EndState:
+    markers, claims = await outside.idempotency_markers()
+    overlaps, excused = overlapping_runs(logs)
+    return EndState(
+        high=await outside.high_watermarks(ends),
+        markers=markers,
+        claims_left=claims,
+        events=await outside.outcome_events(),
+        overlaps=overlaps,
+        overlaps_excused=excused,
+    )
+
+
+def final_verdict(state: View, end: EndState, placed: list[Placed], problems: list[str]) -> Verdict:
     """The end state against what the mix says must have become of each record."""
-    expected = {p.record.payment_id for p in placed if p.record.expect_grant}
-    assert None not in expected
-    lost = sorted(str(k) for k in expected - set(state.grants))
+    expected = {str(p.record.payment_id) for p in placed if p.record.expect_grant}
+    lost = sorted(expected - set(state.grants))
     doubled = {k: v for k, v in state.grants.items() if v != 1}
-    unexpected = sorted(set(state.grants) - {str(k) for k in expected})
+    unexpected = sorted(set(state.grants) - expected)
     want_dead = {
         p.where: str(p.record.expect_dead_letter) for p in placed if p.record.expect_dead_letter
     }
     dead_missing = sorted(set(want_dead) - state.dead_at)
     dead_unexpected = sorted(state.dead_at - set(want_dead))
-    wrong = sorted((p, o, r) for p, o, r in state.dead if want_dead.get((p, o), r) != r)
-    no_error = [r for r in state.dlq_records if not audit.header(r, "x-dlq-error")]
-    by_reason = Counter(reason for (p, o), reason in _dead_reasons(state).items())
+    wrong = sorted(
+        (*d.source, d.reason) for d in state.dead if want_dead.get(d.source, d.reason) != d.reason
+    )
+    no_error = [d for d in state.dead if not d.error]
+    by_reason = Counter(d.reason for d in {d.source: d for d in state.dead}.values())
     behind = [
-        f"partition {p}: committed {state.committed.get(p)} != high watermark {h}"
-        for p, h in sorted(state.high.items())
-        if state.committed.get(p) != h
+        f"{tp[0]}[{tp[1]}]: committed {state.committed.get(tp)} != high watermark {h}"
+        for tp, h in sorted(end.high.items())
+        if state.committed.get(tp) != h
     ]
-    markers, claims = await idempotency_markers(settings)
     keyed_dead = {
         p.record.payment_id
         for p in placed
         if p.record.expect_dead_letter and p.record.payment_id is not None
     }
-    outcome_missing, succeeded_twice = await outcome_coverage(settings, placed)
+    seen = {(e.get("topic"), e.get("partition"), e.get("offset")) for e in end.events}
+    outcome_missing = sorted(p.where for p in placed if p.where not in seen)
+    succeeded = Counter(e.get("dedupe_key") for e in end.events if e.get("event") == "succeeded")
+    succeeded_twice = sorted(str(k) for k, n in succeeded.items() if n > 1)
+    claimed_grants = sum(
+        1 for p in placed if p.record.handler == CLAIMED and p.record.payment_id in state.grants
+    )
 
     problems = list(problems)
     if lost:
@@ -810,20 +979,28 @@ async def final_verdict(
     problems.extend(behind)
     if state.retry_depth != (0, 0, 0):
         problems.append(f"retry queue not empty (due, inflight, items): {state.retry_depth}")
-    if claims:
-        problems.append(f"{len(claims)} idempotency keys not done/dead, e.g. {claims[:5]}")
-    if markers["d"] != len(expected):
-        problems.append(f"{markers['d']} done-markers for {len(expected)} granted payments")
-    if markers["x"] != len(keyed_dead):
-        problems.append(f"{markers['x']} dead-markers for {len(keyed_dead)} keyed dead letters")
+    if end.claims_left:
+        problems.append(
+            f"{len(end.claims_left)} idempotency keys not done/dead, e.g. {end.claims_left[:5]}"
+        )
+    if end.markers["d"] != len(expected):
+        problems.append(f"{end.markers['d']} done-markers for {len(expected)} granted payments")
+    if end.markers["x"] != len(keyed_dead):
+        problems.append(f"{end.markers['x']} dead-markers for {len(keyed_dead)} keyed dead letters")
     if outcome_missing:
         problems.append(
             f"{len(outcome_missing)} records without an outcome event, e.g. {outcome_missing[:10]}"
         )
     if succeeded_twice:
         problems.append(f"`succeeded` emitted twice for {succeeded_twice[:10]}")
+    if end.overlaps:
+        problems.append(
+            f"{len(end.overlaps)} runs of a claimed key overlapped another run of it: "
+            f"{end.overlaps[:5]}"
+        )
     return Verdict(
         expected_grants=len(expected),
+        claimed_grants=claimed_grants,
         lost=lost,
         doubled=doubled,
         unexpected_grants=unexpected,
@@ -834,16 +1011,14 @@ async def final_verdict(
         dead_extra_copies=len(state.dead) - len(state.dead_at),
         offsets_behind=behind,
         retry_depth=state.retry_depth,
-        claims_left=claims,
-        markers=markers,
+        claims_left=end.claims_left,
+        markers=end.markers,
         outcome_missing=outcome_missing,
         succeeded_twice=succeeded_twice,
+        overlaps=end.overlaps,
+        overlaps_excused=end.overlaps_excused,
         problems=problems,
     )
-
-
-def _dead_reasons(state: Fates) -> dict[tuple[int, int], str]:
-    return {(p, o): r for p, o, r in state.dead}
 
 
 # --- the run ---
@@ -867,11 +1042,14 @@ class ChaosRun:
         self.say = say
         self.rng = random.Random(cfg.seed)
         self.settings = chaos_settings(bootstrap, redis.url, name, cfg)
-        self.records = make_records(cfg.records, cfg.mix, cfg.seed, cfg.duplicate_spread)
+        self.records = make_mix(cfg)
         self.plan = plan_faults(cfg, self.records, self.rng)
         self.pool = Pool(self.settings, work_dir, name)
         self.producer = GatedProducer(self.settings, self.records, cfg)
-        self.progress = Progress(self.settings, cfg.partitions)
+        self.outside = make_outside(self.settings, cfg)
+        self.progress = Progress(self.outside)
+        # Every partition of both topics: what a settled group holds between its members.
+        self.partitions = cfg.partitions + cfg.claimed_partitions
         self.faults: list[FaultRecord] = []
         self.problems: list[str] = []
         self._producing: asyncio.Task[None] | None = None
@@ -879,21 +1057,28 @@ class ChaosRun:
 
     async def execute(self) -> ChaosReport:
         cfg = self.cfg
-        kinds = Counter(r.kind for r in self.records)
-        hangs = sum(1 for r in self.records if isinstance(r, HangingRecord))
-        self.say(
-            f"seed {cfg.seed}: {len(self.records)} records over {cfg.partitions} partitions "
-            f"({dict(kinds)}, of which hanging {hangs}); plan:"
-        )
+        for handler in (PAYMENTS, CLAIMED):
+            mine = [r for r in self.records if r.handler == handler]
+            kinds = Counter(r.kind for r in mine)
+            hangs = sum(1 for r in mine if r.hangs)
+            self.say(
+                f"seed {cfg.seed}, {handler}: {len(mine)} records to "
+                f"{self.settings.topics[handler]} ({dict(kinds)}, of which hanging {hangs})"
+            )
+        self.say(f"plan ({self.partitions} partitions in all):")
         for i, fault in enumerate(self.plan, 1):
             self.say(f"  #{i} {fault.describe()}")
-        await prepare_topics(self.settings, partitions=cfg.partitions)
-        await self.progress.start()
+        await prepare_topics(
+            self.settings,
+            partitions=cfg.partitions,
+            partitions_of={CLAIMED: cfg.claimed_partitions},
+        )
+        await self.outside.start()
         await self.producer.start()
         try:
             self.pool.start(0)
             await self._wait(
-                lambda: self.pool.held_by_all(cfg.partitions), "w0 never got every partition"
+                lambda: self.pool.held_by_all(self.partitions), "w0 never got every partition"
             )
             self._t0 = time.monotonic()
             self._producing = asyncio.create_task(self.producer.run(self.progress))
@@ -908,17 +1093,19 @@ class ChaosRun:
                 await self._fire(i + 1, fault)
             self.producer.allow(len(self.records))
             await self._wait(self._produced_all, "production never finished")
+            ends = self.producer.ends()
             try:
-                final = await wait_fates_settled(self.settings, timeout=cfg.settle_timeout_s)
+                final = await wait_settled(self.outside, ends, timeout=cfg.settle_timeout_s)
             except AssertionError as exc:
                 self.problems.append(f"the run did not settle: {exc}")
-                final = await fates(self.settings)
+                final = await self.outside.view()
             duration = time.monotonic() - self._t0
             await self._settled_for_sigterm(self.pool.running_slots())
             for name, code in self.pool.stop_all().items():
                 if code != 0:
                     self.problems.append(f"{name} exited with {code} on the final SIGTERM")
-            verdict = await final_verdict(self.settings, final, self.producer.placed, self.problems)
+            end = await read_end_state(self.outside, ends, self.pool.logs)
+            verdict = final_verdict(final, end, self.producer.placed, self.problems)
         finally:
             self.pool.stop_all()
             if self._producing is not None and not self._producing.done():
@@ -926,7 +1113,7 @@ class ChaosRun:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._producing
             await self.producer.close()
-            await self.progress.close()
+            await self.outside.close()
         rebalances, assignments = rebalance_rounds(self.pool.logs)
         return ChaosReport(
             config=cfg,
@@ -971,7 +1158,7 @@ class ChaosRun:
             await self._wait(lambda: self.pool.started(slots), "a worker never started")
         else:
             await self._wait(
-                lambda: self.pool.held_by_all(self.cfg.partitions),
+                lambda: self.pool.held_by_all(self.partitions),
                 "the group never settled before a SIGTERM",
             )
 
@@ -1023,7 +1210,7 @@ class ChaosRun:
         await self._check_durable(f"after SIGKILL of {record.target}")
         if self.pool.expected and fault.compound:
             await self._wait(
-                lambda: self.pool.held_by_all(self.cfg.partitions),
+                lambda: self.pool.held_by_all(self.partitions),
                 f"the survivors never took over the partitions of {record.target}",
             )
             record.note = "restarted after the survivors took over"
@@ -1067,18 +1254,17 @@ class ChaosRun:
         Redis; it must wait at its start-up check, not give up.
         """
         record.target = "redis"
-        before = self.pool.failures_logged()
+        since = self.pool.log_sizes()
+        self.redis.kill()
 
         def every_worker_felt_it() -> bool:
-            now = self.pool.failures_logged()
-            return all(now[s] >= before.get(s, 0) + fault.param for s in now)
+            return all(n >= fault.param for n in self.pool.retries_logged(since).values())
 
-        self.redis.kill()
         down = time.monotonic()
         try:
             await self._wait(
                 every_worker_felt_it,
-                f"the workers did not log {fault.param} failed Redis calls each",
+                f"the workers did not retry a Redis call {fault.param} times each",
             )
             if fault.compound:
                 slot = self.pool.pick(fault.pick)
@@ -1105,7 +1291,7 @@ class ChaosRun:
             waiting[:] = [
                 self.pool.name(slot)
                 for slot in self.pool.running_slots()
-                if not any(now[p] > base[p] for p in partition_numbers(self.pool.procs[slot]))
+                if not any(now[tp] > base[tp] for tp in held_partitions(self.pool.procs[slot]))
             ]
             return not waiting
 
@@ -1121,7 +1307,7 @@ class ChaosRun:
         for slot in idle:
             self.pool.start(slot)
         await self._wait(
-            lambda: self.pool.held_by_all(self.cfg.partitions),
+            lambda: self.pool.held_by_all(self.partitions),
             f"{MAX_WORKERS} workers never shared the partitions",
         )
 
@@ -1150,7 +1336,7 @@ class ChaosRun:
                 if code != 0:
                     self.problems.append(f"{self.pool.name(slot)} exited with {code} on scale-down")
             await self._wait(
-                lambda: self.pool.held_by_all(self.cfg.partitions),
+                lambda: self.pool.held_by_all(self.partitions),
                 f"the workers left after {record.target} never took every partition",
             )
 
@@ -1161,10 +1347,10 @@ class ChaosRun:
         until two reads in a row agree.
         """
         async with frozen(self.pool.running()):
-            views: list[Fates] = []
+            views: list[View] = []
 
             async def steady() -> bool:
-                views.append(await fates(self.settings))
+                views.append(await self.outside.view())
                 return len(views) > 1 and views[-1].same_as(views[-2])
 
             await await_until(steady, 30, interval=0.1, message=f"{when}: no steady view")
@@ -1185,3 +1371,15 @@ async def run_chaos(
     """Run one chaos run against a broker and a Redis that outlive it; see the module doc."""
     run = ChaosRun(cfg, bootstrap=bootstrap, redis=redis, name=name, work_dir=work_dir, say=say)
     return await run.execute()
+
+
+def _highest_attempt(proc: WorkerProcess, needle: str, since: int) -> int:
+    """The largest ``attempt`` among the JSON log lines containing ``needle`` written past
+    offset ``since`` by the process's current run."""
+    run = proc.log_text()[since:].rsplit(f"===== start #{proc.starts} ", 1)[-1]
+    best = 0
+    for line in run.splitlines():
+        if needle in line:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                best = max(best, int(json.loads(line).get("attempt", 0)))
+    return best

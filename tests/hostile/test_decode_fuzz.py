@@ -12,7 +12,8 @@ import json
 import re
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from service.handlers.payments import (
@@ -25,7 +26,9 @@ from service.records import Delivery
 
 REASONS = {"malformed", "too_large", "tombstone"}  # docs/contracts.md, x-dlq-reason
 CANARY = "Qz9CANARYx"
-ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+# fullmatch, never `^...$`: Python's `$` also matches before a final newline, so that oracle
+# accepted "a\n", which the model (a Rust regex, where `$` is the very end) rejects.
+ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 FUZZ = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
 )
@@ -55,7 +58,7 @@ def check(value: bytes | None, max_bytes: int = 1_048_576) -> PaymentSucceeded |
     assert value is not None and len(value) <= max_bytes
     assert isinstance(json.loads(value), dict)
     for ident in (result.payment_id, result.user_id, result.product_id):
-        assert ID.match(ident), ident
+        assert ID.fullmatch(ident), ident
     assert 0 < result.amount_minor <= MAX_AMOUNT_MINOR
     assert type(result.amount_minor) is int
     assert re.fullmatch(r"[A-Z]{3}", result.currency)
@@ -162,9 +165,19 @@ def test_amounts(amount: Any) -> None:
 
 @FUZZ
 @given(st.text(max_size=300), st.sampled_from(["payment_id", "user_id", "product_id"]))
+@example("a\n", "payment_id")  # the oracle's old flake: `^...$` accepted a final newline
+@example("pay_1\n", "user_id")
 def test_identifiers(ident: str, field: str) -> None:
     result = check(json.dumps({**valid_doc(), field: ident}).encode())
-    assert isinstance(result, PaymentSucceeded) == bool(ID.match(ident)), (ident, result)
+    assert isinstance(result, PaymentSucceeded) == bool(ID.fullmatch(ident)), (ident, result)
+
+
+@pytest.mark.parametrize("ident", ["a\n", "pay_1\n", "\npay_1", "pay\n_1"])
+def test_identifier_oracle_rejects_a_trailing_newline_like_the_model(ident: str) -> None:
+    """The fuzz oracle and the model agree on newlines; a mismatch was a latent flake."""
+    assert ID.fullmatch(ident) is None
+    result = check(json.dumps({**valid_doc(), "payment_id": ident}).encode())
+    assert isinstance(result, DecodeFailure) and result.reason == "malformed"
 
 
 @FUZZ

@@ -141,13 +141,41 @@ def test_many_errors_are_summarised() -> None:
     assert "more" in result.detail  # more than five errors: the rest is counted, not listed
 
 
-def test_fingerprint_is_the_hash_of_model_dump_json() -> None:
-    # Done-markers written by earlier versions hold this hash: if it changed, every
-    # redelivery across an upgrade would be dead-lettered as a conflict.
-    import hashlib
+# Done-markers written by earlier versions hold these hashes. They are pinned as constants,
+# not recomputed with today's pydantic: if an upgrade changed the canonical bytes (a datetime's
+# format, say), every redelivery across the upgrade would be dead-lettered as a conflict.
+PINNED_FINGERPRINTS = [
+    (
+        {"amount_minor": 123_456},
+        b'{"payment_id":"pay_1","user_id":"user_SENSITIVE_4242","product_id":"sku_CONFIDENTIAL",'
+        b'"amount_minor":123456,"currency":"EUR","status":"succeeded",'
+        b'"occurred_at":"2026-11-21T10:00:00Z"}',
+        "600f7362e1eef4b8bb037daa",
+    ),
+    (
+        {"occurred_at": None},
+        b'{"payment_id":"pay_1","user_id":"user_SENSITIVE_4242","product_id":"sku_CONFIDENTIAL",'
+        b'"amount_minor":1299,"currency":"EUR","status":"succeeded","occurred_at":null}',
+        "a2870870b2b34350bf118ca0",
+    ),
+    (
+        {"occurred_at": "2026-11-21T12:00:00.250+02:00", "unknown_field": 1},
+        b'{"payment_id":"pay_1","user_id":"user_SENSITIVE_4242","product_id":"sku_CONFIDENTIAL",'
+        b'"amount_minor":1299,"currency":"EUR","status":"succeeded",'
+        b'"occurred_at":"2026-11-21T12:00:00.250000+02:00"}',
+        "3e1252759fc5b484dd579f5a",
+    ),
+]
 
+
+@pytest.mark.parametrize(("changes", "canonical", "pinned"), PINNED_FINGERPRINTS)
+def test_fingerprint_is_pinned_so_an_upgrade_keeps_redeliveries_duplicates(
+    changes: dict[str, Any], canonical: bytes, pinned: str
+) -> None:
     from service.idempotency import fingerprint
 
-    model = PaymentSucceeded.model_validate(payment(amount_minor=123_456))
-    expected = hashlib.blake2b(model.model_dump_json().encode(), digest_size=12).hexdigest()
-    assert fingerprint(model) == expected
+    model = decode(grant_purchase, delivery(encode(payment(**changes))), 1_048_576)
+    assert isinstance(model, PaymentSucceeded)
+    # The canonical bytes first: a failure here shows what the serializer now writes.
+    assert model.__pydantic_serializer__.to_json(model) == canonical
+    assert fingerprint(model) == pinned
