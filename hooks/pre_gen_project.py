@@ -6,6 +6,11 @@ cookiecutter removes the project folder it had just created.
 Self-contained on purpose: cruft does not tell hooks where the template checkout is,
 so this hook cannot import the repository's code. The topic, group and prefix rules
 are service/naming.py's; tests/template/test_validation.py proves they agree.
+
+Answers are text, never templates: cookiecutter renders every answer it is given as Jinja
+*before* this hook runs, and cruft renders the answers stored in .cruft.json again on each
+update. This hook refuses a project from such an answer, but cannot undo what the
+expression did while it was rendered (tests/template/test_untrusted_answers.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,21 @@ ANSWERS_JSON = r"""{{ {
     "include_k8s": cookiecutter.include_k8s,
     "include_pipeline": cookiecutter.include_pipeline,
 } | tojson }}"""
+# The answers as they were given, before cookiecutter rendered them (cookiecutter's own
+# copy, `_cookiecutter`; cruft passes none, and then only the rendered answers are checked).
+GIVEN_JSON = r"""{{ _cookiecutter | default({}) | tojson }}"""
+# Jinja's delimiters: an answer holding one is a template, or becomes one when re-rendered.
+# (This file is itself rendered by Jinja: no delimiter may appear outside a raw block.)
+JINJA = re.compile(r"\{(?:\{|%|#)")
+# cookiecutter.json's own templated defaults: the only templates an answer may be given as.
+# {% raw %}
+TEMPLATE_EXPRESSIONS = {
+    "project_slug": "{{ cookiecutter.project_name | slugify }}",
+    "consumer_group": "{{ cookiecutter.project_slug }}",
+    "redis_key_prefix": "{{ cookiecutter.project_slug }}",
+    "image_name": "registry.example.com/{{ cookiecutter.project_slug }}",
+}
+# {% endraw %}
 
 # service/naming.py: TOPIC_NAME (also used for group ids) and KEY_PREFIX.
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -138,14 +158,44 @@ def validate(answers: Mapping[str, object]) -> list[str]:
     problems = []
     for field, check in CHECKS.items():
         value = answers.get(field)
-        problem = check(value) if isinstance(value, str) else "missing"
+        if not isinstance(value, str):
+            problem: str | None = "missing"
+        elif JINJA.search(value):
+            problem = (
+                f"{value!r} holds a Jinja delimiter ("
+                "'{' then '{', '%' or '#'); answers are text, and cruft would render this one "
+                "as a template on every update"
+            )
+        else:
+            problem = check(value)
         if problem:
             problems.append(f"{field}: {problem}")
     return problems
 
 
+def templated_answers(given: Mapping[str, object], answers: Mapping[str, object]) -> list[str]:
+    """Answers given as templates: cookiecutter has already rendered (run) them."""
+    problems = []
+    for field, value in given.items():
+        if (
+            isinstance(value, str)
+            and JINJA.search(value)
+            and value != TEMPLATE_EXPRESSIONS.get(field)
+        ):
+            problems.append(
+                f"{field}: given as a Jinja template ({value[:80]!r}), which cookiecutter has "
+                f"already rendered to {str(answers.get(field))[:80]!r}; answers are text. "
+                "Whatever it ran has run: validate answers before calling cookiecutter "
+                "(docs/template.md)"
+            )
+    return problems
+
+
 def main() -> int:
-    problems = validate(json.loads(ANSWERS_JSON))
+    answers = json.loads(ANSWERS_JSON)
+    templated = templated_answers(json.loads(GIVEN_JSON), answers)
+    fields = {problem.split(":", 1)[0] for problem in templated}
+    problems = templated + [p for p in validate(answers) if p.split(":", 1)[0] not in fields]
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if problems:
