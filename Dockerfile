@@ -6,7 +6,7 @@
 #   docker run --rm -p 8080:8080 -e WORKER_KAFKA__BOOTSTRAP_SERVERS=... payments-worker:dev
 #
 # Configuration comes only from WORKER_* environment variables (docs/contracts.md);
-# nothing is baked into the image. The default command is `service run`; pass
+# nothing is baked into the image but the health/metrics bind address (below). The default command is `service run`; pass
 # `retry-scheduler` as the command to run only the retry scheduler.
 #
 # Both stages use the same pinned base so the virtualenv built in the first one
@@ -45,9 +45,14 @@ LABEL org.opencontainers.image.title="payments-worker" \
       org.opencontainers.image.description="Reliable Kafka consumer: idempotent handlers, Redis retries, dead letters" \
       org.opencontainers.image.licenses="Apache-2.0"
 
+# The worker's own default bind is loopback (a process on a laptop publishes nothing); in a
+# container the port is reached through the container's address (kubelet probes, -p, the
+# compose network), so the image listens on every interface of its own network namespace.
+# Who may connect is the network's business: deploy/k8s/networkpolicy.yaml.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    PATH=/opt/venv/bin:$PATH
+    PATH=/opt/venv/bin:$PATH \
+    WORKER_HTTP__HOST=0.0.0.0
 
 # Fixed UID/GID so Kubernetes can assert runAsUser: 10001 / runAsNonRoot.
 RUN groupadd --system --gid 10001 worker \

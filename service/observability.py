@@ -1,30 +1,36 @@
 """Liveness, readiness and metrics over HTTP, plus structured logging.
 
-The HTTP side is a stdlib WSGI server in a daemon thread serving prometheus-client's
-exposition: the event loop never blocks on a scrape, and the thread only reads a
-few fields the loop writes.
+The HTTP side is a small stdlib server in daemon threads serving prometheus-client's
+exposition: the event loop never blocks on a scrape, and the threads only read a few
+fields the loop writes. It is bounded against slow or hostile clients (``HttpServer``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
+import queue
+import selectors
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import make_wsgi_app
 from pythonjsonlogger.json import JsonFormatter
 
+from service.errors import ConfigurationError
 from service.metrics import Metrics
 from service.stalls import Stalls
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -108,15 +114,6 @@ class HealthState:
         return ok, detail
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
-        pass
-
-
 def make_app(state: HealthState, metrics: Metrics) -> Callable[..., Iterable[bytes]]:
     metrics_app = make_wsgi_app(metrics.registry)
 
@@ -137,20 +134,223 @@ def make_app(state: HealthState, metrics: Metrics) -> Callable[..., Iterable[byt
     return app
 
 
+# Longest request head read (request line and headers): ours are a few hundred bytes.
+MAX_HEAD_BYTES = 16 * 1024
+
+
+class _Handler(WSGIRequestHandler):
+    """wsgiref's handler over a head already read by the acceptor: it never waits to read."""
+
+    def __init__(self, conn: socket.socket, addr: Any, server: Any, head: bytes) -> None:
+        self._head = head
+        super().__init__(conn, addr, server)
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BytesIO(self._head)
+
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes are not news
+        pass
+
+
+@dataclass
+class _Pending:
+    """An accepted connection whose request head is not complete yet."""
+
+    addr: Any
+    deadline: float
+    head: bytearray = field(default_factory=bytearray)
+
+
+class _WsgiHost:
+    """What wsgiref's handler asks of its server: the base environ and the app."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], host: str, port: int) -> None:
+        self.application = app
+        self.base_environ = {
+            "SERVER_NAME": host,
+            "GATEWAY_INTERFACE": "CGI/1.1",
+            "SERVER_PORT": str(port),
+            "REMOTE_HOST": "",
+            "CONTENT_LENGTH": "",
+            "SCRIPT_NAME": "",
+        }
+
+    def get_app(self) -> Callable[..., Iterable[bytes]]:
+        return self.application
+
+
 class HttpServer:
-    def __init__(self, state: HealthState, metrics: Metrics, host: str, port: int) -> None:
-        self._server = make_server(
-            host, port, make_app(state, metrics), server_class=_Server, handler_class=_QuietHandler
+    """/healthz, /readyz and /metrics; hostile or careless clients cost little.
+
+    One acceptor thread reads every connection's request head without blocking; a
+    connection gets one of ``threads`` answering threads only once its head is complete,
+    so half-sent requests hold no thread. A head not complete within ``read_timeout_s``
+    is dropped (idle and trickling clients alike), and so are writes to a client that
+    does not read. At most ``max_connections`` are open: a new one evicts the oldest
+    incomplete one, or is closed at once when every open one is being answered. The
+    kubelet's probe, a complete request sent at once, gets through a flood of
+    incomplete ones.
+    """
+
+    def __init__(
+        self,
+        state: HealthState,
+        metrics: Metrics,
+        host: str,
+        port: int,
+        *,
+        read_timeout_s: float = 5.0,
+        max_connections: int = 64,
+        threads: int = 4,
+    ) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._listener = socket.create_server(
+                (host, port),
+                family=family,
+                backlog=min(max_connections, 1024),
+                dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6(),
+            )
+        except OSError as exc:
+            raise ConfigurationError(
+                f"WORKER_HTTP__HOST={host} WORKER_HTTP__PORT={port}: cannot listen there "
+                f"({exc.strerror or exc}); choose a free port, or WORKER_HTTP__ENABLED=false"
+            ) from None
+        self._listener.setblocking(False)
+        self.port: int = self._listener.getsockname()[1]
+        self._wsgi = _WsgiHost(make_app(state, metrics), host, self.port)
+        self._read_timeout_s = read_timeout_s
+        self._max_connections = max_connections
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._pending: dict[socket.socket, _Pending] = {}  # oldest first (dicts keep order)
+        self._requests: queue.SimpleQueue[tuple[socket.socket, Any, bytes] | None] = (
+            queue.SimpleQueue()
         )
-        self.port = self._server.server_port
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+        self._lock = threading.Lock()
+        self._answering = 0  # complete requests queued or being answered
+        self.dropped = 0  # connections closed unanswered (timeout, cap, oversized head)
+        self._threads = [threading.Thread(target=self._accept_loop, name="http", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._answer_loop, name=f"http-{i}", daemon=True)
+            for i in range(threads)
+        ]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        for _ in self._threads[1:]:
+            self._requests.put(None)
+        for thread in self._threads:
+            if thread.ident is not None:
+                thread.join(self._read_timeout_s + 1.0)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+        self._selector.close()
+
+    # --- the acceptor: reads request heads, never blocks ---
+
+    def _accept_loop(self) -> None:
+        selector = self._selector
+        selector.register(self._listener, selectors.EVENT_READ, "accept")
+        selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        try:
+            while True:
+                timeout = None
+                if self._pending:
+                    oldest = next(iter(self._pending.values()))
+                    timeout = max(0.0, oldest.deadline - time.monotonic())
+                for key, _ in selector.select(timeout):
+                    if key.data == "wake":
+                        return
+                    if key.data == "accept":
+                        self._accept()
+                    else:
+                        self._read(key.fileobj)  # type: ignore[arg-type]
+                self._expire(time.monotonic())
+        except Exception:
+            log.exception("the HTTP acceptor failed; health and metrics are unreachable")
+        finally:
+            for conn in list(self._pending):
+                self._drop(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of file descriptors: try at the next event
+                log.warning("HTTP accept failed", extra={"error": repr(exc)})
+                return
+            conn.setblocking(False)
+            if len(self._pending) + self._answering >= self._max_connections:
+                if not self._pending:
+                    self.dropped += 1
+                    conn.close()  # every open one is being answered: refuse
+                    continue
+                self._drop(next(iter(self._pending)))  # the oldest incomplete one
+            self._pending[conn] = _Pending(addr, time.monotonic() + self._read_timeout_s)
+            self._selector.register(conn, selectors.EVENT_READ, "read")
+
+    def _read(self, conn: socket.socket) -> None:
+        pending = self._pending.get(conn)
+        if pending is None:
+            return
+        try:
+            chunk = conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn)
+            return
+        pending.head += chunk
+        if b"\r\n\r\n" in pending.head or b"\n\n" in pending.head:
+            self._selector.unregister(conn)
+            del self._pending[conn]
+            with self._lock:
+                self._answering += 1
+            self._requests.put((conn, pending.addr, bytes(pending.head)))
+        elif len(pending.head) > MAX_HEAD_BYTES:
+            self._drop(conn)
+
+    def _expire(self, now: float) -> None:
+        while self._pending:
+            conn, pending = next(iter(self._pending.items()))
+            if pending.deadline > now:
+                return
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        if self._pending.pop(conn, None) is not None:
+            self.dropped += 1
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn)
+        conn.close()
+
+    # --- the answering threads: complete requests only ---
+
+    def _answer_loop(self) -> None:
+        while (item := self._requests.get()) is not None:
+            conn, addr, head = item
+            try:
+                conn.settimeout(self._read_timeout_s)  # bounds writes to a client not reading
+                _Handler(conn, addr, self._wsgi, head)
+            except Exception as exc:  # a client gone mid-reply; nothing to tell it
+                log.debug("HTTP request failed", extra={"error": repr(exc)})
+            finally:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_WR)
+                conn.close()
+                with self._lock:
+                    self._answering -= 1
 
 
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {

@@ -104,10 +104,16 @@ class RedisSettings(BaseModel):
 
     @field_validator("url")
     @classmethod
-    def _url_scheme(cls, value: SecretStr) -> SecretStr:
+    def _url_usable(cls, value: SecretStr) -> SecretStr:
+        """Judged by redis-py's own parser now, not by a traceback at the first connect."""
         raw = value.get_secret_value()
         if not raw.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
+        from service.redis_client import url_problem  # it imports this module
+
+        problem = url_problem(raw)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("key_prefix")
@@ -211,9 +217,37 @@ class DeadLetterSettings(BaseModel):
 
 
 class HttpSettings(BaseModel):
+    """The health and metrics endpoint (no authentication: who may reach it is the network's
+    business, see deploy/README.md)."""
+
     enabled: bool = True
-    host: str = "0.0.0.0"
+    # Loopback unless told otherwise: a worker run on a laptop must not publish its metrics.
+    # The image sets 0.0.0.0 (the kubelet probes the pod's IP; deploy/k8s/networkpolicy.yaml
+    # says who else may connect).
+    host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
+    # A request head not complete by then is dropped (slow or idle clients hold no thread).
+    read_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    # Connections open at once; over it the oldest incomplete one is dropped, else the new one.
+    max_connections: int = Field(default=64, ge=1, le=10_000)
+    # Threads answering complete requests (a connection gets one only once its head is in).
+    threads: int = Field(default=4, ge=1, le=64)
+
+    @field_validator("host")
+    @classmethod
+    def _host_literal(cls, value: str) -> str:
+        import ipaddress
+
+        if value == "localhost":
+            return value
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r}: use an IP address to listen on (127.0.0.1 loopback only, "
+                "0.0.0.0 or :: every interface) or localhost"
+            ) from None
+        return value
 
 
 class Settings(BaseSettings):
@@ -301,6 +335,38 @@ class Settings(BaseSettings):
             )
         if self.handler_timeout_s * 1000 >= self.retry.lease_ms:
             raise ValueError("WORKER_RETRY__LEASE_MS must exceed WORKER_HANDLER_TIMEOUT_S (in ms)")
+        return self
+
+    @model_validator(mode="after")
+    def _no_loops(self) -> Settings:
+        """What the worker produces must never be a topic it consumes: each failure (or
+        each outcome event) would come back as a new record, forever."""
+        bound = set(self.topics.values())
+        dead_letters: dict[str, str] = {}
+        for topic in self.topics.values():
+            dlq = self.dead_letter_topic(topic)
+            try:
+                _check_topic(dlq)
+            except ValueError as exc:
+                raise ValueError(
+                    f"WORKER_DEAD_LETTER__TOPIC_TEMPLATE for {topic!r}: {exc}"
+                ) from None
+            if dlq in bound:
+                raise ValueError(
+                    f"WORKER_DEAD_LETTER__TOPIC_TEMPLATE={self.dead_letter.topic_template!r} "
+                    f"sends the dead letters of {topic!r} to the bound topic {dlq!r}: a loop "
+                    "(use e.g. '{topic}.dlq')"
+                )
+            dead_letters[dlq] = topic
+        outcomes = self.outcomes_topic()
+        if outcomes is not None and (outcomes in bound or outcomes in dead_letters):
+            what = "a bound topic" if outcomes in bound else "a dead-letter topic"
+            source = "" if self.outcomes.topic else " (from WORKER_KAFKA__GROUP_ID)"
+            raise ValueError(
+                f"WORKER_OUTCOMES__TOPIC: the outcomes topic {outcomes!r}{source} is {what}: "
+                "a loop (outcome events would be consumed as records, or mixed with dead "
+                "letters); name another topic"
+            )
         return self
 
     def dead_letter_topic(self, topic: str) -> str:

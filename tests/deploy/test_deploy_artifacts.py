@@ -411,6 +411,7 @@ def test_k8s_expected_objects_present() -> None:
         ("apps/v1", "Deployment"),
         ("v1", "Service"),
         ("policy/v1", "PodDisruptionBudget"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
     } | CRD_KINDS
     assert expected <= kinds, f"missing: {expected - kinds}"
     namespaces = {o["metadata"].get("namespace") for o in k8s_objects() if o["kind"] != "Namespace"}
@@ -453,6 +454,32 @@ def test_deployment_security_context() -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in deployment_container()["volumeMounts"]}
     assert "/tmp" in mounts and "emptyDir" in volumes[mounts["/tmp"]]
+
+
+def test_network_policy_admits_only_the_scraper_to_the_worker_pods() -> None:
+    """Issue 13, defect 7: the unauthenticated health/metrics port is reachable only by the
+    metrics scraper (and the node's kubelet, which NetworkPolicy cannot name or block)."""
+    policy = k8s_object("NetworkPolicy")["spec"]
+    pod_labels = k8s_object("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]  # selected pods: everything else denied
+    ports = {p["name"]: p["containerPort"] for p in deployment_container()["ports"]}
+    (rule,) = policy["ingress"]
+    (peer,) = rule["from"]  # one peer, both selectors in it: namespace AND pod
+    assert peer["namespaceSelector"]["matchLabels"] and peer["podSelector"]["matchLabels"]
+    assert "ipBlock" not in peer
+    assert [ports.get(p["port"], p["port"]) for p in rule["ports"]] == [
+        load_settings_from(k8s_worker_env()).http.port
+    ]
+
+
+def test_http_listens_on_every_interface_only_where_a_container_needs_it() -> None:
+    """The worker's default is loopback; the pod (kubelet probes its IP), the compose stack
+    and the image set 0.0.0.0 explicitly."""
+    assert Settings.model_fields["http"].default.host == "127.0.0.1"
+    assert load_settings_from(k8s_worker_env()).http.host == "0.0.0.0"
+    assert load_settings_from(compose_worker_env()).http.host == "0.0.0.0"
+    assert re.search(r"^\s+WORKER_HTTP__HOST=0\.0\.0\.0\s*$", DOCKERFILE.read_text(), re.M)
 
 
 def test_termination_grace_exceeds_worker_shutdown_grace() -> None:
