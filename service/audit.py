@@ -119,10 +119,18 @@ async def read_all(kafka: KafkaSettings, topic: str, timeout_s: float = 30) -> l
 
 
 def header(record: Any, name: str) -> str | None:
+    """The header's value; for the worker's ``x-dlq-*`` the last one, which is the worker's.
+
+    The worker drops incoming reserved headers, and appends its own after the record's, so
+    even a dead letter written before that (a forged reason first) reads the worker's.
+    """
+    found = None
     for key, value in record.headers or ():
         if key == name:
-            return bytes(value).decode("utf-8", "replace")
-    return None
+            if not name.startswith("x-dlq-"):
+                return bytes(value).decode("utf-8", "replace")
+            found = value
+    return None if found is None else bytes(found).decode("utf-8", "replace")
 
 
 async def ledger_grants(redis_url: str, prefix: str) -> Counter[str]:

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from service import runtime
 from service.errors import ConfigurationError
@@ -50,12 +51,17 @@ StateDir = Annotated[
 ]
 
 
+def _refuse(exc: ConfigurationError) -> typer.Exit:
+    """Print a configuration error as it is (no markup, no wrapping mid-line); exit code 2."""
+    err.print(f"[red]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
 def _settings() -> Settings:
     try:
         return load_settings()
     except ConfigurationError as exc:
-        err.print(f"[red]{exc}[/]", highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(exc) from None
 
 
 def _run_worker(consume: bool) -> None:
@@ -67,8 +73,7 @@ def _run_worker(consume: bool) -> None:
     try:
         registry = Registry.from_settings(settings.topics)
     except ConfigurationError as exc:
-        err.print(f"[red]{exc}[/]", highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(exc) from None
 
     async def main() -> None:
         worker = Worker(settings, registry, consume=consume)
@@ -78,8 +83,7 @@ def _run_worker(consume: bool) -> None:
     try:
         runtime.run(main(), settings.event_loop)
     except ConfigurationError as exc:  # found while connecting, e.g. Redis persistence off
-        err.print(f"[red]{exc}[/]", highlight=False)
-        raise typer.Exit(2) from None
+        raise _refuse(exc) from None
 
 
 @app.command()
@@ -96,8 +100,14 @@ def retry_scheduler() -> None:
 
 @app.command("check-config")
 def check_config() -> None:
-    """Validate the settings and print them (secrets masked)."""
+    """Validate the settings and print them (secrets masked); exit 2 naming a bad one."""
+    from service.registry import Registry
+
     settings = _settings()
+    try:
+        Registry.from_settings(settings.topics)  # the handlers `run` would bind
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
     console.print_json(json.dumps(settings.model_dump(mode="json")))
 
 
@@ -167,22 +177,37 @@ def dlq_redrive(
         list[str] | None, typer.Option(help="Only these reasons (repeatable).")
     ] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="At most this many.")] = None,
+    include_redriven: Annotated[
+        bool,
+        typer.Option(
+            "--include-redriven",
+            help="Also take dead letters of records that were themselves redriven.",
+        ),
+    ] = False,
 ) -> None:
     """Re-publish dead letters to their source topic (after fixing the cause).
 
     With --reason, records of other reasons are left for a later redrive; nothing already
-    redriven is sent twice. Reads up to the end offsets seen at start.
+    redriven is sent twice. Reads up to the end offsets seen at start. A record redriven
+    before that failed again is left unless --include-redriven (no loops).
     """
     from service.redrive import redrive
 
     settings = _settings()
     report = asyncio.run(
-        redrive(settings, topic, reasons=set(reason) if reason else None, limit=limit)
+        redrive(
+            settings,
+            topic,
+            reasons=set(reason) if reason else None,
+            limit=limit,
+            include_redriven=include_redriven,
+        )
     )
     console.print(
         f"redriven {report.redriven} {dict(sorted(report.by_reason.items()))}, "
         f"skipped (other reasons, left for a later run) {report.skipped}, "
-        f"already redriven earlier {report.already}",
+        f"already redriven earlier {report.already}, "
+        f"failed again after a redrive (left; --include-redriven) {report.redriven_again}",
         highlight=False,
     )
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from service.errors import PermanentError
+from service.keys import ENGINE_NAMESPACES, effect_key
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -187,9 +188,16 @@ class Effects:
     half-applied record at commit time): one of ``EFFECT_COMMANDS`` with the arguments
     Redis takes for it, at most ``MAX_EFFECT_ARGS`` of them, integers in int64 range, finite
     scores, and bytes in UTF-8 since arguments travel to Redis as text.
+
+    The key's namespace (its second ':' component) is never one of the engine's
+    (``keys.ENGINE_NAMESPACES``: a handler must not be able to write a done-marker or a
+    retry). The worker also gives the handler's ``prefix`` and ``namespaces`` (its name and
+    its declared ``writes``): then the key must be ``{prefix}:{namespace}`` or below it.
     """
 
     commands: list[tuple[EffectArg, ...]] = field(default_factory=list)
+    prefix: str | None = None  # with ``namespaces``: the only keys this handler may write
+    namespaces: frozenset[str] = frozenset()
 
     def command(self, *args: EffectArg) -> None:
         """Queue one single-key write command, e.g. ``command("HINCRBY", key, "n", 1)``."""
@@ -209,6 +217,7 @@ class Effects:
             )
         if not isinstance(args[1], str | bytes):
             raise InvalidEffect(f"the key must be str or bytes, not {type(args[1]).__name__}")
+        self._check_key(args[1])
         for arg in args:
             if isinstance(arg, bytes):
                 try:
@@ -221,6 +230,29 @@ class Effects:
                 raise InvalidEffect(f"an effect argument cannot be {arg}")
         check(name.upper(), args[2:])
         self.commands.append(tuple(args))
+
+    def _check_key(self, key: str | bytes) -> None:
+        if isinstance(key, bytes):
+            try:
+                key = key.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidEffect("effect arguments must be UTF-8 (the key is not)") from None
+        head, _, rest = key.partition(":")
+        namespace = rest.partition(":")[0]
+        if self.prefix is not None and head == self.prefix and namespace in self.namespaces:
+            return  # the worker's case: its own namespaces never include the engine's
+        if namespace in ENGINE_NAMESPACES:
+            raise InvalidEffect(
+                f"effect key {key[:80]!r} is in the engine's namespace {namespace!r}: "
+                "handlers may not write there"
+            )
+        if self.prefix is not None:
+            raise InvalidEffect(
+                f"effect key {key[:80]!r} is outside this handler's namespaces "
+                f"({', '.join(f'{self.prefix}:{n}' for n in sorted(self.namespaces))}); "
+                "declare another with @handler(..., writes=(...)) and build keys with "
+                "ctx.redis_key(namespace, ...)"
+            )
 
     def xadd(self, stream: str, fields: dict[str, EffectArg], maxlen: int | None = None) -> None:
         args: list[EffectArg] = ["XADD", stream]
@@ -269,9 +301,15 @@ class Context:
     redis: Redis  # for reads; writes that must be exactly-once go through ``effects``
     key_prefix: str
 
-    def redis_key(self, *parts: str) -> str:
-        """A key in this service's namespace, e.g. ``ctx.redis_key("ledger", "purchases")``."""
-        return ":".join((self.key_prefix, *parts))
+    def redis_key(self, namespace: str, *parts: str) -> str:
+        """A key in this service's ``namespace``, e.g. ``ctx.redis_key("ledger", "purchases")``.
+
+        Each part is one key component whatever it holds: ':' and '%' in it are
+        percent-encoded, so an id from a record (``"payments:=pP"``) can never name a key
+        of another namespace or another component. Effects may be written only under the
+        handler's own name and the namespaces its ``@handler(writes=...)`` declares.
+        """
+        return effect_key(self.key_prefix, namespace, *parts)
 
     def header(self, name: str) -> bytes | None:
         for key, value in self.headers:

@@ -55,12 +55,20 @@ class FinishStatus(StrEnum):
     PARTIAL = "partial"  # an effect failed after others applied; marker written, dead-letter
 
 
+@dataclass(slots=True, frozen=True)
+class RedriveTicket:
+    """The ticket a redriven record must find to claim over its own dead-letter marker."""
+
+    key: str  # RedisKeys.redrive_ticket(x-redrive-of)
+    value: str  # records.redrive_ticket_value(topic, value)
+
+
 @dataclass(slots=True)
 class ClaimRequest:
     key: str
     token: str
     fingerprint: str
-    over_dead: bool
+    redrive: RedriveTicket | None = None  # only a ticketed redrive may claim over dead
 
 
 @dataclass(slots=True)
@@ -159,6 +167,12 @@ class Idempotency:
     async def release(self, key: str, token: str) -> None:
         await self._ops.call(lambda: self._release_script(keys=[], args=[key, token]))
 
+    async def valid_tickets(self, tickets: Sequence[RedriveTicket]) -> list[bool]:
+        """Which redrive tickets exist and admit their record (one MGET, read only)."""
+        keys = [t.key for t in tickets]
+        found = await self._ops.call(lambda: self._ops.client.mget(keys))
+        return [v == t.value.encode() for t, v in zip(tickets, found, strict=True)]
+
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[ClaimStatus]:
         return [s for chunk in self._chunks(requests) for s in await self._claim_chunk(chunk)]
 
@@ -213,7 +227,12 @@ class Idempotency:
         return [items[i : i + size] for i in range(0, len(items), size)]
 
     async def _claim_chunk(self, batch: Sequence[ClaimRequest]) -> list[ClaimStatus]:
-        records = [(r.key, r.token, r.fingerprint, r.over_dead) for r in batch]
+        records = [
+            (r.key, r.token, r.fingerprint, r.redrive.key, r.redrive.value)
+            if r.redrive
+            else (r.key, r.token, r.fingerprint, "", "")
+            for r in batch
+        ]
         args: list[EffectArg] = [self._lease_ms, _json(records)]
         # Claims need no durability wait: a lost claim only means a later duplicate claim,
         # which the done-marker check still stops.

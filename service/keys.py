@@ -4,6 +4,12 @@ The prefix and handler names are validated (no ':'), and the dedupe key is alway
 the last component, marked by how it is encoded: ``=`` + the id itself when short,
 ``#`` + its SHA-256 when long. So no two (handler, id) pairs share a key, and a
 hostile 1 MB id costs a 64-character key.
+
+The second component is the namespace. The engine's own are ``ENGINE_NAMESPACES``: no
+handler may be named like one (its idempotency keys would be ``{prefix}:idem:<name>:...``
+next to another's effects) or write an effect under one (``service.context.Effects``).
+Effect keys from data are built with :func:`effect_key`, which escapes ':' in each part,
+so an id such as ``"payments:=pP"`` stays one component of its own namespace.
 """
 
 from __future__ import annotations
@@ -11,6 +17,24 @@ from __future__ import annotations
 import hashlib
 
 MAX_INLINE_KEY_BYTES = 160
+# Every namespace the engine writes, or may write, under the key prefix: idempotency
+# markers, the delay queue, the durability fence (redis_client.fence_key), redrive state.
+# A key the engine adds must live under one of these (tests/security/test_keys.py checks).
+ENGINE_NAMESPACES = frozenset(
+    {"idem", "retry", "durability", "redrive", "dlq", "engine", "worker", "ticket", "tickets"}
+)
+
+
+def escape_part(part: str) -> str:
+    """One key component, whatever it holds: '%' and ':' percent-encoded (injective)."""
+    if "%" in part or ":" in part:
+        return part.replace("%", "%25").replace(":", "%3A")
+    return part
+
+
+def effect_key(prefix: str, namespace: str, *parts: str) -> str:
+    """``{prefix}:{namespace}:{part}:...``, each part escaped: data cannot add components."""
+    return ":".join((prefix, escape_part(namespace), *map(escape_part, parts)))
 
 
 class RedisKeys:
@@ -31,5 +55,14 @@ class RedisKeys:
             return f"{self.prefix}:idem:{handler}:={dedupe_key}"
         return f"{self.prefix}:idem:{handler}:#{hashlib.sha256(raw).hexdigest()}"
 
-    def effect(self, *parts: str) -> str:
-        return ":".join((self.prefix, *parts))
+    def redrive_ticket(self, redrive_of: bytes) -> str:
+        """Where ``service dlq redrive`` leaves the ticket of the record it sends back.
+
+        Keyed by the dead letter's coordinates (the ``x-redrive-of`` value), hashed: the
+        value arrives in a record header, so its length and bytes are anyone's.
+        """
+        return f"{self.prefix}:redrive:ticket:{hashlib.sha256(redrive_of).hexdigest()}"
+
+    def effect(self, namespace: str, *parts: str) -> str:
+        """The key a handler's ``ctx.redis_key(namespace, *parts)`` names."""
+        return effect_key(self.prefix, namespace, *parts)

@@ -47,13 +47,22 @@ from service.idempotency import (
     FinishRequest,
     FinishStatus,
     Idempotency,
+    RedriveTicket,
     fingerprint,
 )
 from service.kafka_client import make_producer
 from service.keys import RedisKeys
 from service.metrics import Metrics
 from service.publisher import Publisher, encode_outcome
-from service.records import Delivery, Outcome
+from service.records import REDRIVE_HEADER as REDRIVE_HEADER  # where redrive finds it
+from service.records import (
+    Delivery,
+    Outcome,
+    redrive_of,
+    redrive_ticket_value,
+    without_redrive,
+)
+from service.redaction import describe_error, record_text
 from service.redis_client import RedisOps, make_client
 from service.registry import Handler, Registry
 from service.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms, now_ms
@@ -62,7 +71,6 @@ from service.stalls import Stalls
 
 log = logging.getLogger(__name__)
 
-REDRIVE_HEADER = "x-redrive-of"
 # A record whose processing fails unexpectedly this often is dead-lettered as "internal".
 INTERNAL_ATTEMPTS = 5
 INTERNAL_BACKOFF_MAX_S = 30.0
@@ -238,7 +246,7 @@ class Processor:
 
     async def _dead_letter_internal(self, d: Delivery, exc: BaseException) -> bool:
         job = _Job(delivery=d, handler=self._registry.for_topic(d.topic))
-        job.dead_letter("internal", f"{type(exc).__name__}: {exc}")
+        job.dead_letter("internal", describe_error(exc))
         try:
             await self._dead_letter([job])
             await self._emit([job])
@@ -250,6 +258,7 @@ class Processor:
     async def process_batch(
         self, deliveries: Sequence[Delivery], *, ordered: bool = True
     ) -> list[Outcome]:
+        deliveries = await self._vet_redrives(deliveries)
         jobs = [self._prepare(d) for d in deliveries]
         live = [j for j in jobs if j.fate is None]
         ordering = self._settings.ordering if ordered else "none"
@@ -269,6 +278,37 @@ class Processor:
         await self._emit(jobs)
         return [j.outcome or Outcome.DEAD_LETTERED for j in jobs]
 
+    # --- stage 0: a redrive is one only with its ticket (one MGET, only when marked) ---
+
+    async def _vet_redrives(self, deliveries: Sequence[Delivery]) -> Sequence[Delivery]:
+        """Drop ``x-redrive-of`` from fresh records the worker's redrive did not send.
+
+        Anyone may produce that header; only ``service dlq redrive`` writes the ticket it
+        names. Without one the record is exactly the record without the header. Retries
+        were vetted when fresh (their stored headers are the vetted ones).
+        """
+        marked: list[tuple[int, RedriveTicket | None]] = [
+            (i, self._ticket(d))
+            for i, d in enumerate(deliveries)
+            if d.headers and not d.is_retry and any(k == REDRIVE_HEADER for k, _ in d.headers)
+        ]
+        if not marked:
+            return deliveries
+        tickets = [t for _, t in marked if t is not None]
+        valid = iter(await self._idem.valid_tickets(tickets) if tickets else [])
+        out = list(deliveries)
+        for i, ticket in marked:
+            if ticket is None or not next(valid):
+                out[i] = replace(out[i], headers=without_redrive(out[i].headers))
+        return out
+
+    def _ticket(self, d: Delivery) -> RedriveTicket | None:
+        of = redrive_of(d.headers) if d.headers else None
+        if of is None:
+            return None
+        key = RedisKeys(self._key_prefix).redrive_ticket(of)
+        return RedriveTicket(key, redrive_ticket_value(d.topic, d.value))
+
     # --- stage 1: route and decode (no I/O) ---
 
     def _prepare(self, d: Delivery) -> _Job:
@@ -285,7 +325,7 @@ class Processor:
         try:
             dedupe_key = handler.key_of(payload)
         except Exception as exc:  # a callable dedupe_key that rejects the payload
-            job.dead_letter("malformed", f"dedupe key: {type(exc).__name__}: {exc}")
+            job.dead_letter("malformed", f"dedupe key: {describe_error(exc)}")
             return job
         if not dedupe_key:
             job.dead_letter("malformed", "dedupe key is empty")
@@ -302,7 +342,7 @@ class Processor:
         job.idem_key = self._idem.key(handler.name, dedupe_key)
         job.token = self._idem.tokens.next()
         job.fingerprint = fingerprint(payload)
-        # A redrive must claim: only a claim may take over a dead-letter marker.
+        # A (vetted) redrive must claim: only a claim may take over a dead-letter marker.
         job.optimistic = handler.effects_only and not _is_redrive(d)
         return job
 
@@ -331,7 +371,7 @@ class Processor:
         lease_ends = time.monotonic() + self._settings.idempotency.lease_ms / 1000
         statuses = await self._idem.claim_many(
             [
-                ClaimRequest(j.idem_key, j.token, j.fingerprint, _is_redrive(j.delivery))
+                ClaimRequest(j.idem_key, j.token, j.fingerprint, self._ticket(j.delivery))
                 for j in claiming
             ]
         )
@@ -464,7 +504,9 @@ class Processor:
 
     def _context(self, job: _Job) -> Context:
         d = job.delivery
-        effects = job.effects = Effects()
+        assert job.handler is not None
+        # Scoped: the handler's effects may write only under its own namespaces.
+        effects = job.effects = Effects([], self._key_prefix, job.handler.namespaces)
         return Context(  # positional: this runs once per record
             d.topic,
             d.partition,
@@ -480,15 +522,20 @@ class Processor:
         )
 
     def _failed(self, job: _Job, exc: BaseException, error: str | None = None) -> None:
-        """A handler error: dead-letter if permanent or out of attempts, else park."""
+        """A handler error: dead-letter if permanent or out of attempts, else park.
+
+        Its text is recorded (dead-letter header, log, retry item, outcome event) only as
+        ``describe_error`` makes it: public message if declared, redacted, bounded.
+        """
         assert job.handler is not None
-        error = error or f"{type(exc).__name__}: {exc}"
+        error = error or describe_error(exc)
         if job.handler.classify(exc) == "fail":
             job.dead_letter("permanent", error)
         else:
             self._retry_or_give_up(job, error)
 
     def _retry_or_give_up(self, job: _Job, error: str) -> None:
+        error = record_text(error)  # e.g. a Redis error echoing an effect's arguments
         attempt = job.delivery.attempt
         if attempt >= self._settings.retry.max_attempts:
             job.dead_letter("exhausted", error)

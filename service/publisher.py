@@ -42,6 +42,7 @@ from aiokafka.errors import (
 from aiokafka.protocol.metadata import MetadataRequest
 
 from service.records import Delivery, Outcome
+from service.redaction import record_text
 from service.retrying import until_done
 from service.stalls import Stalls
 
@@ -237,7 +238,8 @@ class Publisher:
         which a keyless tombstone and every last tier would be: such a dead letter is keyed
         by its source coordinates and marked with ``x-dlq-key-substituted``.
         """
-        detail = error.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+        # Redacted and cut on a character boundary, whoever wrote it (service/redaction.py).
+        detail = record_text(error, MAX_ERROR_BYTES).encode()
         ours = [
             ("x-dlq-reason", reason.encode()),
             ("x-dlq-error", detail),

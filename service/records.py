@@ -4,15 +4,70 @@ A ``Delivery`` is either a fresh Kafka record or a retry taken from the delay
 queue; both travel the same path. Everything a retry needs to run again later (raw
 key, value and headers, its source coordinates, the attempt count) is in it, so a
 parked retry does not depend on Kafka still holding the record.
+
+Headers in the worker's reserved namespace (``x-dlq-*``, ``x-redrive-*``, the fault
+header) mean something to the worker, its tools and its readers, so a producer must not
+be able to send them: ``clean_headers`` drops them where a ``Delivery`` is built from a
+Kafka record, before anything reads or copies them. The one exception is a single
+``x-redrive-of``, kept for the processor to check against the redrive's ticket in Redis
+(see ``service.redrive``); without a valid ticket it is dropped too.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
+
+from service.faults import HEADER as FAULT_HEADER
+
+# Set by ``service dlq redrive`` on what it sends back: the dead letter's coordinates.
+REDRIVE_HEADER = "x-redrive-of"
+# The worker's namespace in record headers (compared case-insensitively).
+RESERVED_PREFIXES = ("x-dlq-", "x-redrive-")
+
+
+def clean_headers(
+    headers: Iterable[tuple[str, bytes | None]], *, fault_injection: bool
+) -> tuple[tuple[str, bytes], ...]:
+    """A record's headers without the reserved ones a producer may not set; one pass.
+
+    Keeps ``x-redrive-of`` (exact spelling) for the redrive ticket check, and the fault
+    header only while fault injection is on.
+    """
+    out = []
+    for key, value in headers:
+        low = key.lower()
+        if low.startswith(RESERVED_PREFIXES):
+            if key != REDRIVE_HEADER:
+                continue
+        elif low == FAULT_HEADER and not fault_injection:
+            continue
+        out.append((key, value or b""))
+    return tuple(out)
+
+
+def redrive_of(headers: tuple[tuple[str, bytes], ...]) -> bytes | None:
+    """The one ``x-redrive-of`` value; None when absent or repeated (never a redrive's)."""
+    found = [v for k, v in headers if k == REDRIVE_HEADER]
+    return found[0] if len(found) == 1 else None
+
+
+def without_redrive(headers: tuple[tuple[str, bytes], ...]) -> tuple[tuple[str, bytes], ...]:
+    return tuple((k, v) for k, v in headers if k != REDRIVE_HEADER)
+
+
+def redrive_ticket_value(topic: str, value: bytes | None) -> str:
+    """What a redrive ticket holds: the exact record it admits (topic and value digest).
+
+    A copied ``x-redrive-of`` on any other content finds a ticket that does not match.
+    """
+    digest = "-" if value is None else hashlib.sha256(value).hexdigest()
+    return f"{topic}|{digest}"
 
 
 class Outcome(StrEnum):

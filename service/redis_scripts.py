@@ -61,16 +61,21 @@ local function now_ms()
 end
 """
 
-# ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, allow_over_dead (bool)], ...]
+# ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, ticket_key, ticket], ...]
 # Returns per record: claimed | busy | done | dead | conflict | partial
 # (partial: done with effects applied in part, and no dead letter acknowledged yet)
+# ticket_key ('' for a record that is no redrive) names the ticket `service dlq redrive`
+# wrote before sending the record back; only while it holds `ticket` may the record claim
+# over its own dead-letter marker (same fingerprint), and claiming consumes it: once.
+# A marker of another fingerprint is a conflict, which no redrive overrides.
 CLAIM = (
     _PARSE
     + """
 local lease = ARGV[1]
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[2])) do
-  local key, token, fp, over_dead = r[1], r[2], r[3], r[4]
+  local key, token, fp, ticket_key, ticket = r[1], r[2], r[3], r[4], r[5]
+  local ticketed = ticket_key ~= '' and redis.call('GET', ticket_key) == ticket
   local v = redis.call('GET', key)
   local kind, f1, f2 = parse(v)
   local status
@@ -82,15 +87,16 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
     if f1 ~= fp then status = 'conflict'
     elseif string.sub(f2, -2) == '|p' then status = 'partial'
     else status = 'done' end
-  elseif kind == 'x' and over_dead == true then
-    status = 'claimed'
   elseif kind == 'x' then
-    if f1 == fp then status = 'dead' else status = 'conflict' end
+    if f1 ~= fp then status = 'conflict'
+    elseif ticketed then status = 'claimed'
+    else status = 'dead' end
   else
     status = 'conflict'
   end
   if status == 'claimed' then
     redis.call('SET', key, 'c|' .. token .. '|' .. fp, 'PX', lease)
+    if ticketed then redis.call('DEL', ticket_key) end
   end
   out[#out + 1] = status
 end

@@ -6,6 +6,10 @@ the dedupe key, and which exceptions are retryable or permanent. The registry fi
 those declarations by importing the package's modules and binds each one to the
 topic that ``Settings.topics`` names for it. Nothing registers itself globally:
 the declaration is a plain object in its module.
+
+A handler's Redis namespaces are its name and what it declares in ``writes``; the
+engine's own (``keys.ENGINE_NAMESPACES``: ``idem``, ``retry``, ``durability``, ...) are
+refused as either, so no handler can write a done-marker or a retry of another.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Generic, Literal, TypeVar
 
@@ -22,12 +27,42 @@ from pydantic import BaseModel
 
 from service.context import Context
 from service.errors import ConfigurationError, PermanentError, RetryableError
+from service.keys import ENGINE_NAMESPACES
+from service.naming import check_handler_name
 
 M = TypeVar("M", bound=BaseModel)
 # A handler is ``async def`` when it awaits I/O, or plain ``def`` when it only decides and
 # queues effects: a plain one runs inline, without a task, which is most of a fast path.
 HandlerFunc = Callable[[M, Context], Awaitable[None] | None]
 Classification = Literal["retry", "fail"]
+# A namespace is one key component: what a key prefix may hold (no ':', no braces).
+NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def _check_namespaces(name: str, writes: tuple[str, ...]) -> frozenset[str]:
+    """The handler's own namespaces, or ConfigurationError naming the handler."""
+    try:
+        check_handler_name(name)
+    except ValueError as exc:
+        raise ConfigurationError(f"handler {name!r}: {exc}") from None
+    reserved = sorted(ENGINE_NAMESPACES)
+    if name in ENGINE_NAMESPACES:
+        raise ConfigurationError(
+            f"handler {name!r}: the name is one of the engine's Redis namespaces "
+            f"({', '.join(reserved)}); choose another name"
+        )
+    for ns in writes:
+        if not isinstance(ns, str) or not NAMESPACE.fullmatch(ns):
+            raise ConfigurationError(
+                f"handler {name!r}: writes={ns!r} is not a namespace "
+                f"(1-64 letters, digits, '.', '_' or '-')"
+            )
+        if ns in ENGINE_NAMESPACES:
+            raise ConfigurationError(
+                f"handler {name!r}: writes={ns!r} is one of the engine's Redis namespaces "
+                f"({', '.join(reserved)})"
+            )
+    return frozenset((name, *writes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +80,15 @@ class Handler(Generic[M]):
     # then skips the claim and checks for a rival delivery when it applies the effects.
     effects_only: bool = False
     is_async: bool = False  # set by ``handler``: ``async def`` runs on the pool, ``def`` inline
+    # Namespaces besides its own name that its effects write, e.g. ("ledger",).
+    writes: tuple[str, ...] = ()
+    # Its name and ``writes``: the only ``{prefix}:<namespace>`` its effects may touch.
+    namespaces: frozenset[str] = field(init=False, default=frozenset())
+
+    def __post_init__(self) -> None:
+        """Refuse names and namespaces that would reach into the engine's keys."""
+        object.__setattr__(self, "writes", tuple(self.writes))
+        object.__setattr__(self, "namespaces", _check_namespaces(self.name, self.writes))
 
     def key_of(self, payload: M) -> str:
         """The dedupe key: the idempotency identity of the business event."""
@@ -85,6 +129,7 @@ def handler(
     fail_on: Iterable[type[BaseException]] = (),
     timeout_s: float | None = None,
     effects_only: bool = False,
+    writes: Iterable[str] = (),
 ) -> Callable[[HandlerFunc[M]], Handler[M]]:
     """Declare a handler; the decorated function becomes a :class:`Handler`.
 
@@ -94,7 +139,13 @@ def handler(
     effects writes them only if no other delivery of the key has completed or holds a
     claim, so exactly one delivery's effects ever apply, at half the Redis work per record.
     Leave it False whenever the handler does anything a second run could repeat.
+
+    Effects go to ``{prefix}:<name>:...`` (``ctx.redis_key(name, ...)``); ``writes`` names
+    the other namespaces they may use, e.g. ``writes=("ledger", "entitlements")``. The
+    engine's namespaces (``keys.ENGINE_NAMESPACES``) are refused as a name or in ``writes``.
     """
+    writes = tuple(writes)
+    _check_namespaces(name, writes)  # at declaration, before the function is even wrapped
 
     if isinstance(dedupe_key, str) and dedupe_key not in model.model_fields:
         raise ConfigurationError(
@@ -112,6 +163,7 @@ def handler(
             timeout_s=timeout_s,
             effects_only=effects_only,
             is_async=inspect.iscoroutinefunction(func),
+            writes=writes,
         )
 
     return wrap

@@ -21,6 +21,7 @@ from pathlib import Path
 from string import Template
 from typing import Annotated
 
+from service.keys import ENGINE_NAMESPACES
 from service.naming import check_handler_name, check_topic
 
 try:  # the command needs typer; the template's hook imports this module without it
@@ -59,8 +60,11 @@ def handler_name_for_topic(topic: str) -> str:
         name = f"topic_{name}".rstrip("_")
     name = name[:64].rstrip("_")
     try:
-        return check_handler_name(name)
-    except ValueError:  # a Python keyword such as `import`
+        check_handler_name(name)
+        if name in ENGINE_NAMESPACES:
+            raise ValueError(f"{name!r} is one of the engine's Redis namespaces")
+        return name
+    except ValueError:  # a Python keyword such as `import`, or a reserved name such as `retry`
         return check_handler_name(f"{name[:63]}_")
 
 
@@ -130,6 +134,11 @@ def _check_request(root: Path, name: str, topic: str) -> None:
         check_handler_name(name)
     except ValueError as exc:
         raise ScaffoldError(f"NAME: {exc}") from None
+    if name in ENGINE_NAMESPACES:
+        raise ScaffoldError(
+            f"NAME: {name!r} is one of the engine's Redis namespaces "
+            f"({', '.join(sorted(ENGINE_NAMESPACES))}); choose another name"
+        )
     try:
         check_topic(topic)
     except ValueError as exc:
@@ -208,7 +217,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service import Context, handler
 
-# The effects' Redis keys are `{key_prefix}:{NAMESPACE}:...`.
+# The effects' Redis keys are `{key_prefix}:{NAMESPACE}:...`: a handler writes under its
+# own name. To write elsewhere too, declare it: @handler(..., writes=("ledger",)).
 NAMESPACE = "$name"
 
 
@@ -233,7 +243,9 @@ async def handle_$name(
 ) -> None:
     # The business effect goes here. Queue Redis writes on ctx.effects (applied exactly once,
     # together with the done-marker). Raise RetryableError to retry later, PermanentError
-    # to dead-letter the record now.
+    # to dead-letter the record now; what the worker records of an error is its text with
+    # card numbers and e-mail addresses redacted, or only PermanentError(..., public="...").
+    # ctx.redis_key escapes ':' in each part: an id cannot reach another namespace.
     ctx.effects.hset(
         ctx.redis_key(NAMESPACE, event.event_id),
         {"source": f"{ctx.topic}/{ctx.partition}/{ctx.offset}"},
@@ -276,9 +288,9 @@ def test_payload_model_and_dedupe_key() -> None:
         MODEL.model_validate({"event_id": ""})
 
 
-async def test_effect_is_queued_not_written() -> None:
-    event = MODEL(event_id="evt-1")
-    ctx = Context(
+def context_for(event: $model) -> Context:
+    """The context the worker gives: effects limited to the handler's namespaces."""
+    return Context(
         topic=TOPIC,
         partition=0,
         offset=41,
@@ -287,16 +299,28 @@ async def test_effect_is_queued_not_written() -> None:
         timestamp_ms=0,
         attempt=1,
         dedupe_key=HANDLER.key_of(event),
-        effects=Effects(),
+        effects=Effects(prefix="test", namespaces=HANDLER.namespaces),
         redis=FakeAsyncRedis(),
         key_prefix="test",
     )
+
+
+async def test_effect_is_queued_not_written() -> None:
+    event = MODEL(event_id="evt-1")
+    ctx = context_for(event)
     await HANDLER(event, ctx)
     # Queued for the worker to apply with the done-marker; nothing written by the handler.
     assert ctx.effects.commands == [
         ("HSET", f"test:{NAMESPACE}:evt-1", "source", f"{TOPIC}/0/41"),
     ]
     assert await ctx.redis.dbsize() == 0
+
+
+async def test_an_id_cannot_leave_the_handler_namespace() -> None:
+    event = MODEL(event_id="payments:=p1")  # would be another handler's done-marker, unescaped
+    ctx = context_for(event)
+    await HANDLER(event, ctx)
+    assert ctx.effects.commands[0][1] == f"test:{NAMESPACE}:payments%3A=p1"
 ''')
 
 

@@ -24,7 +24,12 @@ from typing import Any, TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_random_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    wait_random_exponential,
+)
 
 from service.kafka_client import make_consumer, make_producer
 from service.keys import RedisKeys
@@ -32,7 +37,7 @@ from service.metrics import Metrics
 from service.observability import HealthState, HttpServer
 from service.offsets import OffsetTracker
 from service.processing import Processor
-from service.records import Delivery
+from service.records import Delivery, clean_headers
 from service.redis_client import RedisOps, make_client
 from service.registry import Registry
 from service.retries import RetryQueue, RetryScheduler
@@ -116,7 +121,14 @@ class Worker:
 
     async def run(self) -> None:
         try:
-            await self._start()
+            try:
+                await self._start()
+            except _StoppedWhileStarting as stopped:
+                log.info(
+                    f"stop requested while starting ({stopped}); exiting without having started",
+                    extra={"waiting_for": str(stopped)},
+                )
+                return
             if self.settings.tune_gc:
                 tune_gc()
             if self.consume:
@@ -129,18 +141,32 @@ class Worker:
     async def _start(self) -> None:
         s = self.settings
         if s.http.enabled:
-            self._http = HttpServer(self.health, self.metrics, s.http.host, s.http.port)
+            self._http = HttpServer(
+                self.health,
+                self.metrics,
+                s.http.host,
+                s.http.port,
+                read_timeout_s=s.http.read_timeout_s,
+                max_connections=s.http.max_connections,
+                threads=s.http.threads,
+            )
             self._http.start()
         self.redis = make_client(s.redis)
         self.ops = RedisOps(
             self.redis, s.redis, on_error=lambda _: self._redis_failed(), stalls=self.stalls
         )
-        for warning in await self.ops.call(self.ops.check_persistence):
+        checked = await self._unless_stopped(
+            self.ops.call(self.ops.check_persistence), "waiting for Redis"
+        )
+        for warning in checked:
             log.warning(warning)
         self.health.redis_ok = True
         self._producer = make_producer(s.kafka)
-        await _until_started(self._producer.start, self._stop)
-        for warning in await _until_answered(lambda: check_topic_durability(s), self._stop):
+        await self._unless_stopped(
+            _until_answered(self._producer.start, self._stop), "waiting for the Kafka producer"
+        )
+        durability = _until_answered(lambda: check_topic_durability(s), self._stop)
+        for warning in await self._unless_stopped(durability, "checking the Kafka topics"):
             log.warning(warning)
         self.processor = Processor.build(
             s,
@@ -152,7 +178,9 @@ class Worker:
         )
         if self.consume:
             self._consumer = make_consumer(s.kafka)
-            await _until_started(self._consumer.start, self._stop)
+            await self._unless_stopped(
+                _until_answered(self._consumer.start, self._stop), "waiting for the Kafka consumer"
+            )
             self._consumer.subscribe(self.registry.topics, listener=_Rebalance(self))
             self._watch(asyncio.create_task(self._commit_loop(), name="commits"))
         self.health.kafka_ok = True
@@ -174,6 +202,27 @@ class Worker:
             "worker started",
             extra={"topics": self.registry.topics, "group": s.kafka.group_id},
         )
+
+    async def _unless_stopped(self, step: Awaitable[T], waiting_for: str) -> T:
+        """``await step``, unless a stop is requested first: then it is cancelled.
+
+        Start-up steps retry until Redis or Kafka answers, which may be never; the retry
+        loops underneath only stop at shutdown, so SIGTERM must end the wait from here.
+        """
+        task = asyncio.ensure_future(step)
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            abandoned = not task.done()
+            if abandoned:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if abandoned:
+            raise _StoppedWhileStarting(waiting_for)
+        return task.result()
 
     async def _poll_loop(self) -> None:
         assert self._consumer is not None
@@ -254,7 +303,12 @@ class Worker:
     def _dispatch(
         self, tp: TopicPartition, epoch: int, records: list[ConsumerRecord[Any, Any]]
     ) -> None:
-        """Start one batch; it waits for earlier batches of the partition it must follow."""
+        """Start one batch; it waits for earlier batches of the partition it must follow.
+
+        Headers in the worker's reserved namespace are dropped here, before anything reads
+        or copies them (a producer must not set a dead letter's reason or a redrive mark).
+        """
+        inject = self.settings.fault_injection
         deliveries = [
             Delivery(  # positional: this runs once per record
                 r.topic,
@@ -262,7 +316,7 @@ class Worker:
                 r.offset,
                 r.key,
                 r.value,
-                tuple((k, v or b"") for k, v in r.headers) if r.headers else (),
+                clean_headers(r.headers, fault_injection=inject) if r.headers else (),
                 r.timestamp,
             )
             for r in records
@@ -512,6 +566,10 @@ class Worker:
             self.processor.stop_retrying()
 
 
+class _StoppedWhileStarting(Exception):
+    """A stop was requested before the worker had started; the text says what it awaited."""
+
+
 def _size(r: ConsumerRecord[Any, Any]) -> int:
     """A record's bytes as the in-flight budget counts them: key, value and headers."""
     size = len(r.key or b"") + len(r.value or b"")
@@ -524,26 +582,26 @@ def _names(tps: Iterable[TopicPartition]) -> list[str]:
     return sorted(f"{tp.topic}[{tp.partition}]" for tp in tps)
 
 
+def _log_kafka_wait(state: RetryCallState) -> None:
+    """One warning per failed start-up attempt: a silent wait looks like a hang."""
+    error = state.outcome.exception() if state.outcome else None
+    log.warning(
+        "waiting for Kafka at start, retrying",
+        extra={"attempt": state.attempt_number, "error": repr(error)},
+    )
+
+
 async def _until_answered(call: Callable[[], Awaitable[T]], stop: asyncio.Event) -> T:
-    """``call()`` with backoff until the broker answers or a stop is requested."""
+    """``call()`` (a client's start, a metadata read) with backoff until the broker answers
+    or a stop is requested."""
     async for attempt in AsyncRetrying(
         retry=retry_if_exception_type((KafkaError, OSError)),
         wait=wait_random_exponential(multiplier=0.2, max=5.0),
         stop=lambda _: stop.is_set(),
+        before_sleep=_log_kafka_wait,
         reraise=True,
     ):
         with attempt:
             return await call()
     raise AssertionError("unreachable: tenacity either returns or raises")
 
-
-async def _until_started(start: Any, stop: asyncio.Event) -> None:
-    """Connect with backoff until the broker answers or a stop is requested."""
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type((KafkaError, OSError)),
-        wait=wait_random_exponential(multiplier=0.2, max=5.0),
-        stop=lambda _: stop.is_set(),
-        reraise=True,
-    ):
-        with attempt:
-            await start()

@@ -50,7 +50,14 @@ def ledger_key(ctx: Context) -> str:
 
 # Effects-only: the grant is nothing but the queued writes below, so deliveries skip the
 # claim and the done-marker script alone decides which delivery's grant is written.
-@handler("payments", model=PaymentSucceeded, dedupe_key="payment_id", effects_only=True)
+# Its effects write the ledger and the entitlements, namespaces other than its own name.
+@handler(
+    "payments",
+    model=PaymentSucceeded,
+    dedupe_key="payment_id",
+    effects_only=True,
+    writes=("ledger", "entitlements"),
+)
 def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
     if payment.currency not in SUPPORTED_CURRENCIES:
         raise UnsupportedCurrency(f"currency {payment.currency} is not sold")

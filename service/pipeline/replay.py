@@ -51,13 +51,21 @@ from service.pipeline.kafka_reader import (
     offsets_to_json,
     resolve_ranges,
 )
-from service.records import Delivery, Outcome
+from service.records import (
+    Delivery,
+    Outcome,
+    clean_headers,
+    redrive_of,
+    redrive_ticket_value,
+)
 from service.settings import KafkaSettings, Settings, describe_validation_error
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
     from rich.console import Console
 
+    from service.idempotency import RedriveTicket
+    from service.keys import RedisKeys
     from service.registry import Registry
 
 __all__ = [
@@ -217,6 +225,9 @@ class ReplayReport:
     beyond_dedupe_window: int = 0
     """Dry run: older than the done-markers' TTL allows (WORKER_IDEMPOTENCY__TTL_S): its
     marker may have expired, so a replay dead-letters it as ``beyond_dedupe_window``."""
+    effects_partial: int = 0
+    """Dry run: an earlier delivery applied the effects in part and its dead letter was never
+    acknowledged: a replay dead-letters it as ``effects_partial`` (never applies them)."""
     failures: list[PartitionFailure] = field(default_factory=list)
     elapsed_s: float = 0.0
 
@@ -266,8 +277,9 @@ _OUTCOME_FIELD = {
 # --------------------------------------------------------------------------------------------
 
 
-def _deliveries(batches: Iterable[pa.RecordBatch]) -> Iterator[Delivery]:
-    """Rows of KAFKA_SCHEMA as the worker's `Delivery` (attempt 1, headers as the worker has)."""
+def _deliveries(batches: Iterable[pa.RecordBatch], *, fault_injection: bool) -> Iterator[Delivery]:
+    """Rows of KAFKA_SCHEMA as the worker's `Delivery` (attempt 1, headers as the worker has:
+    the reserved ones a producer may not set are dropped, as `Worker._dispatch` does)."""
     for batch in batches:
         ts = batch.column("timestamp")
         millis = ts.cast(pa.timestamp("ms", tz=ts.type.tz), safe=False).cast(pa.int64())
@@ -288,7 +300,10 @@ def _deliveries(batches: Iterable[pa.RecordBatch]) -> Iterator[Delivery]:
                 offset=offset,
                 key=key,
                 value=value,
-                headers=tuple((h["key"], h["value"] or b"") for h in headers or ()),
+                headers=clean_headers(
+                    ((h["key"], h["value"]) for h in headers or ()),
+                    fault_injection=fault_injection,
+                ),
                 timestamp_ms=timestamp_ms if timestamp_ms is not None else -1,
             )
 
@@ -329,7 +344,8 @@ class _PartitionJob:
             from service.registry import Registry
 
             registry = Registry.from_settings(settings.topics)
-            chunks = _chunks(_deliveries(batches), self.batch_size)
+            deliveries = _deliveries(batches, fault_injection=settings.fault_injection)
+            chunks = _chunks(deliveries, self.batch_size)
             work = _check if self.dry_run else _apply
             asyncio.run(work(settings, registry, chunks, state))
         except Exception as exc:
@@ -405,17 +421,33 @@ async def _check(
                     (d, keys.idempotency(handler.name, dedupe_key), fingerprint(payload))
                 )
             markers = await client.mget([k for _, k, _ in identities]) if identities else []
-            for (d, _, fp), marker in zip(identities, markers, strict=True):
-                state["counts"][_classify(marker, fp, d)] += 1
+            tickets = [_ticket_of(keys, d) for d, _, _ in identities]
+            held = await client.mget([t.key for t in tickets if t]) if any(tickets) else []
+            found = iter(held)
+            for (_, _, fp), marker, ticket in zip(identities, markers, tickets, strict=True):
+                admitted = ticket is not None and next(found) == ticket.value.encode()
+                state["counts"][_classify(marker, fp, admitted)] += 1
             state["records"] += len(chunk)
     finally:
         await client.aclose()
 
 
-def _classify(marker: bytes | str | None, fp: str, d: Delivery) -> str:
-    """What the CLAIM script would answer for this record, as a report field."""
-    from service.processing import REDRIVE_HEADER
+def _ticket_of(keys: RedisKeys, d: Delivery) -> RedriveTicket | None:
+    """The redrive ticket the record's ``x-redrive-of`` names, if it carries one."""
+    from service.idempotency import RedriveTicket
 
+    of = redrive_of(d.headers) if d.headers else None
+    if of is None:
+        return None
+    return RedriveTicket(keys.redrive_ticket(of), redrive_ticket_value(d.topic, d.value))
+
+
+def _classify(marker: bytes | str | None, fp: str, redrive_admitted: bool) -> str:
+    """What the CLAIM script would answer for this record, as a report field.
+
+    ``redrive_admitted``: the record carries ``x-redrive-of`` and the ticket that the
+    worker's redrive wrote for exactly this record is there (CLAIM would consume it).
+    """
     if marker is None:
         return "would_run"
     text = marker.decode("utf-8", "replace") if isinstance(marker, bytes) else marker
@@ -423,8 +455,10 @@ def _classify(marker: bytes | str | None, fp: str, d: Delivery) -> str:
     marker_fp = rest.split("|", 1)[0]
     if kind == "c":
         return "in_progress"
-    if kind == "x" and any(k == REDRIVE_HEADER for k, _ in d.headers):
-        return "would_run"  # a redriven record may claim a dead-lettered key
+    if kind == "x" and marker_fp == fp and redrive_admitted:
+        return "would_run"  # a genuine redrive may take over its own dead marker
+    if kind == "d" and marker_fp == fp and text.endswith("|p"):
+        return "effects_partial"  # CLAIM answers partial: dead-lettered, not applied
     if kind in ("d", "x") and marker_fp == fp:
         return "already_done" if kind == "d" else "already_dead_lettered"
     return "conflicts"
@@ -617,6 +651,7 @@ def print_report(report: ReplayReport, console: Console | None = None, listed: i
                 report.beyond_dedupe_window,
                 "yellow",
             ),
+            ("effects applied in part earlier (dead-lettered)", report.effects_partial, "yellow"),
         ]
     else:
         rows = [

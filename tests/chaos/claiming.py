@@ -50,7 +50,7 @@ def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-@handler(NAME, model=PaymentSucceeded, dedupe_key="payment_id")
+@handler(NAME, model=PaymentSucceeded, dedupe_key="payment_id", writes=("ledger",))
 async def grant_with_claim(payment: PaymentSucceeded, ctx: Context) -> None:
     """Grant like the payments example, watching that no other run of the key is live."""
     if payment.currency not in SUPPORTED_CURRENCIES:

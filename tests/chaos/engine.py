@@ -45,7 +45,7 @@ from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 
 from service import sample
-from service.devstack import RedisServer, _die_with_parent_preexec
+from service.devstack import RedisServer
 from service.kafka_client import connection_kwargs
 from service.settings import Settings
 from tests.chaos import claiming
@@ -543,23 +543,8 @@ class ChaosWorkerProcess(WorkerProcess):
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         super().__init__(settings, log_path, PYTHONPATH=path, **overrides)
 
-    def start(self) -> ChaosWorkerProcess:
-        assert not self.running, "already running"
-        self.starts += 1
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            log.write(f"\n===== start #{self.starts} at {time.strftime('%X')} =====\n".encode())
-            log.flush()
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "tests.chaos.worker_main", "run"],
-                cwd=self.log_path.parent,  # no stray .env file is read
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent_preexec(),
-            )
-        return self
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tests.chaos.worker_main", "run"]
 
 
 class Pool:
@@ -1373,13 +1358,12 @@ async def run_chaos(
     return await run.execute()
 
 
+_ATTEMPT = re.compile(r"""\battempt"?[=:] ?(\d+)""")
+
+
 def _highest_attempt(proc: WorkerProcess, needle: str, since: int) -> int:
-    """The largest ``attempt`` among the JSON log lines containing ``needle`` written past
-    offset ``since`` by the process's current run."""
+    """The largest ``attempt`` among the log lines containing ``needle`` written past
+    offset ``since`` by the process's current run (console ``attempt=N`` or JSON)."""
     run = proc.log_text()[since:].rsplit(f"===== start #{proc.starts} ", 1)[-1]
-    best = 0
-    for line in run.splitlines():
-        if needle in line:
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                best = max(best, int(json.loads(line).get("attempt", 0)))
-    return best
+    found = (_ATTEMPT.search(line) for line in run.splitlines() if needle in line)
+    return max((int(m.group(1)) for m in found if m), default=0)

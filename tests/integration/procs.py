@@ -81,6 +81,10 @@ class WorkerProcess:
         self.popen: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
+    def command(self) -> list[str]:
+        """What runs: the worker as the image runs it."""
+        return [sys.executable, "-m", "service", "run"]
+
     def start(self) -> WorkerProcess:
         assert not self.running, "already running"
         self.starts += 1
@@ -89,7 +93,7 @@ class WorkerProcess:
             log.write(f"\n===== start #{self.starts} at {time.strftime('%X')} =====\n".encode())
             log.flush()
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "service", "run"],
+                self.command(),
                 cwd=self.log_path.parent,  # no stray .env file is read
                 env=self.env,
                 stdin=subprocess.DEVNULL,

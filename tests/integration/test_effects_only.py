@@ -37,12 +37,18 @@ def _grant(name: str, payment: PaymentSucceeded, ctx: Context) -> None:
     ctx.effects.xadd(ctx.redis_key("ledger", name), {"payment_id": payment.payment_id})
 
 
-@handler("optimistic", model=PaymentSucceeded, dedupe_key="payment_id", effects_only=True)
+@handler(
+    "optimistic",
+    model=PaymentSucceeded,
+    dedupe_key="payment_id",
+    effects_only=True,
+    writes=("ledger",),
+)
 def optimistic(payment: PaymentSucceeded, ctx: Context) -> None:
     _grant("optimistic", payment, ctx)
 
 
-@handler("claiming", model=PaymentSucceeded, dedupe_key="payment_id")
+@handler("claiming", model=PaymentSucceeded, dedupe_key="payment_id", writes=("ledger",))
 def claiming(payment: PaymentSucceeded, ctx: Context) -> None:
     _grant("claiming", payment, ctx)
 

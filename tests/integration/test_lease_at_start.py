@@ -64,7 +64,7 @@ class Runs:
 runs = Runs([], Counter(), [])
 
 
-@handler("slow_claiming", model=Job, dedupe_key="key")
+@handler("slow_claiming", model=Job, dedupe_key="key", writes=("ledger",))
 async def slow_claiming(job: Job, ctx: Context) -> None:
     """A claiming handler whose work leaves Redis: two runs of one key must never overlap."""
     runs.started.append(job.key)

@@ -62,6 +62,7 @@ CLAIMING = Handler(
     dedupe_key="payment_id",
     func=grant_purchase.func,
     effects_only=False,
+    writes=grant_purchase.writes,
 )
 TOPICS = {"payments": "pay", "claiming": "claimed"}
 

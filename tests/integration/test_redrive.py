@@ -116,8 +116,51 @@ async def test_redrive_stops_at_the_end_offsets_seen_at_start(
         await await_until(
             lambda: _count(audit.read_all(settings.kafka, dlq), 8), 60, message="again"
         )
+        # Asked to, a run takes the redriven records' dead letters (and only those).
+        second = await redrive(settings, unique_name, include_redriven=True)
+        assert (second.redriven, second.already) == (4, 4), second
+
+
+async def test_redrive_never_retakes_a_redriven_records_dead_letter_unless_asked(
+    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+) -> None:
+    """A record that fails again after a redrive does not come back on every run.
+
+    Two dead letters whose cause is not fixed: redriven once, they are dead-lettered again;
+    later runs leave those (counted) instead of multiplying them, until asked.
+    """
+    settings = make_settings(kafka_broker.bootstrap, redis_server.url, unique_name)
+    await prepare_topics(settings, partitions=1)
+    records, _ = _failing(2)
+    await produce(settings, records)
+    dlq = settings.dead_letter_topic(unique_name)
+    async with running_worker(settings):
+        await await_until(
+            lambda: _count(audit.read_all(settings.kafka, dlq), 2), 60, message="dead letters"
+        )
+        first = await redrive(settings, unique_name)
+        assert first.redriven == 2, first
+        await await_until(
+            lambda: _count(audit.read_all(settings.kafka, dlq), 4), 60, message="again"
+        )
+        by_reason = await redrive(settings, unique_name, reasons={"permanent", "exhausted"})
+        assert (by_reason.redriven, by_reason.redriven_again) == (0, 2), by_reason
         second = await redrive(settings, unique_name)
-        assert (second.redriven, second.already) == (4, 0), second
+        assert (second.redriven, second.redriven_again) == (0, 2), second
+        for _ in range(2):  # past them now: nothing read, nothing sent
+            run = await redrive(settings, unique_name)
+            assert run.redriven == 0, run
+        source_high = await audit.high_watermarks(settings.kafka, unique_name)
+        asked = await redrive(settings, unique_name, include_redriven=True)
+        assert asked.redriven == 2, asked
+        await await_until(
+            lambda: _count(audit.read_all(settings.kafka, dlq), 6), 60, message="third time"
+        )
+        repeat = await redrive(settings, unique_name, include_redriven=True, limit=100)
+        assert repeat.already == 0 and repeat.redriven == 2, repeat  # only the new ones
+    # 2 original records + 2 per redriving run: nothing multiplied.
+    assert source_high == {0: 4}
+    assert len(await audit.read_all(settings.kafka, unique_name)) == 8
 
 
 async def _count(records_coro: Awaitable[list[Any]], n: int) -> bool:

@@ -82,7 +82,6 @@ async def test_a_dead_workers_retry_runs_again_after_its_lease(
             key=idem.key("payments", orphan.payment_id),
             token="deadbeef00000000.1",
             fingerprint=fingerprint(payload),
-            over_dead=False,
         )
         assert await idem.claim(claim) is ClaimStatus.CLAIMED
     finally:

@@ -370,12 +370,63 @@ def test_sealed_settings_carry_secrets_but_never_show_them() -> None:
 
 
 def test_dry_run_classifies_markers_like_the_claim_script() -> None:
-    fresh = Delivery("t", 0, 1, None, b"{}", (), 0)
-    redriven = Delivery("t", 0, 2, None, b"{}", (("x-redrive-of", b"t.dlq/0/5"),), 0)
-    assert _classify(None, "fp", fresh) == "would_run"
-    assert _classify(b"c|tok|fp", "fp", fresh) == "in_progress"
-    assert _classify(b"d|fp|tok", "fp", fresh) == "already_done"
-    assert _classify(b"d|other|tok", "fp", fresh) == "conflicts"
-    assert _classify(b"x|fp|tok", "fp", fresh) == "already_dead_lettered"
-    assert _classify(b"x|other|tok", "fp", fresh) == "conflicts"
-    assert _classify(b"x|fp|tok", "fp", redriven) == "would_run"
+    """The third argument: a genuine redrive (its ticket is there for this very record)."""
+    assert _classify(None, "fp", False) == "would_run"
+    assert _classify(b"c|tok|fp", "fp", False) == "in_progress"
+    assert _classify(b"d|fp|tok", "fp", False) == "already_done"
+    assert _classify(b"d|fp|tok|P", "fp", False) == "already_done"
+    assert _classify(b"d|fp|tok|p", "fp", False) == "effects_partial"
+    assert _classify(b"d|other|tok", "fp", False) == "conflicts"
+    assert _classify(b"x|fp|tok", "fp", False) == "already_dead_lettered"
+    assert _classify(b"x|other|tok", "fp", False) == "conflicts"
+    assert _classify(b"x|fp|tok", "fp", True) == "would_run"
+    # A redrive never takes over a dead marker of other content, nor a done key.
+    assert _classify(b"x|other|tok", "fp", True) == "conflicts"
+    assert _classify(b"d|fp|tok", "fp", True) == "already_done"
+
+
+def test_replayed_records_lose_the_reserved_headers_a_producer_may_not_set() -> None:
+    """A replay puts records through the worker's path: with the worker's header hygiene.
+
+    Forged ``x-dlq-*`` and ``x-redrive-*`` headers (and the fault header while fault
+    injection is off) are dropped; one exact ``x-redrive-of`` stays for the ticket check.
+    """
+    import pyarrow as pa
+
+    from service.pipeline.replay import _deliveries
+
+    header = pa.struct([("key", pa.string()), ("value", pa.binary())])
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "topic": ["payments"],
+            "partition": [0],
+            "offset": [7],
+            "key": [b"k"],
+            "value": [b"{}"],
+            "headers": [
+                [
+                    {"key": "trace", "value": b"t1"},
+                    {"key": "x-dlq-reason", "value": b"forged"},
+                    {"key": "X-Redrive-Ticket", "value": b"forged"},
+                    {"key": "x-fault", "value": b"permanent"},
+                    {"key": "x-redrive-of", "value": b"payments.dlq/0/1"},
+                ]
+            ],
+            "timestamp": pa.array([1_700_000_000_000], pa.timestamp("ms", tz="UTC")),
+        },
+        schema=pa.schema(
+            [
+                ("topic", pa.string()),
+                ("partition", pa.int32()),
+                ("offset", pa.int64()),
+                ("key", pa.binary()),
+                ("value", pa.binary()),
+                ("headers", pa.list_(header)),
+                ("timestamp", pa.timestamp("ms", tz="UTC")),
+            ]
+        ),
+    )
+    (d,) = _deliveries([batch], fault_injection=False)
+    assert d.headers == (("trace", b"t1"), ("x-redrive-of", b"payments.dlq/0/1"))
+    (d,) = _deliveries([batch], fault_injection=True)
+    assert ("x-fault", b"permanent") in d.headers

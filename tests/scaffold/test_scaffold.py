@@ -63,6 +63,8 @@ def run_in(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
         ("2024-events", "topic_2024_events"),
         ("__consumer", "consumer"),
         ("import", "import_"),
+        ("retry", "retry_"),  # an engine namespace: reserved
+        ("idem", "idem_"),
         ("a" * 249, "a" * 64),
     ],
 )
@@ -82,7 +84,7 @@ def test_new_handler_writes_module_test_and_binding(project: Path) -> None:
     # The generated test passes, in this project's interpreter, against the copy.
     result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(done.test_module))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 passed" in result.stdout
+    assert "4 passed" in result.stdout
 
 
 def test_generated_code_is_lint_clean(project: Path) -> None:
@@ -112,6 +114,8 @@ def test_generated_code_is_lint_clean(project: Path) -> None:
     [
         ("Refunds", "refunds", "NAME: handler name 'Refunds' must match"),
         ("class", "refunds", "NAME: handler name 'class' is a Python keyword"),
+        ("idem", "refunds", "NAME: 'idem' is one of the engine's Redis namespaces"),
+        ("durability", "refunds", "NAME: 'durability' is one of the engine's Redis namespaces"),
         ("refunds\n", "refunds", "NAME: handler name 'refunds\\n' must match"),
         ("refunds", "refunds\n", "--topic: 'refunds\\n' is not a legal Kafka topic name"),
         ("payments", "refunds", "NAME: a handler named 'payments' already exists"),

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.keys import MAX_INLINE_KEY_BYTES, RedisKeys
+from service.context import Context, Effects, InvalidEffect
+from service.keys import ENGINE_NAMESPACES, MAX_INLINE_KEY_BYTES, RedisKeys, effect_key
+from service.redis_client import RedisOps
 from service.settings import HANDLER_NAME, RedisSettings
 
 PREFIX = st.from_regex(r"\A[A-Za-z0-9._-]{1,64}\Z")
@@ -117,4 +120,81 @@ def test_payment_effect_keys_cannot_reach_other_namespaces(user_id: str, payment
     assert entitlement.startswith("svc:entitlements:")
     assert entitlement not in fixed_keys(keys) | {keys.effect("ledger", "purchases")}
     assert entitlement != keys.idempotency("payments", payment_id)
-    assert len(entitlement.encode()) <= len("svc:entitlements:") + 128
+    # ':' in an id is escaped as '%3A' (one component): at most three bytes per character.
+    assert len(entitlement.encode()) <= len("svc:entitlements:") + 3 * 128
+    assert entitlement.count(":") == 2
+
+
+# Issue 13, defect 4: the engine's namespaces are reserved, and data cannot leave its own.
+
+NAMESPACE = HANDLER.filter(lambda name: name not in ENGINE_NAMESPACES)
+
+
+def engine_keys(prefix: str) -> list[str]:
+    """Every key the engine writes, found by looking: a key added later is checked too."""
+    keys = RedisKeys(prefix)
+    found = [v for v in vars(keys).values() if isinstance(v, str) and v != prefix]
+    for name in dir(keys):
+        method = getattr(keys, name)
+        if name.startswith("_") or name == "effect" or not callable(method):
+            continue
+        params = inspect.signature(method).parameters.values()
+        found.append(method(*(b"x" if p.annotation in (bytes, "bytes") else "x" for p in params)))
+    settings = RedisSettings(key_prefix=prefix)
+    found.append(RedisOps(None, settings).fence_key)  # type: ignore[arg-type]
+    return found
+
+
+def test_every_engine_key_is_in_a_reserved_namespace() -> None:
+    keys = engine_keys("svc")
+    assert len(keys) >= 5  # retry due/inflight/items, an idempotency key, the fence
+    for key in keys:
+        assert key.split(":")[1] in ENGINE_NAMESPACES, key
+
+
+def context(prefix: str) -> Context:
+    return Context("t", 0, 0, None, (), 0, 1, "k", Effects(), None, prefix)  # type: ignore[arg-type]
+
+
+def test_the_issues_collision_is_impossible() -> None:
+    """Handler `idem`, event_id "payments:=pP": once exactly payment pP's done-marker."""
+    marker = RedisKeys("svc").idempotency("payments", "pP")
+    assert context("svc").redis_key("idem", "payments:=pP") != marker
+    for scope in (Effects(), Effects(prefix="svc", namespaces=frozenset({"orders"}))):
+        with pytest.raises(InvalidEffect, match="engine's namespace 'idem'"):
+            scope.set(marker, "d|x|y")
+        with pytest.raises(InvalidEffect, match="engine's namespace 'idem'"):
+            scope.set(context("svc").redis_key("idem", "payments", "=pP"), "d|x|y")
+
+
+@CASES
+@given(
+    PREFIX, NAMESPACE, st.lists(UNTRUSTED, min_size=1, max_size=3), st.lists(UNTRUSTED, max_size=3)
+)
+def test_redis_key_parts_stay_one_component_each(
+    prefix: str, namespace: str, parts: list[str], other: list[str]
+) -> None:
+    key = context(prefix).redis_key(namespace, *parts)
+    assert key == effect_key(prefix, namespace, *parts)
+    assert key.split(":") == [
+        prefix,
+        namespace,
+        *(p.replace("%", "%25").replace(":", "%3A") for p in parts),
+    ]
+    assert (key == effect_key(prefix, namespace, *other)) == (parts == other)
+    assert key not in engine_keys(prefix)
+    # The worker's scope for a handler of that name takes it; no other scope does.
+    Effects(prefix=prefix, namespaces=frozenset({namespace})).set(key, "v")
+    with pytest.raises(InvalidEffect, match="outside this handler's namespaces"):
+        Effects(prefix=prefix, namespaces=frozenset({"x" + namespace})).set(key, "v")
+
+
+@CASES
+@given(PREFIX, NAMESPACE)
+def test_no_scope_takes_an_engine_key(prefix: str, namespace: str) -> None:
+    for key in engine_keys(prefix):
+        for fx in (Effects(), Effects(prefix=prefix, namespaces=frozenset({namespace}))):
+            with pytest.raises(InvalidEffect, match="engine's namespace"):
+                fx.command("HSET", key, "f", "v")
+            with pytest.raises(InvalidEffect, match="engine's namespace"):
+                fx.command("DEL", key.encode())

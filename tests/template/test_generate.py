@@ -264,7 +264,7 @@ def test_scaffolded_handler_passes_in_a_generated_project(
     tests = ["tests/unit/test_handler_chargebacks.py", "tests/unit/test_handler_orders_created.py"]
     result = run_project_tests(project, *tests)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "6 passed" in result.stdout
+    assert "8 passed" in result.stdout
     bound = project_python(
         project, "-c", "from service.settings import Settings; print(Settings().topics)"
     )

@@ -8,6 +8,7 @@ from pydantic import BaseModel
 from service.context import Context
 from service.errors import ConfigurationError, PermanentError, RetryableError
 from service.handlers.payments import PaymentSucceeded, UnsupportedCurrency, grant_purchase
+from service.keys import ENGINE_NAMESPACES
 from service.registry import Handler, Registry, discover, handler
 
 
@@ -117,3 +118,44 @@ def test_classify(
 def test_payments_handler_classifies_unsupported_currency_as_permanent() -> None:
     assert grant_purchase.classify(UnsupportedCurrency("XXX")) == "fail"
     assert grant_purchase.classify(ConnectionError()) == "retry"
+
+
+# Issue 13, defect 4: handler names and declared namespaces never reach the engine's keys.
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_NAMESPACES))
+def test_engine_namespaces_are_refused_as_handler_names(name: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        handler(name, model=Thing, dedupe_key="thing_id")
+    assert f"handler {name!r}" in str(refused.value)
+    assert "engine" in str(refused.value)
+    with pytest.raises(ConfigurationError, match=f"handler {name!r}"):
+        Handler(name=name, model=Thing, dedupe_key="thing_id", func=_noop)
+
+
+@pytest.mark.parametrize("name", ["a:b", "payments:=pP", "Things", "", "x" * 65, "idem\n"])
+def test_handler_names_that_are_not_one_key_component_are_refused(name: str) -> None:
+    # The name is a component of its idempotency keys ({prefix}:idem:<name>:=<id>).
+    with pytest.raises(ConfigurationError, match="handler "):
+        handler(name, model=Thing, dedupe_key="thing_id")
+
+
+@pytest.mark.parametrize(
+    ("writes", "message"),
+    [
+        (("retry",), "writes='retry' is one of the engine's"),
+        (("ledger", "idem"), "writes='idem' is one of the engine's"),
+        (("a:b",), "writes='a:b' is not a namespace"),
+        (("",), "writes='' is not a namespace"),
+    ],
+)
+def test_declared_namespaces_may_not_be_the_engines(writes: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigurationError, match="handler 'things'") as refused:
+        make(writes=writes)
+    assert message in str(refused.value)
+
+
+def test_a_handler_writes_its_own_namespace_and_what_it_declares() -> None:
+    assert make().namespaces == {"things"}
+    assert make(writes=["ledger"]).namespaces == {"things", "ledger"}
+    assert grant_purchase.namespaces == {"payments", "ledger", "entitlements"}

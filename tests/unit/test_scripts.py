@@ -17,6 +17,7 @@ from service.idempotency import (
     FinishRequest,
     FinishStatus,
     Idempotency,
+    RedriveTicket,
 )
 from service.keys import RedisKeys
 from service.records import Delivery
@@ -72,8 +73,10 @@ def effects(payment_id: str) -> list[tuple[str | bytes | int | float, ...]]:
     return fx.commands
 
 
-def claim(key: str, token: str, fp: str = "fp1", over_dead: bool = False) -> ClaimRequest:
-    return ClaimRequest(key=key, token=token, fingerprint=fp, over_dead=over_dead)
+def claim(
+    key: str, token: str, fp: str = "fp1", redrive: RedriveTicket | None = None
+) -> ClaimRequest:
+    return ClaimRequest(key=key, token=token, fingerprint=fp, redrive=redrive)
 
 
 def finish(
@@ -223,12 +226,22 @@ async def test_dead_marker_and_redrive(env: Env) -> None:
     assert await env.idem.claim(claim(key, "B", fp="fp2")) is ClaimStatus.CONFLICT
     assert await env.idem.finish(finish(key, "A")) == (FinishStatus.DEAD, None)
     assert await env.stream_len() == 0
-    # A redrive (x-redrive-of header) may claim over the dead marker and then succeed.
-    assert await env.idem.claim(claim(key, "R", over_dead=True)) is ClaimStatus.CLAIMED
+    # A redrive may claim over the dead marker with its ticket, and then succeed.
+    ticket = RedriveTicket(env.keys.redrive_ticket(b"payments.dlq/0/7"), "payments|abc")
+    assert await env.idem.claim(claim(key, "F", redrive=ticket)) is ClaimStatus.DEAD  # none
+    await env.redis.set(ticket.key, "payments|other")
+    assert await env.idem.claim(claim(key, "F", redrive=ticket)) is ClaimStatus.DEAD  # not its
+    await env.redis.set(ticket.key, ticket.value)
+    # Of other content the marker is a conflict, ticket or not; the ticket stays unused.
+    assert await env.idem.claim(claim(key, "C", "fp2", redrive=ticket)) is ClaimStatus.CONFLICT
+    assert await env.idem.claim(claim(key, "R", redrive=ticket)) is ClaimStatus.CLAIMED
+    assert await env.redis.get(ticket.key) is None  # consumed: once
+    assert await env.idem.claim(claim(key, "R", redrive=ticket)) is ClaimStatus.CLAIMED  # re-sent
     assert await env.idem.finish(finish(key, "R")) == (FinishStatus.OK, None)
     assert await env.stream_len() == 1
     # ... but never over a done-marker.
-    assert await env.idem.claim(claim(key, "R2", over_dead=True)) is ClaimStatus.DONE
+    await env.redis.set(ticket.key, ticket.value)
+    assert await env.idem.claim(claim(key, "R2", redrive=ticket)) is ClaimStatus.DONE
 
 
 async def test_mark_dead_keeps_a_done_marker(env: Env) -> None:
