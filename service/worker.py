@@ -604,4 +604,3 @@ async def _until_answered(call: Callable[[], Awaitable[T]], stop: asyncio.Event)
         with attempt:
             return await call()
     raise AssertionError("unreachable: tenacity either returns or raises")
-
