@@ -27,6 +27,7 @@ from pythonjsonlogger.json import JsonFormatter
 
 from service.errors import ConfigurationError
 from service.metrics import Metrics
+from service.redaction import redact
 from service.stalls import Stalls
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
@@ -359,7 +360,20 @@ _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) 
 }
 
 
-class ConsoleFormatter(logging.Formatter):
+class _RedactedTracebacks(logging.Formatter):
+    """Tracebacks logged with ``log.exception`` carry the exception's message, which may be
+    a handler's error text: card numbers and e-mail addresses are redacted there too
+    (``redaction.redact``), the rest of the traceback is kept whole."""
+
+    def formatException(self, ei: Any) -> str:
+        return redact(super().formatException(ei))
+
+
+class JsonLogFormatter(_RedactedTracebacks, JsonFormatter):
+    """JSON lines, one per record, with redacted tracebacks."""
+
+
+class ConsoleFormatter(_RedactedTracebacks):
     """Readable one-line logs for a terminal, with the structured fields appended."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -374,7 +388,7 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(
-            JsonFormatter(
+            JsonLogFormatter(
                 "%(asctime)s %(levelname)s %(name)s %(message)s",
                 rename_fields={"levelname": "level", "asctime": "time"},
             )
