@@ -84,7 +84,13 @@ async def running_worker(
 ) -> AsyncIterator[Worker]:
     """A worker running in this event loop (with test handlers, given a registry); stopped
     gracefully on exit."""
-    worker = Worker(settings, registry)
+    async with running(Worker(settings, registry)) as worker:
+        yield worker
+
+
+@contextlib.asynccontextmanager
+async def running(worker: Worker) -> AsyncIterator[Worker]:
+    """Run a worker built by the caller (e.g. ``consume=False``) until the block ends."""
     task = asyncio.create_task(worker.run())
     try:
         await await_until(lambda: worker.health.started or task.done(), 30, message="start")

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,6 +20,7 @@ from tests.integration.harness import (
     make_settings,
     prepare_topics,
     produce,
+    running,
     running_worker,
     wait_settled,
 )
@@ -94,19 +93,6 @@ def _http(port: int) -> dict[str, Any]:
     return {"enabled": True, "host": "127.0.0.1", "port": port}
 
 
-@contextlib.asynccontextmanager
-async def _running(worker: Worker) -> AsyncIterator[asyncio.Task[None]]:
-    task = asyncio.create_task(worker.run())
-    try:
-        await await_until(lambda: worker.health.started or task.done(), 30, message="start")
-        if task.done():
-            task.result()
-        yield task
-    finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 60)
-
-
 async def test_retry_scheduler_only_process_stays_live_past_the_poll_gap(
     kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
 ) -> None:
@@ -121,7 +107,7 @@ async def test_retry_scheduler_only_process_stays_live_past_the_poll_gap(
         kafka={"max_poll_interval_ms": int(gap_s * 2000)},
     )
     await prepare_topics(settings, partitions=1)
-    async with _running(Worker(settings, consume=False)):
+    async with running(Worker(settings, consume=False)):
         await await_until(lambda: _get(port, "/readyz")[0] == 200, 30, message="never ready")
         end = time.monotonic() + 4 * gap_s
         while time.monotonic() < end:  # probed like an orchestrator would, for 4 gaps
@@ -147,7 +133,7 @@ async def test_healthz_fails_when_a_background_loop_dies(
         kafka_broker.bootstrap, redis_server.url, unique_name, http=_http(port)
     )
     await prepare_topics(settings, partitions=1)
-    async with _running(Worker(settings, consume=False)):
+    async with running(Worker(settings, consume=False)):
         await await_until(
             lambda: _get(port, "/healthz")[0] == 503, 30, message="live with a dead scheduler"
         )
@@ -168,7 +154,7 @@ async def test_healthz_fails_when_the_poll_loop_stalls_while_the_event_loop_runs
     worker = Worker(settings)
     skew = [0.0]
     worker.health.clock = lambda: time.monotonic() + skew[0]
-    async with _running(worker):
+    async with running(worker):
         await await_until(lambda: _get(port, "/readyz")[0] == 200, 60, message="never ready")
         skew[0] = worker.health.max_poll_gap_s + 1  # time passes: a healthy loop polls again
         await await_until(
@@ -219,7 +205,7 @@ async def test_not_ready_before_joining_the_group(
         await original(assigned)
 
     monkeypatch.setattr(worker, "_on_assigned", held)
-    async with _running(worker):
+    async with running(worker):
         await await_until(reached.is_set, 60, message="the group never assigned")
         status, body = _json(port, "/readyz")
         assert status == 503 and body["joined_group"] is False, body
@@ -241,7 +227,7 @@ async def test_worker_given_zero_partitions_is_a_live_standby_not_ready(
         for port in ports
     ]
     await prepare_topics(workers[0].settings, partitions=1)
-    async with _running(workers[0]), _running(workers[1]):
+    async with running(workers[0]), running(workers[1]):
 
         def settled() -> bool:
             counts = sorted(w.health.assigned_partitions for w in workers)
