@@ -2,7 +2,7 @@
 
     python -m bench.bench_reconcile --records 1000000
 
-Starts its own Tansu broker and Redis (service.devstack), writes N payment notifications with
+Starts its own Tansu broker and Redis (service.dev.devstack), writes N payment notifications with
 an outcome for each (some retried, some dead-lettered, the rest granted, with ledger entries),
 then on one SparkSession (`--master`, default local[2]) measures:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from service.devstack import KafkaBroker, RedisServer, create_topics
+from service.dev.devstack import KafkaBroker, RedisServer, create_topics
 from service.pipeline.reconcile import DedupeField, ReconcileConfig, print_report, run_reconcile
 from service.pipeline.source import read_topic
 from service.pipeline.spark import build_spark, parse_conf

@@ -42,12 +42,13 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from service import Context, handler, runtime
-from service.devstack import KafkaBroker, RedisServer, create_topics
-from service.metrics import Metrics
-from service.registry import Registry
-from service.settings import Settings
-from service.worker import Worker
+from service import Context, handler
+from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.engine import runtime
+from service.engine.metrics import Metrics
+from service.engine.registry import Registry
+from service.engine.settings import Settings
+from service.engine.worker import Worker
 
 
 class Payment(BaseModel):

@@ -31,17 +31,18 @@ from typing import Any
 import orjson
 
 from bench.bench_worker import Payment, sample_payment, trivial
-from service import Context, redis_scripts
-from service.context import Effects
-from service.idempotency import Idempotency, TokenSource
-from service.keys import RedisKeys
-from service.metrics import Metrics
-from service.processing import Processor
-from service.publisher import Publisher, encode_outcome
-from service.records import Delivery, Outcome
-from service.registry import Registry
-from service.retries import RetryQueue
-from service.settings import Settings
+from service import Context
+from service.engine import redis_scripts
+from service.engine.context import Effects
+from service.engine.idempotency import Idempotency, TokenSource
+from service.engine.keys import RedisKeys
+from service.engine.metrics import Metrics
+from service.engine.processing import Processor
+from service.engine.publisher import Publisher, encode_outcome
+from service.engine.records import Delivery, Outcome
+from service.engine.registry import Registry
+from service.engine.retries import RetryQueue
+from service.engine.settings import Settings
 
 BATCH = 5000
 CHUNK = 500  # Idempotency's script chunk

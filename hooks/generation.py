@@ -393,7 +393,7 @@ def _walk(root: Path, top: str, skip: set[str], ignored: list[str]) -> Iterator[
 
 
 def _import_scaffold(project: Path) -> types.ModuleType:
-    """The generated project's ``service.scaffold``, without running ``service/__init__``.
+    """The generated project's ``service.dev.scaffold``, without running ``service/__init__``.
 
     That package imports pydantic and the rest of the project's dependencies, which
     the interpreter running cookiecutter does not have; the scaffold and the naming
@@ -408,7 +408,7 @@ def _import_scaffold(project: Path) -> types.ModuleType:
     try:
         import importlib
 
-        return importlib.import_module("service.scaffold")
+        return importlib.import_module("service.dev.scaffold")
     finally:
         for key in [k for k in sys.modules if k == "service" or k.startswith("service.")]:
             del sys.modules[key]

@@ -32,7 +32,7 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from service.devstack import KafkaBroker, RedisServer  # noqa: E402
+from service.dev.devstack import KafkaBroker, RedisServer  # noqa: E402
 from tests.chaos.engine import (  # noqa: E402
     SEED_ENV,
     ChaosConfig,

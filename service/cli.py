@@ -12,11 +12,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from service import runtime
-from service.errors import ConfigurationError
-from service.observability import configure_logging
-from service.scaffold import new_handler_command
-from service.settings import Settings, load_settings
+from service.dev.scaffold import new_handler_command
+from service.engine import runtime
+from service.engine.errors import ConfigurationError
+from service.engine.observability import configure_logging
+from service.engine.settings import Settings, load_settings
 
 # Never print local variables in a crash report: they hold unwrapped secrets (the Redis URL,
 # the SASL password in the aiokafka arguments). Older typer versions showed them by default.
@@ -30,7 +30,7 @@ dev_app = typer.Typer(no_args_is_help=True, help="The embedded broker and Redis 
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead-letter topic tools.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(dlq_app, name="dlq")
-app.command("new-handler")(new_handler_command)  # scaffold: service/scaffold.py
+app.command("new-handler")(new_handler_command)  # scaffold: service/dev/scaffold.py
 
 
 def _mount_pipeline() -> None:
@@ -65,8 +65,8 @@ def _settings() -> Settings:
 
 
 def _run_worker(consume: bool) -> None:
-    from service.registry import Registry
-    from service.worker import Worker
+    from service.engine.registry import Registry
+    from service.engine.worker import Worker
 
     settings = _settings()
     configure_logging(settings.log_level, settings.log_format)
@@ -101,7 +101,7 @@ def retry_scheduler() -> None:
 @app.command("check-config")
 def check_config() -> None:
     """Validate the settings and print them (secrets masked); exit 2 naming a bad one."""
-    from service.registry import Registry
+    from service.engine.registry import Registry
 
     settings = _settings()
     try:
@@ -120,7 +120,7 @@ def demo(
     ] = False,
 ) -> None:
     """Start the dev stack, produce sample payments, run the worker with a live view."""
-    from service.demo import run_demo
+    from service.dev.demo import run_demo
 
     configure_logging("ERROR", "console")  # the live view tells the story; errors still show
     code = runtime.run(
@@ -134,7 +134,7 @@ def demo(
 @dev_app.command("up")
 def dev_up(state_dir: StateDir = None) -> None:
     """Start the broker and Redis (or report the running ones)."""
-    from service.devstack import DevStack
+    from service.dev.devstack import DevStack
 
     info = DevStack.up(state_dir)
     console.print(f"Kafka bootstrap: {info.bootstrap}\nRedis URL:       {info.redis_url}")
@@ -148,7 +148,7 @@ def dev_down(
     purge: Annotated[bool, typer.Option(help="Also delete Redis's data.")] = False,
 ) -> None:
     """Stop the broker and Redis."""
-    from service.devstack import DevStack
+    from service.dev.devstack import DevStack
 
     stopped = DevStack.down(state_dir, purge=purge)
     console.print("stopped" if stopped else "no dev stack was running")
@@ -157,7 +157,7 @@ def dev_down(
 @dev_app.command("status")
 def dev_status(state_dir: StateDir = None) -> None:
     """Where the dev stack listens and whether it answers."""
-    from service.devstack import DevStack
+    from service.dev.devstack import DevStack
 
     info = DevStack.status(state_dir)
     if info is None:
@@ -191,7 +191,7 @@ def dlq_redrive(
     redriven is sent twice. Reads up to the end offsets seen at start. A record redriven
     before that failed again is left unless --include-redriven (no loops).
     """
-    from service.redrive import redrive
+    from service.ops.redrive import redrive
 
     settings = _settings()
     report = asyncio.run(

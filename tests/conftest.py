@@ -1,4 +1,4 @@
-"""Shared fixtures: real servers from service.devstack (one broker per session, Redis per test)."""
+"""Shared fixtures: real servers from service.dev (a broker per session, Redis per test)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.devstack import KafkaBroker, RedisServer
+from service.dev.devstack import KafkaBroker, RedisServer
 
 # Tests that use these fixtures talk to real servers and are marked `integration` automatically,
 # so `pytest -m "not integration"` stays fast and needs no binaries.

@@ -21,8 +21,8 @@ from rich.console import Console
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from service.engine.settings import Settings
     from service.pipeline.reconcile import DedupeField
-    from service.settings import Settings
 
 __all__ = ["parse_duration", "pipeline_app"]
 
@@ -67,8 +67,8 @@ def parse_duration(text: str) -> timedelta:
 
 def _worker_settings() -> Settings:
     """The worker's settings, the one source of the pipeline's defaults; exit 2 if invalid."""
-    from service.errors import ConfigurationError
-    from service.settings import load_settings
+    from service.engine.errors import ConfigurationError
+    from service.engine.settings import load_settings
 
     try:
         return load_settings()
@@ -79,9 +79,9 @@ def _worker_settings() -> Settings:
 
 def _key_fields(settings: Settings, declared: list[str]) -> dict[str, DedupeField]:
     """Topic -> DedupeField from the handlers the worker binds, then `--dedupe-field T=F`."""
-    from service.errors import ConfigurationError
+    from service.engine.errors import ConfigurationError
+    from service.engine.registry import Registry
     from service.pipeline.reconcile import DedupeField, dedupe_fields
-    from service.registry import Registry
 
     try:
         fields = dedupe_fields(Registry.from_settings(settings.topics))
@@ -217,7 +217,7 @@ def reconcile(
 ) -> None:
     """Reconcile source, outcomes, dead letters and ledger; exit 1 if anything is lost or
     granted twice."""
-    from service.errors import ConfigurationError
+    from service.engine.errors import ConfigurationError
     from service.pipeline.reconcile import ReconcileConfig, print_report, run_reconcile
     from service.pipeline.spark import parse_conf
 
@@ -388,10 +388,10 @@ def replay(
     ] = False,
 ) -> None:
     """Replay a range through the worker's record path (help text: _REPLAY_HELP)."""
-    from service.errors import ConfigurationError
+    from service.engine.errors import ConfigurationError
+    from service.engine.settings import load_settings
     from service.pipeline.replay import print_report, run_replay
     from service.pipeline.spark import parse_conf
-    from service.settings import load_settings
 
     if from_offset is not None and from_time is not None:
         raise typer.BadParameter("--from-offset and --from-time exclude each other")

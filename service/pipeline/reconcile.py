@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service import project
-from service.errors import ConfigurationError
+from service.engine.errors import ConfigurationError
 from service.pipeline.kafka_reader import (
     EARLIEST,
     LATEST,
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
     from rich.console import Console
 
-    from service.registry import Registry
+    from service.engine.registry import Registry
 
 __all__ = [
     "STATES",
@@ -119,7 +119,7 @@ def dedupe_fields(registry: Registry) -> dict[str, DedupeField]:
 
 def _bound_topics() -> tuple[str, ...]:
     """The worker's topics: WORKER_TOPICS, else service/project.py's TOPICS (via Settings)."""
-    from service.settings import load_settings
+    from service.engine.settings import load_settings
 
     return tuple(load_settings().topics.values())
 
@@ -179,8 +179,8 @@ class ReconcileConfig:
 
 def _registry_fields() -> dict[str, DedupeField]:
     """DedupeFields of the registry the worker would build from its settings."""
-    from service.registry import Registry
-    from service.settings import load_settings
+    from service.engine.registry import Registry
+    from service.engine.settings import load_settings
 
     return dedupe_fields(Registry.from_settings(load_settings().topics))
 

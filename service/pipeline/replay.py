@@ -2,7 +2,7 @@
 
 After a bug is fixed, the records it mishandled are still in Kafka. Replay reads a range
 (offsets or timestamps, per topic and partition) and puts every record through
-`service.processing.open_processor` on the executors: the same handler registry, the same
+`service.engine.processing.open_processor` on the executors: the same handler registry, the same
 claims and done-markers in Redis, the same delay queue, dead letters and outcome events as
 the worker. The records are not changed or marked in any way, so a replayed record is
 indistinguishable from a redelivery, and idempotency is what makes it safe: a payment whose
@@ -41,6 +41,14 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from pydantic import SecretStr, ValidationError
 
+from service.engine.records import (
+    Delivery,
+    Outcome,
+    clean_headers,
+    redrive_of,
+    redrive_ticket_value,
+)
+from service.engine.settings import KafkaSettings, Settings, describe_validation_error
 from service.pipeline.kafka_reader import (
     EARLIEST,
     LATEST,
@@ -51,22 +59,14 @@ from service.pipeline.kafka_reader import (
     offsets_to_json,
     resolve_ranges,
 )
-from service.records import (
-    Delivery,
-    Outcome,
-    clean_headers,
-    redrive_of,
-    redrive_ticket_value,
-)
-from service.settings import KafkaSettings, Settings, describe_validation_error
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
     from rich.console import Console
 
-    from service.idempotency import RedriveTicket
-    from service.keys import RedisKeys
-    from service.registry import Registry
+    from service.engine.idempotency import RedriveTicket
+    from service.engine.keys import RedisKeys
+    from service.engine.registry import Registry
 
 __all__ = [
     "PartitionFailure",
@@ -341,7 +341,7 @@ class _PartitionJob:
         state: dict[str, Any] = {"records": 0, "counts": Counter(), "at": None, "error": None}
         try:
             settings = self.sealed.open()
-            from service.registry import Registry
+            from service.engine.registry import Registry
 
             registry = Registry.from_settings(settings.topics)
             deliveries = _deliveries(batches, fault_injection=settings.fault_injection)
@@ -364,7 +364,7 @@ async def _apply(
     settings: Settings, registry: Registry, chunks: Iterator[list[Delivery]], state: dict[str, Any]
 ) -> None:
     """Each batch through `process_batch`, in order, with one processor for the partition."""
-    from service.processing import open_processor
+    from service.engine.processing import open_processor
 
     first = next(chunks, None)
     if first is None:  # an empty partition opens no connections
@@ -385,11 +385,11 @@ async def _check(
 
     Mirrors the decisions of `Processor._prepare` and the CLAIM script (redis_scripts.py).
     """
-    from service.idempotency import fingerprint
-    from service.keys import RedisKeys
-    from service.processing import DecodeFailure, decode
-    from service.redis_client import make_client
-    from service.retries import now_ms
+    from service.engine.idempotency import fingerprint
+    from service.engine.keys import RedisKeys
+    from service.engine.processing import DecodeFailure, decode
+    from service.engine.redis_client import make_client
+    from service.engine.retries import now_ms
 
     first = next(chunks, None)
     if first is None:
@@ -434,7 +434,7 @@ async def _check(
 
 def _ticket_of(keys: RedisKeys, d: Delivery) -> RedriveTicket | None:
     """The redrive ticket the record's ``x-redrive-of`` names, if it carries one."""
-    from service.idempotency import RedriveTicket
+    from service.engine.idempotency import RedriveTicket
 
     of = redrive_of(d.headers) if d.headers else None
     if of is None:

@@ -44,10 +44,10 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 
-from service import sample
-from service.devstack import RedisServer
-from service.kafka_client import connection_kwargs
-from service.settings import Settings
+from service.dev import sample
+from service.dev.devstack import RedisServer
+from service.engine.kafka_client import connection_kwargs
+from service.engine.settings import Settings
 from tests.chaos import claiming
 from tests.chaos.outside import TP, Outside, View, Where, wait_settled
 from tests.helpers import await_until, wait_until

@@ -1,7 +1,7 @@
 """What a chaos run left behind, read with plain redis-py and aiokafka calls only.
 
-The chaos checker must not look through the code it checks: a bug in `service.audit`
-or `service.keys` (a wrong key name, a misparsed header, a high watermark read wrong)
+The chaos checker must not look through the code it checks: a bug in `service.ops.audit`
+or `service.engine.keys` (a wrong key name, a misparsed header, a high watermark read wrong)
 would otherwise hide the very loss it should show. So the key names and the record
 layouts are written out here as the contracts say them (docs/contracts.md,
 docs/architecture.md), and every read is a redis-py or aiokafka call:

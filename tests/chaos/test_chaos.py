@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from service.devstack import KafkaBroker, RedisServer
+from service.dev.devstack import KafkaBroker, RedisServer
 from tests.chaos.engine import SEED_ENV, ChaosConfig, ChaosReport, run_chaos, seed_from_env
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from service import sample
-from service.context import Context, Effects
-from service.devstack import RedisServer
+from service.dev import sample
+from service.dev.devstack import RedisServer
+from service.engine.context import Context, Effects
 from service.handlers.payments import PaymentSucceeded
 from tests.chaos import claiming
 from tests.chaos.engine import EndState, Placed, Routed, final_verdict, overlapping_runs

@@ -27,8 +27,8 @@ import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import TopicPartition
 
-from service.devstack import KafkaBroker
-from service.kafka_client import connection_kwargs
+from service.dev.devstack import KafkaBroker
+from service.engine.kafka_client import connection_kwargs
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import WorkerProcess

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service import registry
+from service.engine import registry
 from tests.chaos import claiming
 
 _discover = registry.discover

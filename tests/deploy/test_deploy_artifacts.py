@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from yamllint import linter as yamllint_linter
 from yamllint.config import YamlLintConfig
 
-from service.settings import Settings
+from service.engine.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -22,13 +22,13 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
-from service import audit
-from service.devstack import KafkaBroker, RedisServer, create_topics
-from service.kafka_client import connection_kwargs
-from service.keys import RedisKeys
-from service.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER, ORIGINAL_BYTES_HEADER
-from service.records import Delivery, Outcome
-from service.settings import Settings
+from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.engine.kafka_client import connection_kwargs
+from service.engine.keys import RedisKeys
+from service.engine.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER, ORIGINAL_BYTES_HEADER
+from service.engine.records import Delivery, Outcome
+from service.engine.settings import Settings
+from service.ops import audit
 from tests.hostile import corpus
 from tests.hostile.corpus import CANARY, KIND_NAMES, Kind, Rec
 from tests.integration.harness import make_settings, prepare_topics, running_worker, wait_settled

@@ -21,17 +21,17 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-from service import audit
-from service.devstack import KafkaBroker, create_topics
-from service.publisher import (
+from service.dev.devstack import KafkaBroker, create_topics
+from service.engine.publisher import (
     DROPPED_HEADER,
     KEY_SUBSTITUTED_HEADER,
     ORIGINAL_BYTES_HEADER,
     Publisher,
 )
-from service.records import Delivery
-from service.settings import KafkaSettings
-from service.stalls import Stalls
+from service.engine.records import Delivery
+from service.engine.settings import KafkaSettings
+from service.engine.stalls import Stalls
+from service.ops import audit
 from tests.helpers import await_until
 
 SOURCE = "payments"

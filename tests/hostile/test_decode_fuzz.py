@@ -16,13 +16,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from service.engine.processing import DecodeFailure, decode
+from service.engine.records import Delivery
 from service.handlers.payments import (
     MAX_AMOUNT_MINOR,
     PaymentSucceeded,
     grant_purchase,
 )
-from service.processing import DecodeFailure, decode
-from service.records import Delivery
 
 REASONS = {"malformed", "too_large", "tombstone"}  # docs/contracts.md, x-dlq-reason
 CANARY = "Qz9CANARYx"

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from service import audit
-from service.devstack import KafkaBroker, RedisServer
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.engine.kafka_client import connection_kwargs
+from service.engine.processing import REDRIVE_HEADER
+from service.engine.settings import Settings
 from service.handlers import payments
-from service.kafka_client import connection_kwargs
-from service.processing import REDRIVE_HEADER
-from service.redrive import redrive
-from service.settings import Settings
+from service.ops import audit
+from service.ops.redrive import redrive
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, running_worker
 

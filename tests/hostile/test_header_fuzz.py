@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio as aioredis
 
+from service.engine.idempotency import fingerprint
+from service.engine.keys import RedisKeys
+from service.engine.metrics import Metrics
+from service.engine.processing import REDRIVE_HEADER, Processor
+from service.engine.records import Delivery, Outcome, clean_headers, redrive_ticket_value
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.registry import Registry
+from service.engine.settings import Settings
 from service.handlers.payments import PaymentSucceeded, grant_purchase
-from service.idempotency import fingerprint
-from service.keys import RedisKeys
-from service.metrics import Metrics
-from service.processing import REDRIVE_HEADER, Processor
-from service.records import Delivery, Outcome, clean_headers, redrive_ticket_value
-from service.redis_client import RedisOps, make_client
-from service.registry import Registry
-from service.settings import Settings
 from tests.integration.recording_producer import RecordingProducer
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from service.metrics import Metrics
-from service.observability import HealthState, HttpServer
-from service.settings import Settings
+from service.engine.metrics import Metrics
+from service.engine.observability import HealthState, HttpServer
+from service.engine.settings import Settings
 from tests.helpers import wait_until
 
 
@@ -131,15 +131,15 @@ def test_http_binds_loopback_unless_told_otherwise(monkeypatch: pytest.MonkeyPat
     ],
 )
 def test_bad_http_settings_are_refused_by_name(http: dict[str, Any], named: str) -> None:
-    from service.errors import ConfigurationError
-    from service.settings import load_settings
+    from service.engine.errors import ConfigurationError
+    from service.engine.settings import load_settings
 
     with pytest.raises(ConfigurationError, match=named):
         load_settings(http=http)
 
 
 def test_port_in_use_is_a_configuration_error_naming_the_setting() -> None:
-    from service.errors import ConfigurationError
+    from service.engine.errors import ConfigurationError
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

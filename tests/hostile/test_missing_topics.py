@@ -20,12 +20,12 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from service import audit
-from service.devstack import KafkaBroker, create_topics
-from service.kafka_client import connection_kwargs
-from service.publisher import DEAD_LETTER_UNWRITABLE, OUTCOMES_UNWRITABLE
-from service.settings import Settings
-from service.worker import Worker
+from service.dev.devstack import KafkaBroker, create_topics
+from service.engine.kafka_client import connection_kwargs
+from service.engine.publisher import DEAD_LETTER_UNWRITABLE, OUTCOMES_UNWRITABLE
+from service.engine.settings import Settings
+from service.engine.worker import Worker
+from service.ops import audit
 from tests.helpers import await_until
 from tests.hostile import corpus
 from tests.integration.harness import make_settings, running_worker, wait_settled

@@ -30,11 +30,11 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from service import audit
-from service.devstack import KafkaBroker, RedisServer
-from service.kafka_client import connection_kwargs
-from service.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER
-from service.settings import Settings
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.engine.kafka_client import connection_kwargs
+from service.engine.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER
+from service.engine.settings import Settings
+from service.ops import audit
 from tests.hostile import corpus
 from tests.integration.harness import (
     RunState,

@@ -18,15 +18,16 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from service import audit, sample
-from service.devstack import KafkaBroker, RedisServer
-from service.errors import ConfigurationError
-from service.idempotency import FinishRequest, FinishStatus, Idempotency
-from service.keys import RedisKeys
-from service.redis_client import RedisOps, make_client
-from service.settings import RedisSettings, Settings
-from service.stalls import Stalls
-from service.worker import Worker
+from service.dev import sample
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.engine.errors import ConfigurationError
+from service.engine.idempotency import FinishRequest, FinishStatus, Idempotency
+from service.engine.keys import RedisKeys
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.settings import RedisSettings, Settings
+from service.engine.stalls import Stalls
+from service.engine.worker import Worker
+from service.ops import audit
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import (
     assert_invariants,

@@ -4,7 +4,7 @@ Issue 12, defect 9: such replies were neither transient nor the record's fault, 
 record in flight was dead-lettered ``internal`` after ~7.5 s; a full or misconfigured
 Redis turned into a flood of dead letters. Now RedisOps holds the call (nothing past it
 is committed), retries it like a connection loss and reports the stall loudly
-(service/stalls.py: readiness false, ``worker_stalled{cause="redis_refused"}`` 1).
+(service/engine/stalls.py: readiness false, ``worker_stalled{cause="redis_refused"}`` 1).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from service import sample
-from service.devstack import KafkaBroker, RedisServer
-from service.metrics import Metrics
-from service.processing import INTERNAL_ATTEMPTS, INTERNAL_BACKOFF_MAX_S
-from service.redis_client import RedisOps, RedisRefused, is_refusal, make_client
-from service.settings import RedisSettings
-from service.stalls import Stalls
-from service.worker import Worker
+from service.dev import sample
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.engine.metrics import Metrics
+from service.engine.processing import INTERNAL_ATTEMPTS, INTERNAL_BACKOFF_MAX_S
+from service.engine.redis_client import RedisOps, RedisRefused, is_refusal, make_client
+from service.engine.settings import RedisSettings
+from service.engine.stalls import Stalls
+from service.engine.worker import Worker
 from tests.helpers import await_until
 from tests.integration.harness import (
     assert_invariants,

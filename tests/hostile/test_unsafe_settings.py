@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from service import project
 from service.cli import app
-from service.errors import ConfigurationError
-from service.settings import load_settings
+from service.engine.errors import ConfigurationError
+from service.engine.settings import load_settings
 
 # A topic the project binds by default (a generated service binds its own, not "payments").
 BOUND = next(iter(project.TOPICS.values()))

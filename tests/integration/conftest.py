@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from service.settings import Settings
+from service.engine.settings import Settings
 from tests.integration.procs import WorkerProcess, worker_processes
 
 

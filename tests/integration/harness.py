@@ -10,12 +10,13 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from service import audit, sample
-from service.devstack import create_topics
-from service.kafka_client import connection_kwargs
-from service.registry import Registry
-from service.settings import Settings
-from service.worker import Worker
+from service.dev import sample
+from service.dev.devstack import create_topics
+from service.engine.kafka_client import connection_kwargs
+from service.engine.registry import Registry
+from service.engine.settings import Settings
+from service.engine.worker import Worker
+from service.ops import audit
 from tests.helpers import await_until
 
 

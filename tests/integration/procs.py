@@ -32,11 +32,13 @@ from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel, SecretStr
 from redis.exceptions import RedisError
 
-from service import audit, faults, sample
-from service.devstack import _die_with_parent_preexec
-from service.kafka_client import connection_kwargs
-from service.keys import RedisKeys
-from service.settings import Settings
+from service.dev import sample
+from service.dev.devstack import _die_with_parent_preexec
+from service.engine import faults
+from service.engine.kafka_client import connection_kwargs
+from service.engine.keys import RedisKeys
+from service.engine.settings import Settings
+from service.ops import audit
 from tests.helpers import await_until
 
 

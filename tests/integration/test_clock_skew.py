@@ -24,14 +24,14 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, SecretStr
 
 from service import Context, RetryableError, handler
-from service.devstack import KafkaBroker
-from service.keys import RedisKeys
-from service.processing import open_processor
-from service.records import Delivery, Outcome
-from service.redis_client import RedisOps
-from service.registry import Registry
-from service.retries import RetryQueue, RetryScheduler
-from service.settings import RedisSettings, RetrySettings
+from service.dev.devstack import KafkaBroker
+from service.engine.keys import RedisKeys
+from service.engine.processing import open_processor
+from service.engine.records import Delivery, Outcome
+from service.engine.redis_client import RedisOps
+from service.engine.registry import Registry
+from service.engine.retries import RetryQueue, RetryScheduler
+from service.engine.settings import RedisSettings, RetrySettings
 from tests.helpers import await_until
 from tests.integration.harness import make_settings
 

@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from service import processing
-from service.metrics import Metrics
+from service.engine import processing
+from service.engine.metrics import Metrics
+from service.engine.processing import Processor
+from service.engine.records import Delivery, Outcome
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.registry import Registry
+from service.engine.settings import IdempotencySettings, Settings
 from service.pipeline import replay
-from service.processing import Processor
-from service.records import Delivery, Outcome
-from service.redis_client import RedisOps, make_client
-from service.registry import Registry
-from service.settings import IdempotencySettings, Settings
 from tests.integration.recording_producer import RecordingProducer
 
 pytestmark = pytest.mark.timeout(60)

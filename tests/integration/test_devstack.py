@@ -15,7 +15,7 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from service.devstack import DevStack, DevStackError, KafkaBroker, RedisServer, create_topics
+from service.dev.devstack import DevStack, DevStackError, KafkaBroker, RedisServer, create_topics
 from tests.helpers import await_until, wait_until
 
 pytestmark = pytest.mark.integration
@@ -104,7 +104,7 @@ def test_sigkilled_owner_leaves_no_orphan_server(tmp_path: Path) -> None:
         pytest.skip("PR_SET_PDEATHSIG is Linux-only")
     owner_script = (
         "import sys, pathlib\n"
-        "from service.devstack import RedisServer\n"
+        "from service.dev.devstack import RedisServer\n"
         "server = RedisServer(pathlib.Path(sys.argv[1])).start()\n"
         "print(server.pid, flush=True)\n"
         "sys.stdin.read()\n"  # block until killed

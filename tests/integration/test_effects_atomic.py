@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 import redis.asyncio as aioredis
 
-from service.idempotency import (
+from service.engine.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
@@ -21,9 +21,9 @@ from service.idempotency import (
     FinishStatus,
     Idempotency,
 )
-from service.keys import RedisKeys
-from service.redis_client import RedisOps, RedisRefused
-from service.settings import RedisSettings
+from service.engine.keys import RedisKeys
+from service.engine.redis_client import RedisOps, RedisRefused
+from service.engine.settings import RedisSettings
 
 LEDGER = "fx:ledger:purchases"
 T = TypeVar("T")

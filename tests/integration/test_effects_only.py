@@ -15,16 +15,17 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio as aioredis
 
-from service import Context, audit, handler
-from service.devstack import KafkaBroker, create_topics
-from service.faults import HEADER as FAULT_HEADER
+from service import Context, handler
+from service.dev.devstack import KafkaBroker, create_topics
+from service.engine.faults import HEADER as FAULT_HEADER
+from service.engine.idempotency import ClaimRequest, ClaimStatus
+from service.engine.keys import RedisKeys
+from service.engine.processing import Processor, open_processor
+from service.engine.records import Delivery, Outcome
+from service.engine.registry import Handler, Registry
+from service.engine.settings import Settings
 from service.handlers.payments import PaymentSucceeded
-from service.idempotency import ClaimRequest, ClaimStatus
-from service.keys import RedisKeys
-from service.processing import Processor, open_processor
-from service.records import Delivery, Outcome
-from service.registry import Handler, Registry
-from service.settings import Settings
+from service.ops import audit
 from tests.integration.harness import make_settings
 
 pytestmark = pytest.mark.integration

@@ -19,13 +19,14 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from service import Context, PermanentError, audit, handler
-from service.devstack import KafkaBroker, create_topics
-from service.keys import RedisKeys
-from service.processing import Processor, open_processor
-from service.records import Delivery, Outcome
-from service.registry import Registry
-from service.settings import Settings
+from service import Context, PermanentError, handler
+from service.dev.devstack import KafkaBroker, create_topics
+from service.engine.keys import RedisKeys
+from service.engine.processing import Processor, open_processor
+from service.engine.records import Delivery, Outcome
+from service.engine.registry import Registry
+from service.engine.settings import Settings
+from service.ops import audit
 from tests.integration.harness import make_settings
 
 pytestmark = pytest.mark.integration

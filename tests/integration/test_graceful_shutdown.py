@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from service import sample
-from service.devstack import KafkaBroker
+from service.dev import sample
+from service.dev.devstack import KafkaBroker
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import (

@@ -18,14 +18,14 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from service import Context, handler
-from service.devstack import KafkaBroker, create_topics
-from service.errors import ConfigurationError
+from service.dev.devstack import KafkaBroker, create_topics
+from service.engine.errors import ConfigurationError
+from service.engine.keys import RedisKeys
+from service.engine.processing import Processor, open_processor
+from service.engine.records import Delivery, Outcome
+from service.engine.registry import Registry
+from service.engine.settings import Settings
 from service.handlers.payments import grant_purchase
-from service.keys import RedisKeys
-from service.processing import Processor, open_processor
-from service.records import Delivery, Outcome
-from service.registry import Registry
-from service.settings import Settings
 from tests.integration.harness import make_settings
 
 pytestmark = pytest.mark.integration

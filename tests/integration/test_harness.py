@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service import audit, sample
+from service.dev import sample
+from service.ops import audit
 from tests.integration.harness import RunState, assert_invariants
 
 

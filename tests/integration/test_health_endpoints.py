@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from service import sample
-from service.devstack import KafkaBroker, RedisServer, free_port
-from service.retries import RetryScheduler
-from service.worker import Worker
+from service.dev import sample
+from service.dev.devstack import KafkaBroker, RedisServer, free_port
+from service.engine.retries import RetryScheduler
+from service.engine.worker import Worker
 from tests.helpers import await_until
 from tests.integration.harness import (
     make_settings,

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from service import sample
-from service.devstack import KafkaBroker, RedisServer
-from service.processing import Processor
-from service.records import Delivery
-from service.worker import Worker
+from service.dev import sample
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.engine.processing import Processor
+from service.engine.records import Delivery
+from service.engine.worker import Worker
 from tests.helpers import await_until
 from tests.integration.harness import (
     assert_invariants,

@@ -25,14 +25,14 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from service import Context, RetryableError, handler
-from service.devstack import KafkaBroker
-from service.keys import RedisKeys
-from service.processing import Processor, open_processor
-from service.records import Delivery, Outcome
-from service.redis_client import RedisOps
-from service.registry import Registry
-from service.retries import RetryQueue
-from service.settings import Settings
+from service.dev.devstack import KafkaBroker
+from service.engine.keys import RedisKeys
+from service.engine.processing import Processor, open_processor
+from service.engine.records import Delivery, Outcome
+from service.engine.redis_client import RedisOps
+from service.engine.registry import Registry
+from service.engine.retries import RetryQueue
+from service.engine.settings import Settings
 from tests.helpers import await_until
 from tests.integration.harness import make_settings
 

@@ -25,12 +25,12 @@ from aiokafka.structs import TopicPartition
 from pydantic import BaseModel
 
 from service import Context, handler
-from service.devstack import KafkaBroker, RedisServer, create_topics
-from service.kafka_client import connection_kwargs
-from service.processing import open_processor
-from service.records import Delivery, Outcome
-from service.registry import Handler, Registry
-from service.settings import Settings
+from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.engine.kafka_client import connection_kwargs
+from service.engine.processing import open_processor
+from service.engine.records import Delivery, Outcome
+from service.engine.registry import Handler, Registry
+from service.engine.settings import Settings
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, running_worker
 

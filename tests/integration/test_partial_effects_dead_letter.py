@@ -19,13 +19,13 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from service.engine.metrics import Metrics
+from service.engine.processing import Processor
+from service.engine.records import Delivery, Outcome
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.registry import Registry
+from service.engine.settings import Settings
 from service.handlers.payments import grant_purchase
-from service.metrics import Metrics
-from service.processing import Processor
-from service.records import Delivery, Outcome
-from service.redis_client import RedisOps, make_client
-from service.registry import Registry
-from service.settings import Settings
 from tests.integration.recording_producer import RecordingProducer
 
 pytestmark = pytest.mark.timeout(60)

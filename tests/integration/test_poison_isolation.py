@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
-from service import audit, sample
-from service.devstack import KafkaBroker
+from service.dev import sample
+from service.dev.devstack import KafkaBroker
+from service.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
 

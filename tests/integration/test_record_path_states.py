@@ -39,17 +39,17 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from service import processing
+from service.engine import processing
+from service.engine.idempotency import ClaimRequest, fingerprint
+from service.engine.keys import RedisKeys
+from service.engine.metrics import Metrics
+from service.engine.processing import Processor
+from service.engine.records import Delivery
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.registry import Handler, Registry
+from service.engine.retries import RetryQueue
+from service.engine.settings import Settings
 from service.handlers.payments import PaymentSucceeded, grant_purchase
-from service.idempotency import ClaimRequest, fingerprint
-from service.keys import RedisKeys
-from service.metrics import Metrics
-from service.processing import Processor
-from service.records import Delivery
-from service.redis_client import RedisOps, make_client
-from service.registry import Handler, Registry
-from service.retries import RetryQueue
-from service.settings import Settings
 from tests.integration.recording_producer import RecordingProducer
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import pytest
 
-from service import audit, sample
-from service.devstack import KafkaBroker, RedisServer
+from service.dev import sample
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import (

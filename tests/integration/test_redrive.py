@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 
-from service import audit, sample
-from service.devstack import KafkaBroker, RedisServer
-from service.kafka_client import make_producer
-from service.processing import REDRIVE_HEADER
-from service.publisher import KEY_SUBSTITUTED_HEADER
-from service.redrive import redrive
-from service.settings import Settings
+from service.dev import sample
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.engine.kafka_client import make_producer
+from service.engine.processing import REDRIVE_HEADER
+from service.engine.publisher import KEY_SUBSTITUTED_HEADER
+from service.engine.settings import Settings
+from service.ops import audit
+from service.ops.redrive import redrive
 from tests.helpers import await_until
 from tests.hostile.corpus import produce_exact
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker

@@ -10,14 +10,15 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from service import audit, sample
-from service.devstack import KafkaBroker
+from service.dev import sample
+from service.dev.devstack import KafkaBroker
+from service.engine.idempotency import ClaimRequest, ClaimStatus, Idempotency, fingerprint
+from service.engine.keys import RedisKeys
+from service.engine.records import Delivery
+from service.engine.redis_client import RedisOps
+from service.engine.retries import ParkRequest, ParkStatus, RetryQueue, now_ms
 from service.handlers.payments import PaymentSucceeded
-from service.idempotency import ClaimRequest, ClaimStatus, Idempotency, fingerprint
-from service.keys import RedisKeys
-from service.records import Delivery
-from service.redis_client import RedisOps
-from service.retries import ParkRequest, ParkStatus, RetryQueue, now_ms
+from service.ops import audit
 from tests.integration.harness import (
     assert_invariants,
     make_settings,

@@ -17,15 +17,16 @@ from typing import Any
 
 import pytest
 
-from service import audit, processing
-from service.devstack import KafkaBroker
-from service.idempotency import FinishRequest, Idempotency
-from service.keys import RedisKeys
-from service.processing import Processor
-from service.records import Delivery
-from service.redis_client import RedisOps, make_client
-from service.retries import ParkRequest, RetryQueue
-from service.worker import Worker
+from service.dev.devstack import KafkaBroker
+from service.engine import processing
+from service.engine.idempotency import FinishRequest, Idempotency
+from service.engine.keys import RedisKeys
+from service.engine.processing import Processor
+from service.engine.records import Delivery
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.retries import ParkRequest, RetryQueue
+from service.engine.worker import Worker
+from service.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 

@@ -7,10 +7,10 @@ import logging
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from service.devstack import KafkaBroker, RedisServer, create_topics
-from service.errors import ConfigurationError
-from service.kafka_client import connection_kwargs
-from service.worker import Worker
+from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.engine.errors import ConfigurationError
+from service.engine.kafka_client import connection_kwargs
+from service.engine.worker import Worker
 from tests.integration.harness import make_settings, prepare_topics, running_worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,7 +57,7 @@ async def test_auto_mode_only_warns_with_local_redis_durability(
 ) -> None:
     settings = make_settings(kafka_broker.bootstrap, redis_server.url, unique_name)
     await prepare_topics(settings, partitions=1)
-    with caplog.at_level(logging.WARNING, logger="service.worker"):
+    with caplog.at_level(logging.WARNING, logger="service.engine.worker"):
         async with running_worker(settings) as worker:
             assert worker.health.started
     warned = [r.getMessage() for r in caplog.records if "topic durability" in r.getMessage()]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from service import sample
-from service.devstack import KafkaBroker
+from service.dev import sample
+from service.dev.devstack import KafkaBroker
 from tests.integration.harness import (
     assert_invariants,
     make_settings,

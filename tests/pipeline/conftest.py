@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from service.devstack import KafkaBroker, create_topics
+from service.dev.devstack import KafkaBroker, create_topics
 
 try:
     import pyspark  # noqa: F401

@@ -16,9 +16,10 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from typer.testing import CliRunner, Result
 
-from service import Context, handler, project, registry
-from service.devstack import KafkaBroker, RedisServer, free_port
-from service.errors import ConfigurationError
+from service import Context, handler, project
+from service.dev.devstack import KafkaBroker, RedisServer, free_port
+from service.engine import registry
+from service.engine.errors import ConfigurationError
 from service.pipeline.cli import pipeline_app
 from service.pipeline.reconcile import (
     DedupeField,

@@ -18,14 +18,15 @@ import redis
 from aiokafka import AIOKafkaProducer
 from typer.testing import CliRunner
 
-from service import audit, sample
-from service.devstack import KafkaBroker, RedisServer
+from service.dev import sample
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.engine.processing import open_processor
+from service.engine.records import Delivery, Outcome
+from service.engine.registry import Registry
+from service.engine.settings import Settings
+from service.ops import audit
 from service.pipeline.cli import pipeline_app
 from service.pipeline.replay import SealedSettings, _classify, run_replay
-from service.processing import open_processor
-from service.records import Delivery, Outcome
-from service.registry import Registry
-from service.settings import Settings
 from tests.integration.harness import (
     assert_invariants,
     make_settings,

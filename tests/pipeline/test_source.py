@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from service.devstack import KafkaBroker
+from service.dev.devstack import KafkaBroker
 from service.pipeline.kafka_reader import KafkaConfig, fetch_high_watermarks
 from service.pipeline.source import (
     KAFKA_ARROW_SCHEMA,

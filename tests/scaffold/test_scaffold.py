@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 import service
-from service import scaffold
 from service.cli import app
+from service.dev import scaffold
 from service.project import TOPICS
 
 PROJECT = Path(service.__file__).resolve().parents[1]

@@ -22,10 +22,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError
 
-from service import sample
-from service.devstack import LOOPBACK, KafkaBroker, free_port
-from service.kafka_client import connection_kwargs, make_consumer, make_producer
-from service.settings import KafkaSettings, Settings
+from service.dev import sample
+from service.dev.devstack import LOOPBACK, KafkaBroker, free_port
+from service.engine.kafka_client import connection_kwargs, make_consumer, make_producer
+from service.engine.settings import KafkaSettings, Settings
 from tests.integration.harness import assert_invariants, make_settings, running_worker, wait_settled
 from tests.security.pki import CLIENT_KEY_PASSWORD, Pki, make_pki
 
@@ -122,8 +122,8 @@ def test_wrong_key_password_fails_at_construction(pki: Pki) -> None:
 
 @pytest.mark.parametrize("protocol", ["SASL_PLAINTEXT", "SASL_SSL"])
 def test_sasl_without_credentials_is_refused_by_settings(protocol: str) -> None:
-    from service.errors import ConfigurationError
-    from service.settings import load_settings
+    from service.engine.errors import ConfigurationError
+    from service.engine.settings import load_settings
 
     with pytest.raises(ConfigurationError) as err:
         load_settings(kafka={"security_protocol": protocol, "sasl_mechanism": "SCRAM-SHA-512"})

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.context import Context, Effects, InvalidEffect
-from service.keys import ENGINE_NAMESPACES, MAX_INLINE_KEY_BYTES, RedisKeys, effect_key
-from service.redis_client import RedisOps
-from service.settings import HANDLER_NAME, RedisSettings
+from service.engine.context import Context, Effects, InvalidEffect
+from service.engine.keys import ENGINE_NAMESPACES, MAX_INLINE_KEY_BYTES, RedisKeys, effect_key
+from service.engine.redis_client import RedisOps
+from service.engine.settings import HANDLER_NAME, RedisSettings
 
 PREFIX = st.from_regex(r"\A[A-Za-z0-9._-]{1,64}\Z")
 HANDLER = st.from_regex(r"\A" + HANDLER_NAME.pattern.strip("^$") + r"\Z")

@@ -22,11 +22,18 @@ import redis as sync_redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from service import audit, sample
-from service.devstack import REDIS_BIN_ENV, DevStackError, RedisServer, find_redis_server, free_port
-from service.keys import RedisKeys
-from service.redis_client import RedisOps, make_client
-from service.settings import RedisSettings
+from service.dev import sample
+from service.dev.devstack import (
+    REDIS_BIN_ENV,
+    DevStackError,
+    RedisServer,
+    find_redis_server,
+    free_port,
+)
+from service.engine.keys import RedisKeys
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.settings import RedisSettings
+from service.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
 from tests.security.pki import Pki, make_pki

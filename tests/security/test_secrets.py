@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaError
 
-from service.devstack import KafkaBroker, RedisServer
-from service.errors import ConfigurationError
-from service.settings import Settings, load_settings
-from service.worker import Worker
+from service.dev.devstack import KafkaBroker, RedisServer
+from service.engine.errors import ConfigurationError
+from service.engine.settings import Settings, load_settings
+from service.engine.worker import Worker
 from tests.helpers import await_until
 from tests.security.pki import CLIENT_KEY_PASSWORD, Pki, make_pki
 

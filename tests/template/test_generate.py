@@ -168,8 +168,8 @@ def test_non_default_answers_are_applied(orders_project: Path) -> None:
     settings = project_python(
         project,
         "-c",
-        "import json; from service.settings import Settings; s = Settings(); print(json.dumps("
-        "[s.topics, s.kafka.group_id, s.kafka.client_id, s.redis.key_prefix]))",
+        "import json; from service.engine.settings import Settings; s = Settings(); "
+        "print(json.dumps([s.topics, s.kafka.group_id, s.kafka.client_id, s.redis.key_prefix]))",
     )
     assert settings.returncode == 0, settings.stderr
     assert json.loads(settings.stdout) == [
@@ -266,7 +266,7 @@ def test_scaffolded_handler_passes_in_a_generated_project(
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "8 passed" in result.stdout
     bound = project_python(
-        project, "-c", "from service.settings import Settings; print(Settings().topics)"
+        project, "-c", "from service.engine.settings import Settings; print(Settings().topics)"
     )
     assert bound.stdout.strip() == str(
         {"orders_created": "orders.created", "chargebacks": "orders.chargebacks"}

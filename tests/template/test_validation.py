@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service import naming
+from service.engine import naming
 from tests.template.support import HOOKS, ROOT, load_module, repository_files, run_cookiecutter
 
 pre_gen = load_module(HOOKS / "pre_gen_project.py", "template_pre_gen")
@@ -97,7 +97,7 @@ NAMES = st.text(alphabet=st.sampled_from("abcXYZ019._-:/ {}\n"), max_size=70) | 
 @settings(max_examples=400, deadline=None)
 @given(value=NAMES)
 def test_hook_rules_are_the_settings_rules(value: str) -> None:
-    """The pre-generation hook cannot import service/naming.py under cruft; same verdicts."""
+    """The pre-generation hook cannot import service/engine/naming.py under cruft; same verdicts."""
 
     def accepts(check: object) -> bool:
         try:

@@ -3,8 +3,8 @@ dispatch): none in its reserved namespace, the fault header only with fault inje
 
 from __future__ import annotations
 
-from service.faults import HEADER as FAULT_HEADER
-from service.records import REDRIVE_HEADER, clean_headers, redrive_of
+from service.engine.faults import HEADER as FAULT_HEADER
+from service.engine.records import REDRIVE_HEADER, clean_headers, redrive_of
 
 FORGED = [
     ("x-dlq-reason", b"permanent"),

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from service.engine.processing import DecodeFailure, decode
+from service.engine.records import Delivery
 from service.handlers.payments import PaymentSucceeded, grant_purchase
-from service.processing import DecodeFailure, decode
-from service.records import Delivery
 
 # Values that must never appear in an error text (they could be personal data).
 USER = "user_SENSITIVE_4242"
@@ -172,7 +172,7 @@ PINNED_FINGERPRINTS = [
 def test_fingerprint_is_pinned_so_an_upgrade_keeps_redeliveries_duplicates(
     changes: dict[str, Any], canonical: bytes, pinned: str
 ) -> None:
-    from service.idempotency import fingerprint
+    from service.engine.idempotency import fingerprint
 
     model = decode(grant_purchase, delivery(encode(payment(**changes))), 1_048_576)
     assert isinstance(model, PaymentSucceeded)

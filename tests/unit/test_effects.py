@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from service import redis_scripts
-from service.context import EFFECT_COMMANDS, MAX_EFFECT_ARGS, Effects, InvalidEffect
-from service.errors import PermanentError
+from service.engine import redis_scripts
+from service.engine.context import EFFECT_COMMANDS, MAX_EFFECT_ARGS, Effects, InvalidEffect
+from service.engine.errors import PermanentError
 
 INT64_MAX = 2**63 - 1
 

@@ -12,18 +12,18 @@ from dataclasses import dataclass, replace
 import fakeredis
 import pytest
 
-from service.idempotency import (
+from service.engine.idempotency import (
     ClaimRequest,
     ClaimStatus,
     ExtendRequest,
     ExtendStatus,
     Idempotency,
 )
-from service.keys import RedisKeys
-from service.records import Delivery
-from service.redis_client import RedisOps
-from service.retries import ParkRequest, ParkStatus, RetryQueue
-from service.settings import RedisSettings
+from service.engine.keys import RedisKeys
+from service.engine.records import Delivery
+from service.engine.redis_client import RedisOps
+from service.engine.retries import ParkRequest, ParkStatus, RetryQueue
+from service.engine.settings import RedisSettings
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from service.handler_pool import HandlerPool, PoolClosedError, Slot
+from service.engine.handler_pool import HandlerPool, PoolClosedError, Slot
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from service.errors import ConfigurationError
-from service.observability import HealthState
-from service.settings import load_settings
-from service.topic_check import TopicDurability, effective_mode
+from service.engine.errors import ConfigurationError
+from service.engine.observability import HealthState
+from service.engine.settings import load_settings
+from service.engine.topic_check import TopicDurability, effective_mode
 
 
 def _connected(**fields: object) -> HealthState:

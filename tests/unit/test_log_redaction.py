@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from service.observability import configure_logging
+from service.engine.observability import configure_logging
 
 CARD = "4111 1111 1111 1111"
 EMAIL = "jane.doe@example.com"
@@ -30,7 +30,7 @@ def test_logged_tracebacks_redact_cards_and_emails(
         try:
             raise ValueError(f"charge of card {CARD} for {EMAIL} failed")
         except ValueError:
-            logging.getLogger("service.processing").exception("record failed unexpectedly")
+            logging.getLogger("service.engine.processing").exception("record failed unexpectedly")
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)

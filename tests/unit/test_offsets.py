@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from service.offsets import OffsetTracker, PartitionProgress
+from service.engine.offsets import OffsetTracker, PartitionProgress
 
 
 @st.composite

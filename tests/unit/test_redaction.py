@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.errors import PermanentError, RetryableError
-from service.redaction import (
+from service.engine.errors import PermanentError, RetryableError
+from service.engine.redaction import (
     CARD,
     EMAIL,
     MAX_ERROR_BYTES,

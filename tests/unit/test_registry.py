@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from service.context import Context
-from service.errors import ConfigurationError, PermanentError, RetryableError
+from service.engine.context import Context
+from service.engine.errors import ConfigurationError, PermanentError, RetryableError
+from service.engine.keys import ENGINE_NAMESPACES
+from service.engine.registry import Handler, Registry, discover, handler
 from service.handlers.payments import PaymentSucceeded, UnsupportedCurrency, grant_purchase
-from service.keys import ENGINE_NAMESPACES
-from service.registry import Handler, Registry, discover, handler
 
 
 class Thing(BaseModel):

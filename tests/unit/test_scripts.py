@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 import fakeredis
 import pytest
 
-from service.context import Effects
-from service.idempotency import (
+from service.engine.context import Effects
+from service.engine.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
@@ -19,11 +19,11 @@ from service.idempotency import (
     Idempotency,
     RedriveTicket,
 )
-from service.keys import RedisKeys
-from service.records import Delivery
-from service.redis_client import RedisOps
-from service.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms
-from service.settings import RedisSettings, RetrySettings
+from service.engine.keys import RedisKeys
+from service.engine.records import Delivery
+from service.engine.redis_client import RedisOps
+from service.engine.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms
+from service.engine.settings import RedisSettings, RetrySettings
 
 PREFIX = "unit"
 STREAM = f"{PREFIX}:ledger:purchases"

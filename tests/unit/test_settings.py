@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from service import project
-from service.errors import ConfigurationError
-from service.settings import Settings, describe_validation_error, load_settings
+from service.engine.errors import ConfigurationError
+from service.engine.settings import Settings, describe_validation_error, load_settings
 
 SECRET = "hunter2-secret"
 

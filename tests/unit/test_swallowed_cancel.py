@@ -19,10 +19,10 @@ import pytest
 from aiokafka.errors import KafkaConnectionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from service.publisher import Publisher
-from service.records import Delivery
-from service.redis_client import RedisOps
-from service.settings import RedisSettings
+from service.engine.publisher import Publisher
+from service.engine.records import Delivery
+from service.engine.redis_client import RedisOps
+from service.engine.settings import RedisSettings
 
 DEADLINE_S = 10.0
 

@@ -14,8 +14,8 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service import project
-from service.naming import HANDLER_NAME, KEY_PREFIX, TOPIC_NAME
-from service.naming import check_topic as _check_topic
+from service.engine.naming import HANDLER_NAME, KEY_PREFIX, TOPIC_NAME
+from service.engine.naming import check_topic as _check_topic
 
 
 def _secret_text(value: str | SecretStr | None) -> str:
@@ -109,7 +109,7 @@ class RedisSettings(BaseModel):
         raw = value.get_secret_value()
         if not raw.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
-        from service.redis_client import url_problem  # it imports this module
+        from service.engine.redis_client import url_problem  # it imports this module
 
         problem = url_problem(raw)
         if problem is not None:
@@ -383,7 +383,7 @@ def load_settings(**overrides: object) -> Settings:
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
-    from service.errors import ConfigurationError
+    from service.engine.errors import ConfigurationError
 
     try:
         return Settings(**overrides)  # type: ignore[arg-type]

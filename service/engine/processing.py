@@ -35,10 +35,10 @@ from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 
-from service import faults
-from service.context import Context, Effects
-from service.handler_pool import HandlerPool, Slot
-from service.idempotency import (
+from service.engine import faults
+from service.engine.context import Context, Effects
+from service.engine.handler_pool import HandlerPool, Slot
+from service.engine.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
@@ -50,24 +50,24 @@ from service.idempotency import (
     RedriveTicket,
     fingerprint,
 )
-from service.kafka_client import make_producer
-from service.keys import RedisKeys
-from service.metrics import Metrics
-from service.publisher import Publisher, encode_outcome
-from service.records import REDRIVE_HEADER as REDRIVE_HEADER  # where redrive finds it
-from service.records import (
+from service.engine.kafka_client import make_producer
+from service.engine.keys import RedisKeys
+from service.engine.metrics import Metrics
+from service.engine.publisher import Publisher, encode_outcome
+from service.engine.records import REDRIVE_HEADER as REDRIVE_HEADER  # where redrive finds it
+from service.engine.records import (
     Delivery,
     Outcome,
     redrive_of,
     redrive_ticket_value,
     without_redrive,
 )
-from service.redaction import describe_error, record_text
-from service.redis_client import RedisOps, make_client
-from service.registry import Handler, Registry
-from service.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms, now_ms
-from service.settings import Settings
-from service.stalls import Stalls
+from service.engine.redaction import describe_error, record_text
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.registry import Handler, Registry
+from service.engine.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms, now_ms
+from service.engine.settings import Settings
+from service.engine.stalls import Stalls
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ hostile 1 MB id costs a 64-character key.
 
 The second component is the namespace. The engine's own are ``ENGINE_NAMESPACES``: no
 handler may be named like one (its idempotency keys would be ``{prefix}:idem:<name>:...``
-next to another's effects) or write an effect under one (``service.context.Effects``).
+next to another's effects) or write an effect under one (``service.engine.context.Effects``).
 Effect keys from data are built with :func:`effect_key`, which escapes ':' in each part,
 so an id such as ``"payments:=pP"`` stays one component of its own namespace.
 """

@@ -25,10 +25,10 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
-from service.context import Context
-from service.errors import ConfigurationError, PermanentError, RetryableError
-from service.keys import ENGINE_NAMESPACES
-from service.naming import check_handler_name
+from service.engine.context import Context
+from service.engine.errors import ConfigurationError, PermanentError, RetryableError
+from service.engine.keys import ENGINE_NAMESPACES
+from service.engine.naming import check_handler_name
 
 M = TypeVar("M", bound=BaseModel)
 # A handler is ``async def`` when it awaits I/O, or plain ``def`` when it only decides and

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from service.metrics import Metrics
+from service.engine.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

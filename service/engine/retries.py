@@ -24,11 +24,11 @@ from typing import Any
 import orjson
 from redis.commands.core import AsyncScript
 
-from service import redis_scripts
-from service.keys import RedisKeys
-from service.records import Delivery
-from service.redis_client import RedisOps, reply_text
-from service.settings import RetrySettings
+from service.engine import redis_scripts
+from service.engine.keys import RedisKeys
+from service.engine.records import Delivery
+from service.engine.redis_client import RedisOps, reply_text
+from service.engine.settings import RetrySettings
 
 log = logging.getLogger(__name__)
 

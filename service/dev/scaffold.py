@@ -10,7 +10,7 @@ the binding survives ``cruft update``; docs/template.md explains.
 
 The template's post-generation hook uses this module to write a project's first
 handler, in whatever interpreter runs cookiecutter: so the logic below needs only the
-standard library and :mod:`service.naming`, and typer only for the command itself.
+standard library and :mod:`service.engine.naming`, and typer only for the command itself.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 from string import Template
 from typing import Annotated
 
-from service.keys import ENGINE_NAMESPACES
-from service.naming import check_handler_name, check_topic
+from service.engine.keys import ENGINE_NAMESPACES
+from service.engine.naming import check_handler_name, check_topic
 
 try:  # the command needs typer; the template's hook imports this module without it
     import typer
@@ -261,14 +261,13 @@ import pytest
 from fakeredis import FakeAsyncRedis
 from pydantic import ValidationError
 
-from service import project
-from service.context import Context, Effects
+from service import Context, Effects, project
+from service.engine.registry import Registry, discover
 from service.handlers.$name import (
     NAMESPACE,
     $model,
     handle_$name,
 )
-from service.registry import Registry, discover
 
 HANDLER = handle_$name
 MODEL = $model

@@ -11,7 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.helpers import create_ssl_context
 
-from service.settings import KafkaSettings
+from service.engine.settings import KafkaSettings
 
 
 def connection_kwargs(kafka: KafkaSettings) -> dict[str, Any]:

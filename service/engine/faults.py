@@ -10,8 +10,8 @@ failures without touching the handler's code:
 
 from __future__ import annotations
 
-from service.context import Context
-from service.errors import PermanentError, RetryableError
+from service.engine.context import Context
+from service.engine.errors import PermanentError, RetryableError
 
 HEADER = "x-fault"
 # Logged when an injected hang begins, so a test can act while the handler is running.

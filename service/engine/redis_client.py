@@ -37,10 +37,10 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service.errors import ConfigurationError
-from service.retrying import until_done
-from service.settings import RedisSettings
-from service.stalls import Stalls
+from service.engine.errors import ConfigurationError
+from service.engine.retrying import until_done
+from service.engine.settings import RedisSettings
+from service.engine.stalls import Stalls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,7 +53,7 @@ class DurabilityError(Exception):
 class RedisRefused(Exception):
     """Redis refused work for a reason of its own (memory, permissions, configuration).
 
-    Not the record's fault: the call is held and retried (loudly, see service/stalls.py),
+    Not the record's fault: the call is held and retried (loudly, see service/engine/stalls.py),
     never turned into a retry or a dead letter of the record.
     """
 
@@ -269,7 +269,7 @@ class RedisOps:
         have seen the write) is ``fn`` re-sent there, then waited for again: otherwise that
         server's WAIT would vouch for a write it does not hold.
 
-        Re-sending is safe for every durable script (service/redis_scripts.py), whether the
+        Re-sending is safe for every durable script (service/engine/redis_scripts.py), whether the
         new server has the first write or not: FINISH re-run with the same token finds its
         own done-marker and answers ``ok`` without applying the effects again (or, had
         another delivery completed the key there meanwhile, ``done``: one grant either way);

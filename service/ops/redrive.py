@@ -41,13 +41,13 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from service.audit import high_watermarks
-from service.kafka_client import connection_kwargs, make_producer
-from service.keys import RedisKeys
-from service.publisher import KEY_SUBSTITUTED_HEADER
-from service.records import REDRIVE_HEADER, RESERVED_PREFIXES, redrive_ticket_value
-from service.redis_client import RedisOps, make_client
-from service.settings import Settings
+from service.engine.kafka_client import connection_kwargs, make_producer
+from service.engine.keys import RedisKeys
+from service.engine.publisher import KEY_SUBSTITUTED_HEADER
+from service.engine.records import REDRIVE_HEADER, RESERVED_PREFIXES, redrive_ticket_value
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.settings import Settings
+from service.ops.audit import high_watermarks
 
 log = logging.getLogger(__name__)
 

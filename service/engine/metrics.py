@@ -55,7 +55,7 @@ class Metrics:
         self.in_flight = Gauge("worker_inflight_records", "Records being processed", registry=r)
         self.stalled = Gauge(
             "worker_stalled",
-            "1 while progress is held back by a cause outside the records (service/stalls.py)",
+            "1 while progress is held back by a cause outside the records (engine/stalls.py)",
             ["cause"],
             registry=r,
         )

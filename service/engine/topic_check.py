@@ -17,9 +17,9 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from service.errors import ConfigurationError
-from service.kafka_client import connection_kwargs
-from service.settings import Settings
+from service.engine.errors import ConfigurationError
+from service.engine.kafka_client import connection_kwargs
+from service.engine.settings import Settings
 
 MIN_INSYNC = "min.insync.replicas"
 UNKNOWN_TOPIC_OR_PARTITION = 3

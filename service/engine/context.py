@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from service.errors import PermanentError
-from service.keys import ENGINE_NAMESPACES, effect_key
+from service.engine.errors import PermanentError
+from service.engine.keys import ENGINE_NAMESPACES, effect_key
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -152,7 +152,7 @@ def _check_set_value(name: str, rest: tuple[EffectArg, ...]) -> None:
 
 
 # The write commands an effect may be, and what each needs after its key. The finish
-# script (service/redis_scripts.py, EFFECTS) allows the same set and re-checks against the
+# script (service/engine/redis_scripts.py, EFFECTS) allows the same set and re-checks against the
 # data (key types, counters, overflow) before it applies any effect of a record.
 EFFECT_COMMANDS: dict[str, Callable[[str, tuple[EffectArg, ...]], None]] = {
     "XADD": lambda _, rest: _check_xadd(rest),

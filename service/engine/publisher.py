@@ -41,10 +41,10 @@ from aiokafka.errors import (
 )
 from aiokafka.protocol.metadata import MetadataRequest
 
-from service.records import Delivery, Outcome
-from service.redaction import record_text
-from service.retrying import until_done
-from service.stalls import Stalls
+from service.engine.records import Delivery, Outcome
+from service.engine.redaction import record_text
+from service.engine.retrying import until_done
+from service.engine.stalls import Stalls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,7 +57,7 @@ ORIGINAL_BYTES_HEADER = "x-dlq-original-bytes"
 # (a redrive sends it keyless; with a null value and no x-dlq-dropped, it is a tombstone),
 # "dropped" when the key was left out for size (see x-dlq-dropped).
 KEY_SUBSTITUTED_HEADER = "x-dlq-key-substituted"
-# Stall causes (service/stalls.py) while a topic refuses our writes.
+# Stall causes (service/engine/stalls.py) while a topic refuses our writes.
 DEAD_LETTER_UNWRITABLE = "dead_letter_unwritable"
 OUTCOMES_UNWRITABLE = "outcomes_unwritable"
 _TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError)
@@ -238,7 +238,7 @@ class Publisher:
         which a keyless tombstone and every last tier would be: such a dead letter is keyed
         by its source coordinates and marked with ``x-dlq-key-substituted``.
         """
-        # Redacted and cut on a character boundary, whoever wrote it (service/redaction.py).
+        # Redacted and cut on a character boundary, whoever wrote it (service/engine/redaction.py).
         detail = record_text(error, MAX_ERROR_BYTES).encode()
         ours = [
             ("x-dlq-reason", reason.encode()),

@@ -28,10 +28,10 @@ import orjson
 from pydantic import BaseModel
 from redis.commands.core import AsyncScript
 
-from service import redis_scripts
-from service.context import EffectArg
-from service.keys import RedisKeys
-from service.redis_client import RedisOps, RedisRefused, is_refusal, reply_text
+from service.engine import redis_scripts
+from service.engine.context import EffectArg
+from service.engine.keys import RedisKeys
+from service.engine.redis_client import RedisOps, RedisRefused, is_refusal, reply_text
 
 R = TypeVar("R")
 

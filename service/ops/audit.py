@@ -18,9 +18,9 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from service.kafka_client import connection_kwargs
-from service.keys import RedisKeys
-from service.settings import KafkaSettings
+from service.engine.kafka_client import connection_kwargs
+from service.engine.keys import RedisKeys
+from service.engine.settings import KafkaSettings
 
 
 @dataclass(frozen=True)

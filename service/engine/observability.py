@@ -25,10 +25,10 @@ from wsgiref.simple_server import WSGIRequestHandler
 from prometheus_client import make_wsgi_app
 from pythonjsonlogger.json import JsonFormatter
 
-from service.errors import ConfigurationError
-from service.metrics import Metrics
-from service.redaction import redact
-from service.stalls import Stalls
+from service.engine.errors import ConfigurationError
+from service.engine.metrics import Metrics
+from service.engine.redaction import redact
+from service.engine.stalls import Stalls
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 log = logging.getLogger(__name__)

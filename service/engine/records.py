@@ -10,7 +10,7 @@ header) mean something to the worker, its tools and its readers, so a producer m
 be able to send them: ``clean_headers`` drops them where a ``Delivery`` is built from a
 Kafka record, before anything reads or copies them. The one exception is a single
 ``x-redrive-of``, kept for the processor to check against the redrive's ticket in Redis
-(see ``service.redrive``); without a valid ticket it is dropped too.
+(see ``service.ops.redrive``); without a valid ticket it is dropped too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from service.faults import HEADER as FAULT_HEADER
+from service.engine.faults import HEADER as FAULT_HEADER
 
 # Set by ``service dlq redrive`` on what it sends back: the dead letter's coordinates.
 REDRIVE_HEADER = "x-redrive-of"

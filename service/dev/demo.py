@@ -19,11 +19,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from service import audit, sample
-from service.devstack import DevStack, create_topics, free_port
-from service.kafka_client import connection_kwargs
-from service.settings import Settings
-from service.worker import Worker
+from service.dev import sample
+from service.dev.devstack import DevStack, create_topics, free_port
+from service.engine.kafka_client import connection_kwargs
+from service.engine.settings import Settings
+from service.engine.worker import Worker
+from service.ops import audit
 
 OUTCOMES = ("succeeded", "retry_scheduled", "dead_lettered", "duplicate")
 

@@ -31,20 +31,20 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from service.kafka_client import make_consumer, make_producer
-from service.keys import RedisKeys
-from service.metrics import Metrics
-from service.observability import HealthState, HttpServer
-from service.offsets import OffsetTracker
-from service.processing import Processor
-from service.records import Delivery, clean_headers
-from service.redis_client import RedisOps, make_client
-from service.registry import Registry
-from service.retries import RetryQueue, RetryScheduler
-from service.runtime import tune_gc
-from service.settings import Settings
-from service.stalls import Stalls
-from service.topic_check import check_topic_durability
+from service.engine.kafka_client import make_consumer, make_producer
+from service.engine.keys import RedisKeys
+from service.engine.metrics import Metrics
+from service.engine.observability import HealthState, HttpServer
+from service.engine.offsets import OffsetTracker
+from service.engine.processing import Processor
+from service.engine.records import Delivery, clean_headers
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.registry import Registry
+from service.engine.retries import RetryQueue, RetryScheduler
+from service.engine.runtime import tune_gc
+from service.engine.settings import Settings
+from service.engine.stalls import Stalls
+from service.engine.topic_check import check_topic_durability
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
