@@ -32,7 +32,7 @@ import orjson
 
 from bench.bench_worker import Payment, sample_payment, trivial
 from service import Context
-from service.engine import redis_scripts
+from service.engine import lua_finish
 from service.engine.context import Effects
 from service.engine.idempotency import Idempotency, TokenSource
 from service.engine.keys import RedisKeys
@@ -60,7 +60,7 @@ class StandInScript:
 
 class StandInClient:
     def register_script(self, source: str) -> StandInScript:
-        return StandInScript(b"ok" if source == redis_scripts.FINISH else b"claimed")
+        return StandInScript(b"ok" if source == lua_finish.FINISH else b"claimed")
 
 
 class StandInOps:

@@ -152,7 +152,7 @@ def _check_set_value(name: str, rest: tuple[EffectArg, ...]) -> None:
 
 
 # The write commands an effect may be, and what each needs after its key. The finish
-# script (service/engine/redis_scripts.py, EFFECTS) allows the same set and re-checks against the
+# script (service/engine/lua_finish.py, EFFECTS) allows the same set and re-checks against the
 # data (key types, counters, overflow) before it applies any effect of a record.
 EFFECT_COMMANDS: dict[str, Callable[[str, tuple[EffectArg, ...]], None]] = {
     "XADD": lambda _, rest: _check_xadd(rest),

@@ -28,10 +28,11 @@ import orjson
 from pydantic import BaseModel
 from redis.commands.core import AsyncScript
 
-from service.engine import redis_scripts
+from service.engine import lua_claims, lua_finish
 from service.engine.context import EffectArg
 from service.engine.keys import RedisKeys
-from service.engine.redis_client import RedisOps, RedisRefused, is_refusal, reply_text
+from service.engine.redis_client import RedisOps, reply_text
+from service.engine.redis_errors import RedisRefused, is_refusal
 
 R = TypeVar("R")
 
@@ -144,11 +145,11 @@ class Idempotency:
         self._ttl_arg: EffectArg = "" if ttl_s is None else ttl_s
         self._lease_ms = lease_ms
         client = ops.client
-        self._claim_script: AsyncScript = client.register_script(redis_scripts.CLAIM)
-        self._finish_script: AsyncScript = client.register_script(redis_scripts.FINISH)
-        self._dead_script: AsyncScript = client.register_script(redis_scripts.MARK_DEAD)
-        self._release_script: AsyncScript = client.register_script(redis_scripts.RELEASE)
-        self._extend_script: AsyncScript = client.register_script(redis_scripts.EXTEND)
+        self._claim_script: AsyncScript = client.register_script(lua_claims.CLAIM)
+        self._finish_script: AsyncScript = client.register_script(lua_finish.FINISH)
+        self._dead_script: AsyncScript = client.register_script(lua_claims.MARK_DEAD)
+        self._release_script: AsyncScript = client.register_script(lua_claims.RELEASE)
+        self._extend_script: AsyncScript = client.register_script(lua_claims.EXTEND)
         self._max_batch = max_batch
         self.tokens = TokenSource()
 

@@ -18,7 +18,7 @@ import hashlib
 
 MAX_INLINE_KEY_BYTES = 160
 # Every namespace the engine writes, or may write, under the key prefix: idempotency
-# markers, the delay queue, the durability fence (redis_client.fence_key), redrive state.
+# markers, the delay queue, the durability fence (redis_durability.fence_key), redrive state.
 # A key the engine adds must live under one of these (tests/security/test_keys.py checks).
 ENGINE_NAMESPACES = frozenset(
     {"idem", "retry", "durability", "redrive", "dlq", "engine", "worker", "ticket", "tickets"}

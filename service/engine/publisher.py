@@ -35,6 +35,8 @@ from aiokafka.errors import (
     KafkaError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
+    NotEnoughReplicasAfterAppendError,
+    NotEnoughReplicasError,
     RecordTooLargeError,
     UnknownTopicOrPartitionError,
     for_code,
@@ -61,6 +63,9 @@ KEY_SUBSTITUTED_HEADER = "x-dlq-key-substituted"
 DEAD_LETTER_UNWRITABLE = "dead_letter_unwritable"
 OUTCOMES_UNWRITABLE = "outcomes_unwritable"
 _TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError)
+# Fewer in-sync replicas than the topic's min.insync.replicas: aiokafka retries it inside
+# the producer for request_timeout_ms, then raises it; only brokers coming back end it.
+_UNDER_REPLICATED = (NotEnoughReplicasError, NotEnoughReplicasAfterAppendError)
 WORKER_ID = f"{socket.gethostname()}-{os.getpid()}"
 
 
@@ -78,14 +83,17 @@ def _retriable(exc: BaseException) -> bool:
 def _unwritable(exc: BaseException, *, size_is_ours: bool) -> bool:
     """The broker refuses the write for a reason the worker cannot fix: a stall.
 
-    A missing topic (retriable to aiokafka, but only an operator ends it), and any error
-    the broker answers that is not retriable: not authorised, invalid topic, and a size
-    limit, unless the caller answers that itself with a smaller record (``size_is_ours``).
+    A missing topic or too few in-sync replicas for ``acks=all`` (retriable to aiokafka,
+    but only an operator or returning brokers end them), and any error the broker answers
+    that is not retriable: not authorised, invalid topic, and a size limit, unless the
+    caller answers that itself with a smaller record (``size_is_ours``).
     Client-side errors (a closed producer, a bug) are not: they surface.
     """
     if isinstance(exc, _TOO_LARGE):
         return not size_is_ours
     if isinstance(exc, UnknownTopicOrPartitionError):
+        return True
+    if isinstance(exc, _UNDER_REPLICATED):
         return True
     return isinstance(exc, BrokerResponseError) and not _retriable(exc)
 

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 from redis.commands.core import AsyncScript
 
-from service.engine import redis_scripts
+from service.engine import lua_delay_queue
 from service.engine.keys import RedisKeys
 from service.engine.records import Delivery
 from service.engine.redis_client import RedisOps, reply_text
@@ -67,9 +67,9 @@ class RetryQueue:
         self._ops = ops
         self._keys = keys
         client = ops.client
-        self._park_script: AsyncScript = client.register_script(redis_scripts.PARK)
-        self._claim_script: AsyncScript = client.register_script(redis_scripts.CLAIM_DUE)
-        self._reap_script: AsyncScript = client.register_script(redis_scripts.REAP)
+        self._park_script: AsyncScript = client.register_script(lua_delay_queue.PARK)
+        self._claim_script: AsyncScript = client.register_script(lua_delay_queue.CLAIM_DUE)
+        self._reap_script: AsyncScript = client.register_script(lua_delay_queue.REAP)
         self._max_batch = max_batch
 
     async def park(self, request: ParkRequest) -> ParkStatus:

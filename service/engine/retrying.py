@@ -40,12 +40,16 @@ async def until_done(
     on_failure: Callable[[BaseException, int], None],
     first_wait_s: float,
     max_wait_s: float,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> T:
     """``await fn()`` until it succeeds, raises a non-transient error, or must stop.
 
     ``on_failure(exc, attempt)`` hears of every transient failure that will be retried,
     with the number of the attempt that failed (1 for the first). When stopping, the last
-    error is raised; when the task's cancel was swallowed, CancelledError is.
+    error is raised; when the task's cancel was swallowed, CancelledError is. The first
+    failure is retried at once, the k-th after a random wait of up to
+    ``first_wait_s * 2**(k-2)``, at most ``max_wait_s`` (``longest_wait_s`` adds them up);
+    ``sleep`` takes those waits (a test's clock may stand in).
     """
     try:  # the common case costs no retry machinery
         return await fn()
@@ -71,6 +75,7 @@ async def until_done(
             stop=stop,
             before_sleep=before_sleep,
             reraise=True,
+            sleep=sleep,
         ):
             with attempt:
                 return await fn()
@@ -79,3 +84,12 @@ async def until_done(
             raise asyncio.CancelledError("cancelled while retrying a failing call") from exc
         raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def longest_wait_s(failures: int, *, first_wait_s: float, max_wait_s: float) -> float:
+    """The most ``until_done`` waits in all after ``failures`` failed tries: its ceiling.
+
+    Callers that must outlast a retry loop (a test holding Redis away past the point a
+    record would have been dead-lettered) derive the time from here, not from a copy.
+    """
+    return sum(min(max_wait_s, first_wait_s * 2.0 ** (k - 2)) for k in range(2, failures + 1))

@@ -109,7 +109,7 @@ class RedisSettings(BaseModel):
         raw = value.get_secret_value()
         if not raw.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
-        from service.engine.redis_client import url_problem  # it imports this module
+        from service.engine.redis_url import url_problem  # it imports this module
 
         problem = url_problem(raw)
         if problem is not None:

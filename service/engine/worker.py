@@ -1,21 +1,18 @@
-"""The consumer loop: fetch, dispatch, pause/resume, rebalance, commit.
+"""The worker's lifecycle: start the parts, commit, rebalance, observe, shut down.
 
-Reading top to bottom: ``run`` starts the parts, then loops on ``getmany``. Each
-fetched record is tracked in ``OffsetTracker``; a partition's records go to a task
-per batch, which waits for an earlier batch of the partition only when their Kafka
-keys overlap (per-key order). A finished batch marks its offsets done; the commit
-task commits each partition's contiguous watermark on an interval or after enough
-completions. When in-flight limits are reached the loop waits for room, pauses
-partitions only when starved, and keeps polling, so the group never evicts us for a
-missed poll. On revoke: stop dispatching, give in-flight records a bounded
-time, commit what is done, drop the partition's state (its epoch ends, so late
-completions are ignored). On shutdown the same, for everything.
+Reading top to bottom: ``run`` starts the parts (start-up waits in startup.py), then the
+intake (intake.py) loops on ``getmany`` and dispatches batches. A finished batch marks its
+offsets done; the commit task commits each partition's contiguous watermark on an
+interval or after enough completions. On revoke: stop dispatching, give in-flight
+records a bounded time, commit what is done, drop the partition's state (its epoch ends,
+so late completions are ignored). On shutdown the same, for everything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -23,35 +20,29 @@ from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-from aiokafka.structs import ConsumerRecord, OffsetAndMetadata, TopicPartition
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    wait_random_exponential,
-)
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from service.engine.group_check import GROUP_JOIN_REFUSED, check_session_timeout
+from service.engine.intake import Intake
 from service.engine.kafka_client import make_consumer, make_producer
 from service.engine.keys import RedisKeys
 from service.engine.metrics import Metrics
 from service.engine.observability import HealthState, HttpServer
 from service.engine.offsets import OffsetTracker
 from service.engine.processing import Processor
-from service.engine.records import Delivery, clean_headers
+from service.engine.records import Delivery
 from service.engine.redis_client import RedisOps, make_client
+from service.engine.redis_persistence import check_persistence
 from service.engine.registry import Registry
 from service.engine.retries import RetryQueue, RetryScheduler
 from service.engine.runtime import tune_gc
 from service.engine.settings import Settings
 from service.engine.stalls import Stalls
+from service.engine.startup import StoppedWhileStarting, unless_stopped, until_answered
 from service.engine.topic_check import check_topic_durability
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-POLL_TIMEOUT_MS = 200
-PAUSED_POLL_TIMEOUT_MS = 20
-CAPACITY_WAIT_S = 1.0
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -88,20 +79,9 @@ class Worker:
         self.tracker: OffsetTracker[TopicPartition] = OffsetTracker()
         self._stop = asyncio.Event()
         self._commit_now = asyncio.Event()
-        self._capacity_freed = asyncio.Event()
         self._commit_lock = asyncio.Lock()
-        self._tasks: dict[TopicPartition, set[asyncio.Task[None]]] = {}
-        # Per partition, the running batches and the Kafka keys each holds (for ordering).
-        self._batches: dict[TopicPartition, list[tuple[asyncio.Task[None], frozenset[bytes]]]] = {}
-        self._revoking: set[TopicPartition] = set()
-        self._paused: set[TopicPartition] = set()
-        self._in_flight = 0
-        # Bytes of those records (key + value + headers), bounded by max_in_flight_bytes, and
-        # the largest record of the last fetch: how many more may be asked for.
-        self._in_flight_bytes = 0
-        self._size_hint = settings.kafka.max_partition_fetch_bytes
-        self._starved = False  # no room freed up during a whole capacity wait
         self._completed_since_commit = 0
+        self.intake = Intake(settings, self.tracker, self.health, self._stop, self._completed)
         self._background: list[asyncio.Task[Any]] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
@@ -123,7 +103,7 @@ class Worker:
         try:
             try:
                 await self._start()
-            except _StoppedWhileStarting as stopped:
+            except StoppedWhileStarting as stopped:
                 log.info(
                     f"stop requested while starting ({stopped}); exiting without having started",
                     extra={"waiting_for": str(stopped)},
@@ -132,7 +112,8 @@ class Worker:
             if self.settings.tune_gc:
                 tune_gc()
             if self.consume:
-                await self._poll_loop()
+                assert self._consumer is not None
+                await self.intake.run(self._consumer, self._process)
             else:
                 await self._stop.wait()
         finally:
@@ -156,16 +137,17 @@ class Worker:
             self.redis, s.redis, on_error=lambda _: self._redis_failed(), stalls=self.stalls
         )
         checked = await self._unless_stopped(
-            self.ops.call(self.ops.check_persistence), "waiting for Redis"
+            self.ops.call(functools.partial(check_persistence, self.redis, s.redis)),
+            "waiting for Redis",
         )
         for warning in checked:
             log.warning(warning)
         self.health.redis_ok = True
         self._producer = make_producer(s.kafka)
         await self._unless_stopped(
-            _until_answered(self._producer.start, self._stop), "waiting for the Kafka producer"
+            until_answered(self._producer.start, self._stop), "waiting for the Kafka producer"
         )
-        durability = _until_answered(lambda: check_topic_durability(s), self._stop)
+        durability = until_answered(lambda: check_topic_durability(s), self._stop)
         for warning in await self._unless_stopped(durability, "checking the Kafka topics"):
             log.warning(warning)
         self.processor = Processor.build(
@@ -177,9 +159,11 @@ class Worker:
             stalls=self.stalls,
         )
         if self.consume:
+            session = until_answered(lambda: check_session_timeout(s), self._stop)
+            await self._unless_stopped(session, "checking the group's session timeout")
             self._consumer = make_consumer(s.kafka)
             await self._unless_stopped(
-                _until_answered(self._consumer.start, self._stop), "waiting for the Kafka consumer"
+                until_answered(self._consumer.start, self._stop), "waiting for the Kafka consumer"
             )
             self._consumer.subscribe(self.registry.topics, listener=_Rebalance(self))
             self._watch(asyncio.create_task(self._commit_loop(), name="commits"))
@@ -203,185 +187,17 @@ class Worker:
             extra={"topics": self.registry.topics, "group": s.kafka.group_id},
         )
 
-    async def _unless_stopped(self, step: Awaitable[T], waiting_for: str) -> T:
-        """``await step``, unless a stop is requested first: then it is cancelled.
+    def _unless_stopped(self, step: Awaitable[T], waiting_for: str) -> Awaitable[T]:
+        return unless_stopped(step, self._stop, waiting_for)
 
-        Start-up steps retry until Redis or Kafka answers, which may be never; the retry
-        loops underneath only stop at shutdown, so SIGTERM must end the wait from here.
-        """
-        task = asyncio.ensure_future(step)
-        stopping = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            abandoned = not task.done()
-            if abandoned:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        if abandoned:
-            raise _StoppedWhileStarting(waiting_for)
-        return task.result()
+    def _process(self, deliveries: list[Delivery], give_up: Callable[[], bool]) -> Awaitable[bool]:
+        return self.processor.process_reliably(deliveries, give_up=give_up)
 
-    async def _poll_loop(self) -> None:
-        assert self._consumer is not None
-        consumer = self._consumer
-        stopping = asyncio.ensure_future(self._stop.wait())
-        try:
-            await self._poll(consumer, stopping)
-        finally:
-            stopping.cancel()
-
-    async def _poll(self, consumer: AIOKafkaConsumer, stopping: asyncio.Future[Any]) -> None:
-        while not self._stop.is_set():
-            capacity = self._room()
-            if capacity <= 0:
-                # Wait for room rather than pausing: aiokafka drops a paused partition's
-                # prefetched records, so pausing at every full moment would refetch them.
-                # Only when no room frees up for a while are all partitions paused, and
-                # getmany keeps being called so the group never sees a missed poll.
-                self._capacity_freed.clear()
-                try:
-                    await asyncio.wait_for(self._capacity_freed.wait(), CAPACITY_WAIT_S)
-                    self._starved = False
-                except TimeoutError:
-                    self._starved = True
-                capacity = self._room()
-                if capacity <= 0:
-                    self._apply_backpressure()  # paused before the fetch: nothing more comes
-            timeout = PAUSED_POLL_TIMEOUT_MS if self._paused else POLL_TIMEOUT_MS
-            fetch = asyncio.ensure_future(
-                consumer.getmany(timeout_ms=timeout, max_records=max(1, capacity))
-            )
-            # During a rebalance aiokafka's getmany waits for the new assignment with no
-            # timeout; racing it against the stop event lets SIGTERM act at once. Nothing is
-            # lost by cancelling: records are only consumed once getmany returns them.
-            await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not fetch.done():
-                fetch.cancel()
-                with contextlib.suppress(asyncio.CancelledError, KafkaError):
-                    await fetch
-                break
-            try:
-                batches = fetch.result()
-            except KafkaError as exc:
-                self.health.kafka_ok = False
-                log.warning("fetch failed", extra={"error": repr(exc)})
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), 1.0)
-                continue
-            self.health.kafka_ok = True
-            self.health.last_poll = self.health.clock()
-            if batches:
-                self._size_hint = max(_size(r) for records in batches.values() for r in records)
-            for tp, records in batches.items():
-                epoch = self.tracker.epoch(tp)
-                if epoch is None or tp in self._revoking:
-                    continue  # fetched before a revoke: the next owner reads it again
-                fresh = self.tracker.fetched_many(tp, epoch, records)
-                size = self.settings.max_batch_records
-                for i in range(0, len(fresh), size):
-                    self._dispatch(tp, epoch, fresh[i : i + size])
-            self._apply_backpressure()
-
-    def _room(self) -> int:
-        """How many more records may be fetched: under the count and the byte budget.
-
-        By bytes, as many records as fit if each is as large as the largest of the last
-        fetch; none while that would cross the budget, unless nothing is in flight (so a
-        record larger than the whole budget still goes through, alone).
-        """
-        room = self.settings.max_in_flight - self._in_flight
-        free = self.settings.max_in_flight_bytes - self._in_flight_bytes
-        if self._in_flight_bytes and free < self._size_hint:
-            return 0
-        return min(room, max(1, free // max(self._size_hint, 1)))
-
-    # --- dispatch ---
-
-    def _dispatch(
-        self, tp: TopicPartition, epoch: int, records: list[ConsumerRecord[Any, Any]]
-    ) -> None:
-        """Start one batch; it waits for earlier batches of the partition it must follow.
-
-        Headers in the worker's reserved namespace are dropped here, before anything reads
-        or copies them (a producer must not set a dead letter's reason or a redrive mark).
-        """
-        inject = self.settings.fault_injection
-        deliveries = [
-            Delivery(  # positional: this runs once per record
-                r.topic,
-                r.partition,
-                r.offset,
-                r.key,
-                r.value,
-                clean_headers(r.headers, fault_injection=inject) if r.headers else (),
-                r.timestamp,
-            )
-            for r in records
-        ]
-        ordering = self.settings.ordering
-        running = [(t, k) for t, k in self._batches.get(tp, ()) if not t.done()]
-        keys = frozenset(d.key for d in deliveries if d.key is not None)
-        if ordering == "partition":
-            before = [t for t, _ in running]
-        elif ordering == "key":
-            before = [t for t, k in running if not keys.isdisjoint(k)]
-        else:
-            before = []
-        nbytes = sum(_size(r) for r in records)
-        task = asyncio.create_task(self._handle(tp, epoch, deliveries, before, nbytes))
-        running.append((task, keys))
-        self._batches[tp] = running
-        self._tasks.setdefault(tp, set()).add(task)
-        self._in_flight += len(deliveries)
-        self._in_flight_bytes += nbytes
-
-    async def _handle(
-        self,
-        tp: TopicPartition,
-        epoch: int,
-        deliveries: list[Delivery],
-        before: list[asyncio.Task[None]],
-        nbytes: int,
-    ) -> None:
-        def give_up() -> bool:  # shutdown, or the partition moved on to another owner
-            return self._stop.is_set() or self.tracker.epoch(tp) != epoch
-
-        try:
-            if before:
-                await asyncio.wait(before)
-            finished = await self.processor.process_reliably(deliveries, give_up=give_up)
-            if not finished:  # left uncommitted: the next owner or run redelivers them
-                return
-            if not self.tracker.done_many(tp, epoch, [d.offset for d in deliveries]):
-                return  # the partition was revoked meanwhile: nothing to count
-            self._completed_since_commit += len(deliveries)
-            if self._completed_since_commit >= self.settings.commit_every_records:
-                self._commit_now.set()
-        finally:
-            self._in_flight -= len(deliveries)
-            self._in_flight_bytes -= nbytes
-            self._capacity_freed.set()
-            tasks = self._tasks.get(tp)
-            if tasks is not None:
-                tasks.discard(asyncio.current_task())
-
-    def _apply_backpressure(self) -> None:
-        """Pause what is over its limit, resume what is under; polling never stops."""
-        assert self._consumer is not None
-        assigned = set(self._consumer.assignment()) - self._revoking
-        if self._starved and self._room() <= 0:
-            want = assigned  # full for a whole wait: pause everything, keep polling
-        else:
-            limit = self.settings.max_in_flight_per_partition
-            want = {tp for tp in assigned if self.tracker.in_flight(tp) >= limit}
-        if pause := want - self._paused:
-            self._consumer.pause(*pause)
-        if resume := (self._paused - want) & assigned:
-            self._consumer.resume(*resume)
-        self._paused = want
+    def _completed(self, count: int) -> None:
+        """Records done: commit early once enough have completed since the last commit."""
+        self._completed_since_commit += count
+        if self._completed_since_commit >= self.settings.commit_every_records:
+            self._commit_now.set()
 
     # --- commits ---
 
@@ -422,8 +238,8 @@ class Worker:
         revoked &= set(self.tracker.partitions())
         if not revoked:
             return
-        self._revoking |= revoked
-        running = {t for tp in revoked for t in self._tasks.get(tp, ())}
+        self.intake.revoking |= revoked
+        running = self.intake.running(revoked)
         if running:
             _, abandoned = await asyncio.wait(running, timeout=self.settings.revoke_grace_s)
             if abandoned:
@@ -434,11 +250,8 @@ class Worker:
         await self.commit(revoked)
         for tp in revoked:
             self.tracker.revoke(tp)  # ends the epoch: late completions are ignored
-            self._batches.pop(tp, None)
-            self._tasks.pop(tp, None)
             self.metrics.forget_partition(tp.topic, tp.partition)
-        self._paused -= revoked
-        self._revoking -= revoked
+        self.intake.forget(revoked)
         self.health.assigned_partitions = len(self.tracker.partitions())
         log.info("partitions revoked", extra={"partitions": _names(revoked)})
 
@@ -447,6 +260,7 @@ class Worker:
             if self.tracker.epoch(tp) is None:
                 self.tracker.assign(tp)
         self.health.joined_group = True
+        self.stalls.clear(GROUP_JOIN_REFUSED)  # the group took us in
         self.health.assigned_partitions = len(self.tracker.partitions())
         log.info("partitions assigned", extra={"partitions": _names(assigned)})
 
@@ -490,7 +304,7 @@ class Worker:
         while not self._stop.is_set():
             if self._consumer is not None:
                 await self._observe_partitions(self._consumer)
-            self.metrics.in_flight.set(self._in_flight)
+            self.metrics.in_flight.set(self.intake.in_flight)
             try:
                 await asyncio.wait_for(self.redis.ping(), 2.0)
                 self.health.redis_ok = True
@@ -519,7 +333,7 @@ class Worker:
         grace = self.settings.shutdown_grace_s
         if self.scheduler is not None:
             self.scheduler.stop()
-        running = {t for tasks in self._tasks.values() for t in tasks}
+        running = self.intake.running()
         if running:
             _, pending = await asyncio.wait(running, timeout=grace)
             if pending:
@@ -566,41 +380,5 @@ class Worker:
             self.processor.stop_retrying()
 
 
-class _StoppedWhileStarting(Exception):
-    """A stop was requested before the worker had started; the text says what it awaited."""
-
-
-def _size(r: ConsumerRecord[Any, Any]) -> int:
-    """A record's bytes as the in-flight budget counts them: key, value and headers."""
-    size = len(r.key or b"") + len(r.value or b"")
-    if r.headers:
-        size += sum(len(k) + len(v or b"") for k, v in r.headers)
-    return size
-
-
 def _names(tps: Iterable[TopicPartition]) -> list[str]:
     return sorted(f"{tp.topic}[{tp.partition}]" for tp in tps)
-
-
-def _log_kafka_wait(state: RetryCallState) -> None:
-    """One warning per failed start-up attempt: a silent wait looks like a hang."""
-    error = state.outcome.exception() if state.outcome else None
-    log.warning(
-        "waiting for Kafka at start, retrying",
-        extra={"attempt": state.attempt_number, "error": repr(error)},
-    )
-
-
-async def _until_answered(call: Callable[[], Awaitable[T]], stop: asyncio.Event) -> T:
-    """``call()`` (a client's start, a metadata read) with backoff until the broker answers
-    or a stop is requested."""
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type((KafkaError, OSError)),
-        wait=wait_random_exponential(multiplier=0.2, max=5.0),
-        stop=lambda _: stop.is_set(),
-        before_sleep=_log_kafka_wait,
-        reraise=True,
-    ):
-        with attempt:
-            return await call()
-    raise AssertionError("unreachable: tenacity either returns or raises")

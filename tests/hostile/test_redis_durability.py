@@ -19,11 +19,14 @@ import redis
 import redis.asyncio as aioredis
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.engine.errors import ConfigurationError
 from service.engine.idempotency import FinishRequest, FinishStatus, Idempotency
 from service.engine.keys import RedisKeys
 from service.engine.redis_client import RedisOps, make_client
+from service.engine.redis_durability import fence_key
+from service.engine.redis_persistence import check_persistence
 from service.engine.settings import RedisSettings, Settings
 from service.engine.stalls import Stalls
 from service.engine.worker import Worker
@@ -43,7 +46,7 @@ Factory = Callable[..., RedisServer]
 
 
 def settings_for(
-    kafka: KafkaBroker, server: RedisServer, name: str, **redis_values: Any
+    kafka: Broker, server: RedisServer, name: str, **redis_values: Any
 ) -> Settings:
     # The suite's one broker cannot give the dead-letter and outcome topics the replication
     # the durable modes check for at start: warn about it, test the Redis side.
@@ -74,7 +77,7 @@ def redis_version(server: RedisServer) -> tuple[int, int]:
 
 
 async def test_refuses_to_start_when_redis_has_persistence_off(
-    kafka_broker: KafkaBroker, redis_server_factory: Factory, unique_name: str
+    kafka_broker: Broker, redis_server_factory: Factory, unique_name: str
 ) -> None:
     server = redis_server_factory("noaof", extra_config={"appendonly": "no"})
     settings = settings_for(kafka_broker, server, unique_name)
@@ -87,7 +90,7 @@ async def test_refuses_to_start_when_redis_has_persistence_off(
 
 
 async def test_warns_and_runs_when_persistence_is_not_required(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server_factory: Factory,
     unique_name: str,
     caplog: pytest.LogCaptureFixture,
@@ -109,14 +112,14 @@ async def test_warns_about_appendfsync_everysec(redis_server_factory: Factory) -
     server = redis_server_factory("everysec", extra_config={"appendfsync": "everysec"})
     client = make_client(RedisSettings(url=server.url))
     try:
-        warnings = await RedisOps(client, RedisSettings(url=server.url)).check_persistence()
+        warnings = await check_persistence(client, RedisSettings(url=server.url))
     finally:
         await client.aclose()
     assert len(warnings) == 1 and "appendfsync is 'everysec'" in warnings[0]
 
 
 async def test_wait_aof_needs_redis_7_2(
-    kafka_broker: KafkaBroker, redis_server_factory: Factory, unique_name: str
+    kafka_broker: Broker, redis_server_factory: Factory, unique_name: str
 ) -> None:
     server = redis_server_factory()
     settings = settings_for(kafka_broker, server, unique_name, durability="wait_aof")
@@ -124,7 +127,7 @@ async def test_wait_aof_needs_redis_7_2(
         client = make_client(settings.redis)
         try:
             ops = RedisOps(client, settings.redis)
-            await ops.check_persistence()
+            await check_persistence(ops.client, ops.settings)
             await ops.call(lambda: client.set(f"{unique_name}:k", "v"), durable=True)
         finally:
             await client.aclose()
@@ -145,7 +148,7 @@ async def test_wait_aof_refused_without_aof_even_if_persistence_not_required(
     client = make_client(redis_settings)
     try:
         with pytest.raises(ConfigurationError, match="wait_aof needs appendonly yes"):
-            await RedisOps(client, redis_settings).check_persistence()
+            await check_persistence(client, redis_settings)
     finally:
         await client.aclose()
 
@@ -168,7 +171,7 @@ def attach_replica(factory: Factory, primary: RedisServer) -> RedisServer:
 
 
 async def test_wait_replicas_holds_records_until_a_replica_acknowledges(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server_factory: Factory,
     unique_name: str,
     caplog: pytest.LogCaptureFixture,
@@ -201,7 +204,7 @@ async def test_wait_replicas_holds_records_until_a_replica_acknowledges(
 
 
 async def test_stop_while_waiting_for_replicas_leaves_records_uncommitted(
-    kafka_broker: KafkaBroker, redis_server_factory: Factory, unique_name: str
+    kafka_broker: Broker, redis_server_factory: Factory, unique_name: str
 ) -> None:
     primary = redis_server_factory("primary")
     settings = settings_for(
@@ -236,7 +239,7 @@ async def test_durable_call_returns_only_once_the_replica_has_the_write(
     ops = RedisOps(client, redis_settings)
     replica = aioredis.Redis(port=replica_server.port)
     try:
-        assert await ops.check_persistence() == []
+        assert await check_persistence(ops.client, ops.settings) == []
         for i in range(50):
             # Writes go through several pooled connections at once; each durable call's
             # fence + WAIT must still cover its own write.
@@ -248,7 +251,7 @@ async def test_durable_call_returns_only_once_the_replica_has_the_write(
             )
             values = await replica.mget([f"k:{i}:{j}" for j in range(4)])
             assert values == [b"v"] * 4, f"round {i}: replica lacks a write WAIT acknowledged"
-        assert int(await client.get(ops.fence_key) or 0) >= 200
+        assert int(await client.get(fence_key(ops.settings)) or 0) >= 200
     finally:
         await client.aclose()
         await replica.aclose()
@@ -260,7 +263,7 @@ async def test_durable_call_returns_only_once_the_replica_has_the_write(
 
 @pytest.mark.timeout(180)
 async def test_redis_crash_and_restart_loses_no_parked_retry(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """SIGKILL Redis (appendfsync always) while retries are parked and their offsets committed."""
     settings = make_settings(
@@ -332,7 +335,7 @@ async def test_redis_eviction_policy_that_evicts_markers_or_retries_is_refused_a
     client = make_client(redis_settings)
     try:
         with pytest.raises(ConfigurationError) as err:
-            await RedisOps(client, redis_settings).check_persistence()
+            await check_persistence(client, redis_settings)
     finally:
         await client.aclose()
     message = str(err.value)
@@ -359,7 +362,7 @@ async def test_redis_eviction_check_reads_info_when_config_is_forbidden(
         with pytest.raises(redis.exceptions.NoPermissionError):
             await client.config_get("maxmemory-policy")  # CONFIG really is forbidden
         with pytest.raises(ConfigurationError, match="maxmemory-policy is 'volatile-ttl'"):
-            await RedisOps(client, redis_settings).check_persistence()
+            await check_persistence(client, redis_settings)
     finally:
         await client.aclose()
 
@@ -378,7 +381,7 @@ async def test_redis_without_eviction_starts(
     redis_settings = RedisSettings(url=server.url)
     client = make_client(redis_settings)
     try:
-        assert await RedisOps(client, redis_settings).check_persistence() == []
+        assert await check_persistence(client, redis_settings) == []
     finally:
         await client.aclose()
 
@@ -524,7 +527,7 @@ def start_valkey(factory: Factory, name: str = "valkey", **config: str) -> Redis
 
 
 async def test_wait_aof_mode_runs_the_worker_on_a_server_with_waitaof(
-    kafka_broker: KafkaBroker, redis_server_factory: Factory, unique_name: str
+    kafka_broker: Broker, redis_server_factory: Factory, unique_name: str
 ) -> None:
     server = start_valkey(redis_server_factory)
     assert redis_version(server) >= (7, 2)
@@ -558,7 +561,7 @@ async def test_wait_aof_holds_writes_loudly_while_redis_has_aof_switched_off(
     ops = RedisOps(client, redis_settings, stalls=stalls, max_backoff_s=0.05)
     admin = redis.Redis(port=server.port)
     try:
-        assert await ops.check_persistence() == []
+        assert await check_persistence(ops.client, ops.settings) == []
         await ops.call(lambda: client.set("a", "1"), durable=True)
         admin.config_set("appendonly", "no")
         write = asyncio.create_task(ops.call(lambda: client.set("b", "2"), durable=True))

@@ -18,10 +18,17 @@ import redis
 import redis.asyncio as aioredis
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.engine.metrics import Metrics
-from service.engine.processing import INTERNAL_ATTEMPTS, INTERNAL_BACKOFF_MAX_S
-from service.engine.redis_client import RedisOps, RedisRefused, is_refusal, make_client
+from service.engine.processing import (
+    INTERNAL_ATTEMPTS,
+    INTERNAL_BACKOFF_MAX_S,
+    INTERNAL_FIRST_WAIT_S,
+)
+from service.engine.redis_client import RedisOps, make_client
+from service.engine.redis_errors import RedisRefused, is_refusal
+from service.engine.retrying import longest_wait_s
 from service.engine.settings import RedisSettings
 from service.engine.stalls import Stalls
 from service.engine.worker import Worker
@@ -38,8 +45,10 @@ from tests.integration.harness import (
 
 Factory = Callable[..., RedisServer]
 CAUSE = "redis_refused"
-# How long the one-by-one isolation path took to dead-letter a record as "internal".
-ISOLATION_S = sum(min(INTERNAL_BACKOFF_MAX_S, 0.25 * 2**f) for f in range(1, INTERNAL_ATTEMPTS))
+# The longest the one-by-one isolation path waits before dead-lettering a record "internal".
+ISOLATION_S = longest_wait_s(
+    INTERNAL_ATTEMPTS - 1, first_wait_s=INTERNAL_FIRST_WAIT_S, max_wait_s=INTERNAL_BACKOFF_MAX_S
+)
 
 
 def stalled_gauge(worker: Worker) -> float | None:
@@ -48,7 +57,7 @@ def stalled_gauge(worker: Worker) -> float | None:
 
 @pytest.mark.timeout(120)
 async def test_redis_oom_holds_records_loudly_instead_of_dead_lettering_them(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     settings = make_settings(
         kafka_broker.bootstrap, redis_server.url, unique_name, shutdown_grace_s=1.0

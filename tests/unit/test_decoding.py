@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from service.engine.processing import DecodeFailure, decode
+from service.engine.decoding import DecodeFailure, decode
 from service.engine.records import Delivery
 from service.handlers.payments import PaymentSucceeded, grant_purchase
 

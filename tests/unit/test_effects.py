@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from service.engine import redis_scripts
+from service.engine import lua_finish
 from service.engine.context import EFFECT_COMMANDS, MAX_EFFECT_ARGS, Effects, InvalidEffect
 from service.engine.errors import PermanentError
 
@@ -111,7 +111,7 @@ def test_valid_effects_are_queued(effect: tuple[str | int | float | bytes, ...])
 def test_python_and_the_finish_script_allow_the_same_commands() -> None:
     """The script re-checks what Effects checked; a command only one side knows would
     either be refused at commit time or applied without the script's data checks."""
-    table = redis_scripts.FINISH.split("local EFFECTS = {", 1)[1].split("}\n", 1)[0]
+    table = lua_finish.FINISH.split("local EFFECTS = {", 1)[1].split("}\n", 1)[0]
     in_lua = {name.upper() for name in re.findall(r"(\w+) = \{", table)}
     assert in_lua == set(EFFECT_COMMANDS)
-    assert f"local MAX_ARGS = {MAX_EFFECT_ARGS}" in redis_scripts.FINISH
+    assert f"local MAX_ARGS = {MAX_EFFECT_ARGS}" in lua_finish.FINISH

@@ -1,0 +1,356 @@
+"""The Processor's decisions: what becomes of each record, and making that durable.
+
+Stage by stage, one Redis or Kafka call per batch: vet redrive marks, route and decode,
+claim the dedupe keys, then (after the handlers ran, processing.py) finish the
+succeeded, park the retryable, dead-letter the rest, and emit one outcome event each.
+Failures of the record (bad payload, handler errors, conflicts) are decided here;
+failures of Redis or Kafka are retried beneath (``RedisOps``, ``Publisher``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+from service.engine.decoding import DecodeFailure, decode
+from service.engine.idempotency import (
+    ClaimRequest,
+    ClaimStatus,
+    DeadRequest,
+    FinishRequest,
+    FinishStatus,
+    Idempotency,
+    RedriveTicket,
+    fingerprint,
+)
+from service.engine.jobs import Fate, Job, log_fields
+from service.engine.keys import RedisKeys
+from service.engine.metrics import Metrics
+from service.engine.publisher import Publisher, encode_outcome
+from service.engine.records import (
+    REDRIVE_HEADER,
+    Delivery,
+    Outcome,
+    redrive_of,
+    redrive_ticket_value,
+    without_redrive,
+)
+from service.engine.redaction import describe_error, record_text
+from service.engine.registry import Registry
+from service.engine.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms, now_ms
+from service.engine.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Decisions:
+    """The stages of a batch that decide fates and write them to Redis and Kafka."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        idempotency: Idempotency,
+        retries: RetryQueue,
+        publisher: Publisher,
+        metrics: Metrics,
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._idem = idempotency
+        self._retries = retries
+        self._publisher = publisher
+        self._metrics = metrics
+        self._key_prefix = settings.redis.key_prefix
+
+    # --- stage 0: a redrive is one only with its ticket (one MGET, only when marked) ---
+
+    async def vet_redrives(self, deliveries: Sequence[Delivery]) -> Sequence[Delivery]:
+        """Drop ``x-redrive-of`` from fresh records the worker's redrive did not send.
+
+        Anyone may produce that header; only ``service dlq redrive`` writes the ticket it
+        names. Without one the record is exactly the record without the header. Retries
+        were vetted when fresh (their stored headers are the vetted ones).
+        """
+        marked: list[tuple[int, RedriveTicket | None]] = [
+            (i, self._ticket(d))
+            for i, d in enumerate(deliveries)
+            if d.headers and not d.is_retry and any(k == REDRIVE_HEADER for k, _ in d.headers)
+        ]
+        if not marked:
+            return deliveries
+        tickets = [t for _, t in marked if t is not None]
+        valid = iter(await self._idem.valid_tickets(tickets) if tickets else [])
+        out = list(deliveries)
+        for i, ticket in marked:
+            if ticket is None or not next(valid):
+                out[i] = replace(out[i], headers=without_redrive(out[i].headers))
+        return out
+
+    def _ticket(self, d: Delivery) -> RedriveTicket | None:
+        of = redrive_of(d.headers) if d.headers else None
+        if of is None:
+            return None
+        key = RedisKeys(self._key_prefix).redrive_ticket(of)
+        return RedriveTicket(key, redrive_ticket_value(d.topic, d.value))
+
+    # --- stage 1: route and decode (no I/O) ---
+
+    def prepare(self, d: Delivery) -> Job:
+        job = Job(delivery=d)
+        handler = self._registry.for_topic(d.topic)
+        if handler is None:
+            job.dead_letter("unroutable", f"no handler for topic {d.topic!r}")
+            return job
+        job.handler = handler
+        payload = decode(handler, d, self._settings.max_record_bytes)
+        if isinstance(payload, DecodeFailure):
+            job.dead_letter(payload.reason, payload.detail)
+            return job
+        try:
+            dedupe_key = handler.key_of(payload)
+        except Exception as exc:  # a callable dedupe_key that rejects the payload
+            job.dead_letter("malformed", f"dedupe key: {describe_error(exc)}")
+            return job
+        if not dedupe_key:
+            job.dead_letter("malformed", "dedupe key is empty")
+            return job
+        job.payload = payload
+        job.dedupe_key = dedupe_key
+        idem = self._settings.idempotency
+        if idem.ttl_s is not None:
+            beyond = idem.window_refusal(d.timestamp_ms, now_ms())
+            if beyond is not None:
+                # Its done-marker may have expired: granting it could grant a second time.
+                job.dead_letter("beyond_dedupe_window", beyond)
+                return job
+        job.idem_key = self._idem.key(handler.name, dedupe_key)
+        job.token = self._idem.tokens.next()
+        job.fingerprint = fingerprint(payload)
+        # A (vetted) redrive must claim: only a claim may take over a dead-letter marker.
+        job.optimistic = handler.effects_only and not _is_redrive(d)
+        return job
+
+    # --- stage 2: claim the dedupe keys (one script call) ---
+
+    async def claim(self, wave: list[Job]) -> None:
+        """Claim every key but the effects-only handlers' (their finish does the checks)."""
+        await self._claim_jobs([j for j in wave if not j.optimistic])
+
+    async def claim_failed(self, wave: list[Job]) -> None:
+        """Effects-only deliveries whose handler failed claim now, before their fate is kept.
+
+        Without a claim, a duplicate of a completed payment runs its handler too; should
+        that fail, the claim finds the done-marker and the record is a duplicate, rather than
+        a dead letter or a retry for something already granted.
+        """
+        failed = [j for j in wave if j.optimistic and j.fate in (Fate.PARK, Fate.DEAD_LETTER)]
+        for job in failed:
+            job.optimistic = False
+        await self._claim_jobs(failed)
+
+    async def _claim_jobs(self, claiming: list[Job]) -> None:
+        if not claiming:
+            return
+        # The lease starts when Redis runs the script, after this: it surely lasts till here.
+        lease_ends = time.monotonic() + self._settings.idempotency.lease_ms / 1000
+        statuses = await self._idem.claim_many(
+            [
+                ClaimRequest(j.idem_key, j.token, j.fingerprint, self._ticket(j.delivery))
+                for j in claiming
+            ]
+        )
+        busy_ms = self._settings.retry.busy_delay_ms
+        for job, status in zip(claiming, statuses, strict=True):
+            if status is ClaimStatus.CLAIMED:
+                job.holds_claim = True
+                job.claim_until = lease_ends
+            elif status in (ClaimStatus.DONE, ClaimStatus.DEAD):
+                job.fate, job.reason = Fate.DUPLICATE, status.value
+            elif status is ClaimStatus.CONFLICT:
+                job.dead_letter("conflict", _conflict(job))
+            elif status is ClaimStatus.PARTIAL:  # the delivery that applied them died
+                job.dead_letter("effects_partial", _PARTIAL_EARLIER)
+            else:  # BUSY: another delivery of this key is running; park briefly, same attempt
+                job.park(job.delivery.attempt, "busy: key claimed by another delivery", busy_ms)
+
+    def handler_failed(self, job: Job, exc: BaseException, error: str | None = None) -> None:
+        """A handler error: dead-letter if permanent or out of attempts, else park.
+
+        Its text is recorded (dead-letter header, log, retry item, outcome event) only as
+        ``describe_error`` makes it: public message if declared, redacted, bounded.
+        """
+        assert job.handler is not None
+        error = error or describe_error(exc)
+        if job.handler.classify(exc) == "fail":
+            job.dead_letter("permanent", error)
+        else:
+            self.retry_or_give_up(job, error)
+
+    def retry_or_give_up(self, job: Job, error: str) -> None:
+        error = record_text(error)  # e.g. a Redis error echoing an effect's arguments
+        attempt = job.delivery.attempt
+        if attempt >= self._settings.retry.max_attempts:
+            job.dead_letter("exhausted", error)
+        else:
+            job.park(attempt + 1, error, backoff_ms(attempt, self._settings.retry))
+
+    # --- stage 4: effects + done-markers (one script call) ---
+
+    async def finish(self, wave: list[Job]) -> None:
+        """Succeeded handlers commit their effects; duplicate retries drop their item."""
+        done = [j for j in wave if j.fate is None]
+        stale = [j for j in wave if j.fate is Fate.DUPLICATE and j.delivery.is_retry]
+        requests = [
+            FinishRequest(
+                key=j.idem_key,
+                token=j.token,
+                fingerprint=j.fingerprint,
+                retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
+                effects=j.effects.commands if j.effects is not None and j.fate is None else [],
+            )
+            for j in (*done, *stale)
+        ]
+        if not requests:
+            return
+        results = await self._idem.finish_many(requests)
+        busy_ms = self._settings.retry.busy_delay_ms
+        for job, (status, detail) in zip(done, results, strict=False):
+            if status is FinishStatus.OK:
+                job.fate = Fate.SUCCEEDED
+            elif status in (FinishStatus.DONE, FinishStatus.DEAD):
+                job.fate, job.reason = Fate.DUPLICATE, status.value
+            elif status is FinishStatus.CONFLICT:
+                job.dead_letter("conflict", _conflict(job))
+            elif status is FinishStatus.PARTIAL:
+                # Its done-marker is written: no run will ever apply these effects again.
+                job.dead_letter(
+                    "effects_partial",
+                    f"an effect failed in Redis after others were applied: {detail}",
+                )
+            elif status is FinishStatus.SUPERSEDED:
+                why = "busy: key claimed by another delivery"
+                if job.holds_claim:
+                    why = "superseded: claim lease expired"
+                job.holds_claim = False
+                job.park(job.delivery.attempt, why, busy_ms)
+            else:
+                self.retry_or_give_up(job, f"effect failed in Redis: {detail}")
+
+    # --- stage 5: park retryable records in the delay queue (one script call) ---
+
+    async def park(self, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        now = now_ms()
+        requests = [
+            ParkRequest(
+                delivery=replace(
+                    j.delivery,
+                    attempt=j.next_attempt,
+                    first_failed_ms=j.delivery.first_failed_ms or now,
+                    last_error=j.reason,
+                ),
+                delay_ms=j.delay_ms,
+                idem_key=j.idem_key,
+                token=j.token if j.holds_claim else "",
+            )
+            for j in jobs
+        ]
+        for job, status in zip(jobs, await self._retries.park_many(requests), strict=True):
+            job.outcome = Outcome.RETRY_SCHEDULED
+            if status is ParkStatus.LOST_LEASE:
+                log.warning(
+                    "retry lease expired before the retry finished; another run owns it",
+                    extra=log_fields(job),
+                )
+
+    # --- stage 6: dead letters, acknowledged, then marked in Redis ---
+
+    async def dead_letter(self, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        at = now_ms()
+        for job in jobs:
+            log.warning(
+                "dead-lettering record",
+                extra={**log_fields(job), "reason": job.reason, "error": job.detail},
+            )
+        await asyncio.gather(
+            *(
+                self._publisher.dead_letter(
+                    j.delivery,
+                    reason=j.reason or "",
+                    error=j.detail,
+                    handler=j.name,
+                    dedupe_key=j.dedupe_key,
+                    at_ms=at,
+                )
+                for j in jobs
+            )
+        )
+        # Only now, with every dead letter acknowledged, may Redis forget the records.
+        # A key is marked dead when we hold its claim, or, for an effects-only delivery
+        # (never claimed), when no other delivery has claimed or completed it; a partial
+        # apply's marker is settled, so later deliveries are duplicates.
+        marks = [
+            DeadRequest(
+                key=j.idem_key if marks_key else "",
+                token=j.token if marks_key else "",
+                fingerprint=j.fingerprint if marks_key else "",
+                retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
+            )
+            for j in jobs
+            for marks_key in [j.holds_claim or j.optimistic or j.reason == "effects_partial"]
+            if marks_key or j.delivery.is_retry
+        ]
+        if marks:
+            await self._idem.mark_dead_many(marks)
+        for job in jobs:
+            job.outcome = Outcome.DEAD_LETTERED
+            self._metrics.dead_letters.labels(job.name, job.reason or "").inc()
+
+    # --- stage 7: outcome events (one producer batch per partition) ---
+
+    async def emit(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.fate is Fate.SUCCEEDED:
+                job.outcome = Outcome.SUCCEEDED
+            elif job.fate is Fate.DUPLICATE:
+                job.outcome = Outcome.DUPLICATE
+        if self._publisher.emits_outcomes:
+            at_ms = now_ms()
+            await self._publisher.outcomes(
+                [
+                    encode_outcome(
+                        j.delivery,
+                        j.outcome or Outcome.DEAD_LETTERED,
+                        j.name,
+                        j.dedupe_key,
+                        None if j.fate is Fate.SUCCEEDED else j.reason,
+                        at_ms,
+                    )
+                    for j in jobs
+                ]
+            )
+        counts = Counter((j.name, j.outcome or Outcome.DEAD_LETTERED) for j in jobs)
+        for (name, outcome), n in counts.items():
+            self._metrics.records.labels(name, outcome.value).inc(n)
+
+
+_PARTIAL_EARLIER = (
+    "an earlier delivery applied this record's effects in part and its dead letter was "
+    "never acknowledged"
+)
+
+
+def _conflict(job: Job) -> str:
+    return f"dedupe key {job.dedupe_key!r} was already used for a different payload"
+
+
+def _is_redrive(d: Delivery) -> bool:
+    return bool(d.headers) and any(k == REDRIVE_HEADER for k, _ in d.headers)

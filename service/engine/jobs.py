@@ -1,0 +1,92 @@
+"""One record's state on its way through a batch, and how a batch is cut into waves.
+
+A ``Job`` carries what each stage learns (handler, payload, dedupe key, claim, effects)
+and the fate decided so far; the stages (decisions.py, processing.py) read and set it,
+and only the last stages make the fate durable.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel
+
+from service.engine.context import Effects
+from service.engine.records import Delivery, Outcome
+from service.engine.registry import Handler
+
+
+class Fate(Enum):
+    """Where a record is heading, decided stage by stage, made durable at the end."""
+
+    SUCCEEDED = "succeeded"
+    DUPLICATE = "duplicate"
+    PARK = "park"
+    DEAD_LETTER = "dead_letter"
+
+
+@dataclass(slots=True)
+class Job:
+    """One record's state through the stages of its batch."""
+
+    delivery: Delivery
+    handler: Handler[Any] | None = None
+    payload: BaseModel | None = None
+    dedupe_key: str | None = None
+    idem_key: str = ""
+    token: str = ""
+    fingerprint: str = ""
+    optimistic: bool = False  # an effects-only handler's delivery: no claim, checked at finish
+    holds_claim: bool = False
+    claim_until: float = 0.0  # monotonic time the claim surely lasts to (from its send time)
+    effects: Effects | None = None
+    fate: Fate | None = None
+    reason: str | None = None  # dead-letter reason, retry error, or duplicate kind
+    detail: str = ""  # dead-letter error text
+    next_attempt: int = 0
+    delay_ms: int = 0
+    outcome: Outcome | None = None
+
+    @property
+    def name(self) -> str:
+        return self.handler.name if self.handler else ""
+
+    def dead_letter(self, reason: str, detail: str) -> None:
+        self.fate, self.reason, self.detail = Fate.DEAD_LETTER, reason, detail
+
+    def park(self, attempt: int, error: str, delay_ms: int) -> None:
+        self.fate, self.reason = Fate.PARK, error
+        self.next_attempt, self.delay_ms = attempt, delay_ms
+
+
+def key_waves(jobs: list[Job]) -> list[list[Job]]:
+    """Split so that records sharing a Kafka key land in successive waves, in order."""
+    keys = [job.delivery.key for job in jobs]
+    if None not in keys and len(set(keys)) == len(keys):
+        return [jobs]  # the common case: every key once
+    out: list[list[Job]] = []
+    seen: Counter[bytes] = Counter()
+    for job in jobs:
+        key = job.delivery.key
+        n = 0
+        if key is not None:
+            n = seen[key]
+            seen[key] += 1
+        if n == len(out):
+            out.append([])
+        out[n].append(job)
+    return out
+
+
+def log_fields(job: Job) -> dict[str, object]:
+    d = job.delivery
+    return {
+        "topic": d.topic,
+        "partition": d.partition,
+        "offset": d.offset,
+        "attempt": d.attempt,
+        "dedupe_key": job.dedupe_key,
+    }

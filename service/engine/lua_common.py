@@ -1,0 +1,49 @@
+"""Lua fragments every script of the record path shares: state parsing and Redis's clock.
+
+The scripts run a batch per call and are idempotent when re-sent (the reconnect path
+re-sends whole calls). Fixed keys travel in KEYS, the batch as one JSON array in ARGV
+(decoded with cjson): packing hundreds of separate arguments costs more client CPU than
+the script itself. Per-record keys travel inside that array, which is fine on a
+standalone Redis or a primary with replicas.
+"""
+
+from __future__ import annotations
+
+# parse(): a dedupe key's value (lua_claims.py lists its states) as kind and two fields.
+# release(): drop a claim only while it is still ours. drop_item(): a retry leaves the queue.
+PARSE = """
+local function parse(v)
+  if not v then return nil, nil, nil end
+  local kind = string.sub(v, 1, 1)
+  local rest = string.sub(v, 3)
+  local bar = string.find(rest, '|', 1, true)
+  if not bar then return kind, rest, '' end
+  return kind, string.sub(rest, 1, bar - 1), string.sub(rest, bar + 1)
+end
+local function release(key, token)
+  if token == '' or key == '' then return end
+  local v = redis.call('GET', key)
+  if v and string.sub(v, 1, 3 + #token) == 'c|' .. token .. '|' then
+    redis.call('DEL', key)
+  end
+end
+local function drop_item(inflight, due, items, id)
+  if id ~= '' then
+    redis.call('ZREM', inflight, id)
+    redis.call('ZREM', due, id)
+    redis.call('HDEL', items, id)
+  end
+end
+"""
+
+# Redis's clock, the one every host shares: due times and retry lease deadlines are
+# taken from TIME inside the scripts, never from a host's clock, which may be off by
+# seconds. replicate_commands lets a script write after TIME on Redis 6.2 (a no-op on 7+,
+# absent in fakeredis, hence the guard).
+NOW = """
+if redis.replicate_commands then redis.replicate_commands() end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""

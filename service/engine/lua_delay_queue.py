@@ -1,0 +1,90 @@
+"""The Lua scripts of the delay queue: PARK, CLAIM_DUE and REAP.
+
+Retry queue: ``due`` (ZSET id -> due ms), ``inflight`` (ZSET id -> lease deadline ms;
+the deadline doubles as the fencing token of the claim), ``items`` (HASH id -> JSON).
+Both times are on Redis's clock (TIME inside the scripts), never a host's.
+"""
+
+from __future__ import annotations
+
+from service.engine.lua_common import NOW, PARSE
+
+# KEYS: inflight, due, items
+# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease], ...]
+#   lease '' for a fresh delivery (park unless already parked), else the fencing
+#   deadline of the retry claim being rescheduled. delay_ms and lease are strings.
+#   The item is due at Redis's now + delay_ms.
+# Returns per record: parked | exists | lost_lease
+PARK = (
+    PARSE
+    + NOW
+    + """
+local now = now_ms()
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local id, item, delay_ms, key, token, lease = r[1], r[2], r[3], r[4], r[5], r[6]
+  local due_ms = string.format('%d', now + tonumber(delay_ms))
+  local status
+  if lease == '' then
+    if redis.call('HEXISTS', KEYS[3], id) == 1 then
+      status = 'exists'
+    else
+      redis.call('HSET', KEYS[3], id, item)
+      redis.call('ZADD', KEYS[2], due_ms, id)
+      status = 'parked'
+    end
+  else
+    local score = redis.call('ZSCORE', KEYS[1], id)
+    if (not score) or tonumber(score) ~= tonumber(lease) then
+      status = 'lost_lease'
+    else
+      redis.call('ZREM', KEYS[1], id)
+      redis.call('HSET', KEYS[3], id, item)
+      redis.call('ZADD', KEYS[2], due_ms, id)
+      status = 'parked'
+    end
+  end
+  release(key, token)
+  out[#out + 1] = status
+end
+return out
+"""
+)
+
+# KEYS: due, inflight, items; ARGV: lease_ms, limit. Due and lease times are Redis's TIME.
+# Returns a flat list: id, lease deadline, item json, ...
+CLAIM_DUE = (
+    NOW
+    + """
+local now = now_ms()
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now),
+  'LIMIT', 0, ARGV[2])
+local deadline = string.format('%d', now + tonumber(ARGV[1]))
+local out = {}
+for _, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[1], id)
+  local item = redis.call('HGET', KEYS[3], id)
+  if item then
+    redis.call('ZADD', KEYS[2], deadline, id)
+    out[#out + 1] = id
+    out[#out + 1] = deadline
+    out[#out + 1] = item
+  end
+end
+return out
+"""
+)
+
+# KEYS: due, inflight; ARGV: limit. Retry leases past Redis's TIME go back to the queue.
+REAP = (
+    NOW
+    + """
+local now = string.format('%d', now_ms())
+local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[1])
+for _, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZADD', KEYS[1], now, id)
+end
+return #ids
+"""
+)
