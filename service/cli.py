@@ -49,6 +49,20 @@ err = Console(stderr=True)
 StateDir = Annotated[
     Path | None, typer.Option(help="Where the dev stack keeps its state (default ./.devstack).")
 ]
+BrokerChoice = Annotated[
+    str,
+    typer.Option(
+        "--broker",
+        help="tansu (embedded, the default: needs nothing more) or kafka "
+        "(Apache Kafka from Maven Central: needs java and mvn).",
+    ),
+]
+
+
+def _dev_failed(exc: Exception) -> typer.Exit:
+    """A dev server that could not start: its reason as it is, exit code 1."""
+    err.print(f"[red]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+    return typer.Exit(1)
 
 
 def _refuse(exc: ConfigurationError) -> typer.Exit:
@@ -118,25 +132,47 @@ def demo(
     exit_when_done: Annotated[
         bool, typer.Option(help="Stop once the sample is processed instead of running on.")
     ] = False,
+    keep: Annotated[
+        bool, typer.Option(help="Leave the broker and Redis running on exit (`make dev-down`).")
+    ] = False,
+    broker: BrokerChoice = "tansu",
 ) -> None:
-    """Start the dev stack, produce sample payments, run the worker with a live view."""
+    """Start the dev stack, produce sample payments, run the worker with a live view.
+
+    On exit it stops the broker and Redis it started, unless --keep; a stack that
+    `service dev up` started is left running.
+    """
     from service.dev.demo import run_demo
+    from service.dev.servers import DevStackError
 
     configure_logging("ERROR", "console")  # the live view tells the story; errors still show
-    code = runtime.run(
-        run_demo(
-            records=records, state_dir=state_dir, exit_when_done=exit_when_done, console=console
+    try:
+        code = runtime.run(
+            run_demo(
+                records=records,
+                state_dir=state_dir,
+                exit_when_done=exit_when_done,
+                console=console,
+                keep=keep,
+                broker=broker,
+            )
         )
-    )
+    except DevStackError as exc:
+        raise _dev_failed(exc) from None
     raise typer.Exit(code)
 
 
 @dev_app.command("up")
-def dev_up(state_dir: StateDir = None) -> None:
+def dev_up(state_dir: StateDir = None, broker: BrokerChoice = "tansu") -> None:
     """Start the broker and Redis (or report the running ones)."""
-    from service.dev.devstack import DevStack
+    from service.dev.servers import DevStackError
+    from service.dev.stack import DevStack
 
-    info = DevStack.up(state_dir)
+    try:
+        info = DevStack.up(state_dir, broker=broker)
+    except DevStackError as exc:
+        raise _dev_failed(exc) from None
+    console.print(f"Broker:          {info.broker_name}", highlight=False)
     console.print(f"Kafka bootstrap: {info.bootstrap}\nRedis URL:       {info.redis_url}")
     console.print(f"export WORKER_KAFKA__BOOTSTRAP_SERVERS={info.bootstrap}", highlight=False)
     console.print(f"export WORKER_REDIS__URL={info.redis_url}", highlight=False)
@@ -148,7 +184,7 @@ def dev_down(
     purge: Annotated[bool, typer.Option(help="Also delete Redis's data.")] = False,
 ) -> None:
     """Stop the broker and Redis."""
-    from service.dev.devstack import DevStack
+    from service.dev.stack import DevStack
 
     stopped = DevStack.down(state_dir, purge=purge)
     console.print("stopped" if stopped else "no dev stack was running")
@@ -157,14 +193,17 @@ def dev_down(
 @dev_app.command("status")
 def dev_status(state_dir: StateDir = None) -> None:
     """Where the dev stack listens and whether it answers."""
-    from service.dev.devstack import DevStack
+    from service.dev.stack import DevStack
 
     info = DevStack.status(state_dir)
     if info is None:
         console.print("no dev stack recorded")
         raise typer.Exit(1)
     mark = {True: "[green]up[/]", False: "[red]down[/]"}
-    console.print(f"Kafka {info.bootstrap} {mark[info.broker_healthy]} (pid {info.broker_pid})")
+    console.print(
+        f"Kafka {info.bootstrap} {mark[info.broker_healthy]} "
+        f"({info.broker_name}, pid {info.broker_pid})"
+    )
     console.print(f"Redis {info.redis_url} {mark[info.redis_healthy]} (pid {info.redis_pid})")
     if not info.healthy:
         raise typer.Exit(1)

