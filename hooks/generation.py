@@ -44,6 +44,10 @@ OPTIONAL_TESTS = {
 }
 # The worked example every project keeps (make run, the integration tests use it).
 EXAMPLE_HANDLER = "payments"
+EXAMPLE_MODEL = "PaymentSucceeded"
+# deploy/README.md's test record for a scaffolded first handler: its model's one required
+# field (service/dev/scaffold.py); tests/template/test_own_names.py runs it through it.
+SCAFFOLD_SAMPLE_ID = "evt_1"
 
 
 class GenerationError(Exception):
@@ -63,6 +67,7 @@ class Answers:
     include_k8s: bool
     include_pipeline: bool
     first_handler: str = EXAMPLE_HANDLER
+    first_model: str = EXAMPLE_MODEL
     topics: tuple[tuple[str, str], ...] = ((EXAMPLE_HANDLER, "payments"),)
 
     @classmethod
@@ -164,6 +169,24 @@ def _first_handler(a: Answers, old: str) -> str:
     return a.first_handler
 
 
+def _first_model(a: Answers, old: str) -> str:
+    return a.first_model
+
+
+def _sample_record(a: Answers, old: str) -> str:
+    """A record the first topic's handler accepts, as ``key|value`` for the console producer."""
+    if a.first_handler == EXAMPLE_HANDLER:
+        return old
+    return f"{SCAFFOLD_SAMPLE_ID}|{json.dumps({'event_id': SCAFFOLD_SAMPLE_ID})}"
+
+
+def _sample_effect(a: Answers, old: str) -> str:
+    """The redis-cli command that shows the sample record's effect: the key its handler writes."""
+    if a.first_handler == EXAMPLE_HANDLER:
+        return f"XRANGE {a.prefix}:ledger:purchases - +"
+    return f"HGETALL {a.prefix}:{a.first_handler}:{SCAFFOLD_SAMPLE_ID}"
+
+
 def _part_of(a: Answers, old: str) -> str:
     # The system the service belongs to; the template's is "payments", a new one is its own.
     return old if a.slug == DEFAULTS.slug else a.slug
@@ -185,8 +208,10 @@ K8S = ("deploy/k8s/*.yaml",)
 DEPLOY = ("deploy/*",)
 DOCKERFILE = ("Dockerfile",)
 DOCS = ("docs/*.md", "deploy/README.md")
+DEPLOY_README = ("deploy/README.md",)
 TESTS = ("tests/*.py",)
 PIPELINE = ("service/pipeline/*.py",)
+POMS = ("*pom.xml",)
 NAME = "payments-worker"
 NAME_TOKEN = _token(NAME)
 # The project's name, also inside longer names: payments-worker-config, payments-worker.json.
@@ -215,6 +240,17 @@ SITES: tuple[Site, ...] = (
     # The Redis key prefix.
     Site(YAML, r"WORKER_REDIS__KEY_PREFIX:\s*\"?" + NAME_TOKEN, _prefix, True, yaml_scalar=True),
     Site(DOCS, r"WORKER_REDIS__KEY_PREFIX \|[^|\n]*\| " + NAME_TOKEN, _prefix),
+    # The least-privilege Redis ACL user (docs/security.md): its keys are the prefix's.
+    Site(DOCS, r"^user (?P<old>payments-worker) on ", _slug, required=True),
+    Site(DOCS, r" ~(?P<old>payments-worker):\* ", _prefix, required=True),
+    # deploy/README.md's test record: produced to the first topic, so it is one that
+    # topic's handler accepts, and the effect shown is the one that handler writes.
+    Site(DEPLOY_README, r"payload model: `(?P<old>PaymentSucceeded)`", _first_model, True),
+    Site(DEPLOY_README, r"`service/handlers/(?P<old>payments)\.py`", _first_handler, True),
+    Site(DEPLOY_README, r"^(?P<old>pay_1\|\{\"payment_id\".*)$", _sample_record, True),
+    Site(
+        DEPLOY_README, r"redis-cli (?P<old>XRANGE \S+:ledger:purchases - \+)", _sample_effect, True
+    ),
     Site(DOCS, r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?=:ledger:)", _prefix),
     Site(TESTS, r"key_prefix == \"(?P<old>payments-worker)\"", _prefix),
     Site(PIPELINE, r"key_prefix: str = \"(?P<old>payments-worker)\"", _prefix),
@@ -231,6 +267,8 @@ SITES: tuple[Site, ...] = (
     Site(DEPLOY, r"--topic (?P<old>payments)(?![\w.-])", _topic),
     Site(TESTS, r"PAYMENTS_TOPIC = \"(?P<old>payments)\"", _topic),
     Site(TESTS, r"topics == \{\"(?P<old>payments)\": PAYMENTS_TOPIC\}", _first_handler),
+    # A Maven project that fetches development servers' jars (its name, wherever it lives).
+    Site(POMS, r"<groupId>local\.(?P<old>payments-worker)</groupId>", _slug),
     # Everything else that names the project: Kubernetes names, labels, compose, Grafana.
     Site(K8S, r"part-of: (?P<old>payments)$", _part_of),
     Site((*DEPLOY, *DOCKERFILE), NAME_ANYWHERE, _slug, required=True),
@@ -294,7 +332,10 @@ def bind_first_topic(project: Path, answers: Answers) -> Answers:
             scaffold.new_handler(project, name, answers.topic)
     bindings: dict[str, str] = scaffold.read_bindings(project)
     first = next(n for n, t in bindings.items() if t == answers.topic)
-    return dataclasses.replace(answers, first_handler=first, topics=tuple(bindings.items()))
+    model = EXAMPLE_MODEL if first == EXAMPLE_HANDLER else scaffold.model_name(first)
+    return dataclasses.replace(
+        answers, first_handler=first, first_model=model, topics=tuple(bindings.items())
+    )
 
 
 def apply_answers(project: Path, answers: Answers) -> None:

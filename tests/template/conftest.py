@@ -30,6 +30,13 @@ REFUNDS = {
     "image_name": "registry.example.org/team/refund-desk",
     "include_pipeline": "no",
 }
+# Issue 14's answers: every name differs from the template's, the topic has dots, a dash
+# and an underscore, the prefix a dot; the pipeline and Kubernetes stay in.
+LEDGER = {
+    "project_name": "Refund Ledger Sync",
+    "first_topic": "billing.refunds-issued_v2",
+    "redis_key_prefix": "acme_refunds.v2",
+}
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +53,8 @@ def orders_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def refunds_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("refunds") / "out", REFUNDS)
+
+
+@pytest.fixture(scope="session")
+def ledger_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("ledger") / "out", LEDGER)
