@@ -1,14 +1,16 @@
 """Soak: the chaos suite's machinery for long runs, with its figures at the end.
 
-Starts its own Tansu broker and Redis (AOF, appendfsync always) in a temporary
-directory, runs one chaos run (tests/chaos/engine.py) of the size given on the command
+Starts its own broker (Tansu, or with `--broker kafka` Apache Kafka: 1 node, or 3 with
+`--kafka-nodes 3`) and Redis (AOF, appendfsync always) in a temporary directory, runs
+one chaos run (tests/chaos/engine.py) of the size given on the command
 line, and prints: records, kills, SIGTERMs, Redis restarts, rebalances, lost, doubled,
 dead-lettered by reason, duration and throughput. Exit code 1 when a record was lost
 (a valid payment never granted, or an expected dead letter missing) or a payment was
-granted twice, 3 when another invariant broke or the run aborted, 0 when all held.
+granted twice, 3 when another invariant broke or the run aborted, 2 for a bad option or
+a broker that cannot run here (no Java or Maven for `--broker kafka`), 0 when all held.
 
-    .venv/bin/python scripts/soak.py --records 50000 --kills 10 --redis-restarts 2 \\
-        --scale-cycles 1 --seed 42
+    .venv/bin/python scripts/soak.py --broker kafka --records 50000 --kills 10 \\
+        --redis-restarts 2 --scale-cycles 1 --seed 42
 
 Same seed, same records and the same fault plan (see docs/chaos.md).
 """
@@ -32,18 +34,27 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from service.dev.devstack import KafkaBroker, RedisServer  # noqa: E402
+from service.dev.apache_kafka import ApacheKafkaCluster, available  # noqa: E402
+from service.dev.broker import Broker  # noqa: E402
+from service.dev.redis_server import RedisServer  # noqa: E402
+from service.dev.tansu import TansuBroker  # noqa: E402
 from tests.chaos.engine import (  # noqa: E402
     SEED_ENV,
     ChaosConfig,
     ChaosMix,
     ChaosReport,
+    chaos_settings,
     run_chaos,
     seed_from_env,
+    source_partitions,
 )
 
 EXIT_LOST_OR_DOUBLED = 1
+EXIT_UNUSABLE = 2  # a bad option (typer's own code for those), or the broker cannot run here
 EXIT_OTHER_INVARIANT = 3
+BROKERS = ("tansu", "kafka")
+# Apache Kafka refuses a JoinGroup below group.min.session.timeout.ms (6 s by default).
+KAFKA_MIN_SESSION_MS = 6_000
 
 console = Console(highlight=False, soft_wrap=True)
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -51,6 +62,20 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0] if __doc__
 
 @app.command()
 def main(
+    broker: Annotated[
+        str,
+        typer.Option(
+            help="tansu (embedded, in memory) or kafka (Apache Kafka 4.x in KRaft mode; "
+            "needs Java 17+, and Maven for the first fetch of its jars)"
+        ),
+    ] = "tansu",
+    kafka_nodes: Annotated[
+        int,
+        typer.Option(
+            help="--broker kafka: 1 node, or 3 (every topic replication factor 3, "
+            "min.insync.replicas 2)"
+        ),
+    ] = 1,
     records: Annotated[int, typer.Option(min=100, help="source records to produce")] = 50_000,
     partitions: Annotated[int, typer.Option(min=1, help="partitions of the payments topic")] = 6,
     kills: Annotated[int, typer.Option(min=0, help="SIGKILLs of a worker")] = 10,
@@ -89,7 +114,9 @@ def main(
     scale_down_at_once: Annotated[
         bool, typer.Option(help="SIGTERM the leavers of a scale-down together (docs/chaos.md)")
     ] = False,
-    session_timeout_ms: Annotated[int, typer.Option(min=1000)] = 5_000,
+    session_timeout_ms: Annotated[
+        int, typer.Option(min=1000, help=f"Apache Kafka refuses less than {KAFKA_MIN_SESSION_MS}")
+    ] = KAFKA_MIN_SESSION_MS,
     step_timeout_s: Annotated[float, typer.Option(min=10, help="deadline of each wait")] = 180.0,
     settle_timeout_s: Annotated[float, typer.Option(min=10)] = 300.0,
     work_dir: Annotated[
@@ -101,6 +128,24 @@ def main(
     """Run one long chaos run and print its figures; non-zero exit when anything broke."""
     if layout not in ("shuffled", "crowded"):
         raise typer.BadParameter("shuffled or crowded", param_hint="--layout")
+    if ahead * 10 > records:
+        # Production holds `ahead` records back until the last fault fired, whose threshold
+        # may be at 85 % of the run: a larger lead can leave it unreachable (the run hangs).
+        raise typer.BadParameter(
+            f"at most a tenth of --records ({records // 10})", param_hint="--ahead"
+        )
+    if broker not in BROKERS:
+        raise typer.BadParameter(" or ".join(BROKERS), param_hint="--broker")
+    if kafka_nodes not in (1, 3):
+        raise typer.BadParameter("1 or 3", param_hint="--kafka-nodes")
+    if kafka_nodes != 1 and broker != "kafka":
+        raise typer.BadParameter("only with --broker kafka", param_hint="--kafka-nodes")
+    if broker == "kafka" and session_timeout_ms < KAFKA_MIN_SESSION_MS:
+        raise typer.BadParameter(
+            f"Apache Kafka refuses a group join below group.min.session.timeout.ms "
+            f"({KAFKA_MIN_SESSION_MS})",
+            param_hint="--session-timeout-ms",
+        )
     if transient + permanent + malformed > 1:
         raise typer.BadParameter("transient + permanent + malformed must be <= 1")
     cfg = ChaosConfig(
@@ -132,15 +177,24 @@ def main(
         step_timeout_s=step_timeout_s,
         settle_timeout_s=settle_timeout_s,
     )
+    if broker == "kafka":
+        console.print("checking Apache Kafka (the first use fetches its jars with Maven)")
+        reason = available()
+        if reason is not None:
+            console.print("[bold red]--broker kafka cannot run here:[/]", end=" ")
+            console.print(reason, markup=False)
+            console.print("(or run on the embedded broker: --broker tansu)")
+            raise typer.Exit(EXIT_UNUSABLE)
     own_dir = work_dir is None
     base = Path(tempfile.mkdtemp(prefix="soak-")) if work_dir is None else work_dir
     base.mkdir(parents=True, exist_ok=True)
-    console.rule(f"soak, seed {cfg.seed}")
+    shape = f"Apache Kafka, {kafka_nodes} node(s)" if broker == "kafka" else "Tansu"
+    console.rule(f"soak, seed {cfg.seed}, {shape}")
     console.print(f"work dir {base}  (reproduce: --seed {cfg.seed})")
     started = time.monotonic()
     report: ChaosReport | None = None
     try:
-        report = asyncio.run(_soak(cfg, base))
+        report = asyncio.run(_soak(cfg, base, broker, kafka_nodes))
     except Exception as exc:  # the run could not finish: still say what is known, exit non-zero
         console.print(f"[bold red]the soak aborted:[/] {type(exc).__name__}: {exc}")
         console.print(f"logs kept in {base}")
@@ -166,25 +220,44 @@ def main(
         console.print(f"logs in {base}")
 
 
-async def _soak(cfg: ChaosConfig, base: Path) -> ChaosReport:
+async def _soak(cfg: ChaosConfig, base: Path, kind: str, kafka_nodes: int) -> ChaosReport:
     """Own broker and Redis for the run; both stopped whatever happens."""
-    broker = KafkaBroker(base / "tansu", silent=True)
+    cluster = ApacheKafkaCluster(kafka_nodes, base / "kafka") if kind == "kafka" else None
+    broker: Broker = cluster if cluster is not None else TansuBroker(base / "tansu", silent=True)
     redis = RedisServer(base / "redis")
+    name = f"soak-{cfg.seed}"
     try:
-        broker.start()
+        await asyncio.to_thread(broker.start)  # a Kafka cluster waits on its own event loop
         redis.start()
         console.print(f"broker {broker.bootstrap}, redis {redis.url}")
+        if cluster is not None:
+            # Apache Kafka creates no topic on first use. The run creates its topics with
+            # replication factor 1 and leaves existing ones alone, so create them first with
+            # the cluster's (3 on 3 nodes, min.insync.replicas 2 from the broker default).
+            await cluster.create_topics(_topics(cfg, broker.bootstrap, redis.url, name))
         return await run_chaos(
             cfg,
             bootstrap=broker.bootstrap,
             redis=redis,
-            name=f"soak-{cfg.seed}",
+            name=name,
             work_dir=base / "workers",
             say=lambda line: console.print(f"{time.strftime('%X')} {line}", markup=False),
         )
     finally:
         redis.stop()
         broker.stop()
+
+
+def _topics(cfg: ChaosConfig, bootstrap: str, redis_url: str, name: str) -> dict[str, int]:
+    """Every topic a chaos run uses (name -> partitions): both source topics, their
+    dead-letter topics and the outcomes topic."""
+    settings = chaos_settings(bootstrap, redis_url, name, cfg)
+    topics = source_partitions(settings, cfg)
+    topics.update({settings.dead_letter_topic(t): 1 for t in list(topics)})
+    outcomes = settings.outcomes_topic()
+    if outcomes:
+        topics[outcomes] = 1
+    return topics
 
 
 def _print_figures(report: ChaosReport) -> None:

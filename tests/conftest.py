@@ -1,19 +1,67 @@
-"""Shared fixtures: real servers from service.dev (a broker per session, Redis per test)."""
+"""Shared fixtures: real servers from service.dev (a broker per session, Redis per test).
+
+The session broker (`kafka_broker`) is chosen once for the whole suite by
+`WORKER_TEST_BROKER`:
+
+- `auto` (the default): a 1-node Apache Kafka (`service.dev.apache_kafka`) where Java 17+
+  and Maven are installed, else Tansu, with the reason in the summary at the end. On CI
+  (`CI=true`) `auto` requires Apache Kafka and fails, naming what is missing.
+- `kafka`: Apache Kafka, or fail saying why not.
+- `tansu`: Tansu, the embedded broker (`service.dev.tansu`).
+
+Tests that need a Tansu-only feature (its TLS listener, its process) use `tansu_broker`.
+"""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
+from service.dev.tansu import TansuBroker
 
 # Tests that use these fixtures talk to real servers and are marked `integration` automatically,
 # so `pytest -m "not integration"` stays fast and needs no binaries.
-SERVER_FIXTURES = frozenset({"kafka_broker", "redis_server", "redis_url", "redis_server_factory"})
+SERVER_FIXTURES = frozenset(
+    {"kafka_broker", "tansu_broker", "redis_server", "redis_url", "redis_server_factory"}
+)
 INTEGRATION_DIR = Path(__file__).parent / "integration"
+
+BROKER_ENV = "WORKER_TEST_BROKER"
+BROKER_CHOICES = ("auto", "kafka", "tansu")
+_BROKER_NOTE = pytest.StashKey[str]()
+
+
+def broker_choice() -> str:
+    """`WORKER_TEST_BROKER`, lower-cased; `auto` when unset or empty."""
+    wanted = os.environ.get(BROKER_ENV, "").strip().lower() or "auto"
+    if wanted not in BROKER_CHOICES:
+        raise pytest.UsageError(
+            f"{BROKER_ENV}={wanted!r}: choose one of {', '.join(BROKER_CHOICES)}"
+        )
+    return wanted
+
+
+def on_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    broker_choice()  # a misspelt choice stops the run before any test
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    note = config.stash.get(_BROKER_NOTE, None)
+    if note is not None:
+        terminalreporter.write_sep("-", "broker")
+        terminalreporter.write_line(note)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -25,17 +73,51 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
-    """One Tansu broker for the whole session; tests isolate with unique topic/group names.
+def tansu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker]:
+    """One Tansu broker for the session, for tests of Tansu itself or of a Tansu-only feature.
 
     Memory storage: never restart it from a test, every topic and offset would vanish.
     """
-    broker = KafkaBroker(tmp_path_factory.mktemp("tansu"))
+    broker = TansuBroker(tmp_path_factory.mktemp("tansu"))
     try:
         broker.start()
         yield broker
     finally:
         broker.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Broker]:
+    """The session's broker (`WORKER_TEST_BROKER`, see the module docstring); tests isolate
+    with unique topic/group names and never restart it."""
+    from service.dev import apache_kafka
+
+    config = request.config
+    wanted = broker_choice()
+    if wanted != "tansu":
+        reason = apache_kafka.available()
+        if reason is None:
+            cluster = apache_kafka.ApacheKafkaCluster(1, tmp_path_factory.mktemp("apache-kafka"))
+            config.stash[_BROKER_NOTE] = (
+                f"broker: Apache Kafka {apache_kafka.kafka_version()} (1 node, KRaft); "
+                f"{BROKER_ENV}={wanted}"
+            )
+            with cluster:  # starts it; closes it and removes its data at the end
+                yield cluster
+            return
+        if wanted == "kafka" or on_ci():
+            why = f"{BROKER_ENV}=kafka" if wanted == "kafka" else "on CI (CI=true)"
+            pytest.fail(f"Apache Kafka is required {why} but cannot run: {reason}", pytrace=False)
+        config.stash[_BROKER_NOTE] = (
+            f"broker: Tansu, not Apache Kafka: {reason}. With Java 17+ and Maven installed "
+            f"the suite runs on Apache Kafka ({BROKER_ENV}=auto, or =kafka to insist); "
+            f"{BROKER_ENV}=tansu chooses Tansu on purpose."
+        )
+    else:
+        config.stash[_BROKER_NOTE] = f"broker: Tansu ({BROKER_ENV}=tansu)"
+    yield request.getfixturevalue("tansu_broker")
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 
 from service.dev import sample
-from service.dev.devstack import RedisServer
+from service.dev.redis_server import RedisServer
 from service.engine.kafka_client import connection_kwargs
 from service.engine.settings import Settings
 from tests.chaos import claiming
@@ -125,7 +125,8 @@ class ChaosConfig:
     # Scale down by SIGTERMing the leavers together rather than one by one. Two members
     # leaving at once sometimes leave the dev broker's rebalance hanging (docs/chaos.md).
     scale_down_at_once: bool = False
-    session_timeout_ms: int = 5_000
+    # The shortest session Apache Kafka accepts by default (group.min.session.timeout.ms).
+    session_timeout_ms: int = 6_000
     step_timeout_s: float = 90.0  # deadline of every single wait of the run
     settle_timeout_s: float = 120.0
 

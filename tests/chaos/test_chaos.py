@@ -7,6 +7,9 @@ progress passes seeded thresholds: SIGKILL, SIGTERM during a busy batch, a Redis
 and restart, scaling 1 -> 3 -> 1. After every kill and SIGTERM the committed offsets
 are checked against what is durable; at the end every invariant is checked from the
 outside. The seed is printed; `CHAOS_SEED=<seed>` replays the same records and plan.
+
+The broker is the session's (tests/conftest.py): Apache Kafka where Java and Maven are
+installed (always on CI), else Tansu; `WORKER_TEST_BROKER=kafka|tansu` chooses.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from tests.chaos.engine import SEED_ENV, ChaosConfig, ChaosReport, run_chaos, seed_from_env
 
 
@@ -42,7 +46,7 @@ def _print_worker_logs(work_dir: Path, tail_chars: int = 4000) -> None:
 
 
 async def _run(
-    cfg: ChaosConfig, kafka_broker: KafkaBroker, redis: RedisServer, name: str, work_dir: Path
+    cfg: ChaosConfig, kafka_broker: Broker, redis: RedisServer, name: str, work_dir: Path
 ) -> ChaosReport:
     try:
         report = await run_chaos(
@@ -61,7 +65,7 @@ async def _run(
 
 @pytest.mark.timeout(200)
 async def test_shuffled_faults_lose_nothing_and_grant_nothing_twice(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     tmp_path: Path,
@@ -74,7 +78,7 @@ async def test_shuffled_faults_lose_nothing_and_grant_nothing_twice(
 
 @pytest.mark.timeout(200)
 async def test_faults_while_three_workers_share_the_group(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     tmp_path: Path,

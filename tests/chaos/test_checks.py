@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from service.dev import sample
-from service.dev.devstack import RedisServer
+from service.dev.redis_server import RedisServer
 from service.engine.context import Context, Effects
 from service.handlers.payments import PaymentSucceeded
 from tests.chaos import claiming

@@ -27,7 +27,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import TopicPartition
 
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from service.engine.kafka_client import connection_kwargs
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
@@ -64,7 +64,7 @@ async def _poll(consumer: AIOKafkaConsumer) -> None:
 
 @pytest.mark.timeout(120)
 async def test_sigterm_during_a_rebalance_exits_within_the_grace(
-    kafka_broker: KafkaBroker, redis_url: str, unique_name: str, tmp_path: Path
+    kafka_broker: Broker, redis_url: str, unique_name: str, tmp_path: Path
 ) -> None:
     settings = make_settings(
         kafka_broker.bootstrap,

@@ -22,7 +22,8 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
-from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.dev.broker import Broker, create_topics
+from service.dev.redis_server import RedisServer
 from service.engine.kafka_client import connection_kwargs
 from service.engine.keys import RedisKeys
 from service.engine.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER, ORIGINAL_BYTES_HEADER
@@ -31,7 +32,13 @@ from service.engine.settings import Settings
 from service.ops import audit
 from tests.hostile import corpus
 from tests.hostile.corpus import CANARY, KIND_NAMES, Kind, Rec
-from tests.integration.harness import make_settings, prepare_topics, running_worker, wait_settled
+from tests.integration.harness import (
+    LARGE_RECORDS,
+    make_settings,
+    prepare_topics,
+    running_worker,
+    wait_settled,
+)
 
 DLQ_PREFIX = "x-dlq-"
 
@@ -104,7 +111,7 @@ async def _run(bootstrap: str, redis_url: str) -> CorpusRun:
         retry={"max_attempts": corpus.MAX_ATTEMPTS},
         shutdown_grace_s=5.0,
     )
-    await prepare_topics(settings, partitions=1)
+    await prepare_topics(settings, partitions=1, source_configs=LARGE_RECORDS)
     kinds = corpus.build(name)
     offsets, sentinels = await _produce(settings, kinds, name)
     started = time.monotonic()
@@ -157,7 +164,7 @@ async def _run(bootstrap: str, redis_url: str) -> CorpusRun:
 
 
 @pytest.fixture(scope="module")
-def run(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusRun]:
+def run(kafka_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CorpusRun]:
     redis = RedisServer(Path(tmp_path_factory.mktemp("hostile-redis")))
     redis.start()
     try:

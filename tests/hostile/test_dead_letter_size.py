@@ -6,7 +6,8 @@ client refuses is refused here too (``send()`` asserts a record has a key or a v
 checks ``max_request_size``). Tansu enforces no message size limit, so a broker's refusal
 is added on top: ``BrokerLimitProducer`` first hands the record to aiokafka's ``send()``
 (every client-side check runs, and the record really goes to the broker, into a sink
-topic nobody reads), then answers a record over its limit as a broker with that
+topic nobody reads, created beforehand: Apache Kafka creates no topic on demand), then
+answers a record over its limit as a broker with that
 ``message.max.bytes`` does: MessageSizeTooLargeError on the delivery future. What the tests
 check is read back from the dead-letter topic on the broker.
 """
@@ -21,7 +22,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-from service.dev.devstack import KafkaBroker, create_topics
+from service.dev.broker import Broker, create_topics
 from service.engine.publisher import (
     DROPPED_HEADER,
     KEY_SUBSTITUTED_HEADER,
@@ -33,6 +34,7 @@ from service.engine.settings import KafkaSettings
 from service.engine.stalls import Stalls
 from service.ops import audit
 from tests.helpers import await_until
+from tests.integration.harness import LARGE_RECORDS, create_topics_with_configs
 
 SOURCE = "payments"
 COORDINATES = b"payments/3/77"
@@ -69,7 +71,7 @@ class BrokerLimitProducer(AIOKafkaProducer):  # type: ignore[misc]
 
 
 class Env:
-    def __init__(self, broker: KafkaBroker, name: str, stalls: Stalls) -> None:
+    def __init__(self, broker: Broker, name: str, stalls: Stalls) -> None:
         self.kafka = KafkaSettings(bootstrap_servers=broker.bootstrap)
         self.dlq = f"{name}.dlq"
         self.stalls = stalls
@@ -122,9 +124,11 @@ def original_headers(sent: Any) -> list[tuple[str, bytes]]:
 
 
 @pytest.fixture
-async def env(kafka_broker: KafkaBroker, unique_name: str) -> Env:
+async def env(kafka_broker: Broker, unique_name: str) -> Env:
     e = Env(kafka_broker, unique_name, Stalls())
-    await create_topics(kafka_broker.bootstrap, {e.dlq: 1})
+    # The sink of refused records takes records over 1 MiB (Apache Kafka's default limit).
+    await create_topics_with_configs(kafka_broker.bootstrap, {f"{e.dlq}.refused": 1}, LARGE_RECORDS)
+    await create_topics(kafka_broker.bootstrap, {e.dlq: 1, f"{e.dlq}.refused": 1})
     return e
 
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from service.engine.processing import DecodeFailure, decode
+from service.engine.decoding import DecodeFailure, decode
 from service.engine.records import Delivery
 from service.handlers.payments import (
     MAX_AMOUNT_MINOR,

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.engine.kafka_client import connection_kwargs
-from service.engine.processing import REDRIVE_HEADER
+from service.engine.records import REDRIVE_HEADER
 from service.engine.settings import Settings
 from service.handlers import payments
 from service.ops import audit
@@ -57,7 +58,7 @@ class Producer:
 
 @pytest.fixture
 async def setup(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> AsyncIterator[tuple[Settings, Producer]]:
     settings = make_settings(
         kafka_broker.bootstrap, redis_server.url, unique_name, fault_injection=False

@@ -5,7 +5,7 @@ with fault injection off), forged alone and in combinations, on every kind of re
 every state its dedupe key can be in: the record's fate (outcome, dead-letter reason,
 grants, the key's marker afterwards) is what the same record without them gets, and its
 dead letter carries the worker's reserved headers only. The records go the worker's way:
-headers cleaned as ``Worker._dispatch`` cleans them, then the real ``Processor`` against a
+headers cleaned as ``Intake._dispatch`` cleans them, then the real ``Processor`` against a
 real redis-server; the producer is the recording double (what aiokafka refuses, it
 refuses). The real-broker cases are in test_forged_headers.py.
 """
@@ -24,8 +24,14 @@ import redis.asyncio as aioredis
 from service.engine.idempotency import fingerprint
 from service.engine.keys import RedisKeys
 from service.engine.metrics import Metrics
-from service.engine.processing import REDRIVE_HEADER, Processor
-from service.engine.records import Delivery, Outcome, clean_headers, redrive_ticket_value
+from service.engine.processing import Processor
+from service.engine.records import (
+    REDRIVE_HEADER,
+    Delivery,
+    Outcome,
+    clean_headers,
+    redrive_ticket_value,
+)
 from service.engine.redis_client import RedisOps, make_client
 from service.engine.registry import Registry
 from service.engine.settings import Settings
@@ -118,7 +124,7 @@ class Env:
         }.get(state)
         if marker is not None:
             await self.redis.set(key, marker, px=60_000 if state == "claimed_other" else None)
-        # As Worker._dispatch builds it from the consumer record.
+        # As Intake._dispatch builds it from the consumer record.
         d = Delivery(TOPIC, 0, n, payment_id.encode(), value, headers, 1_763_700_000_000)
         d = Delivery(
             d.topic,

@@ -20,7 +20,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from service.dev.devstack import KafkaBroker, create_topics
+from service.dev.broker import Broker, create_topics
 from service.engine.kafka_client import connection_kwargs
 from service.engine.publisher import DEAD_LETTER_UNWRITABLE, OUTCOMES_UNWRITABLE
 from service.engine.settings import Settings
@@ -78,7 +78,7 @@ async def committed(settings: Settings) -> tuple[int | None, int]:
 
 
 @pytest.fixture
-def settings(kafka_broker: KafkaBroker, redis_url: str, unique_name: str) -> Settings:
+def settings(kafka_broker: Broker, redis_url: str, unique_name: str) -> Settings:
     return make_settings(kafka_broker.bootstrap, redis_url, unique_name, shutdown_grace_s=5.0)
 
 

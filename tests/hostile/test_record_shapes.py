@@ -30,13 +30,15 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.engine.kafka_client import connection_kwargs
 from service.engine.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER
 from service.engine.settings import Settings
 from service.ops import audit
 from tests.hostile import corpus
 from tests.integration.harness import (
+    LARGE_RECORDS,
     RunState,
     make_settings,
     observe,
@@ -127,7 +129,7 @@ async def _run(
     settings = make_settings(
         bootstrap, redis_url, name, max_record_bytes=MAX_RECORD_BYTES, shutdown_grace_s=5.0
     )
-    await prepare_topics(settings, partitions=partitions)
+    await prepare_topics(settings, partitions=partitions, source_configs=LARGE_RECORDS)
     topic = settings.topics["payments"]
     producer = AIOKafkaProducer(acks="all", **connection_kwargs(settings.kafka))
     await producer.start()
@@ -170,7 +172,7 @@ async def _run(
     return Run(settings, state, settled_in, dead, placed, values, payment_ids)
 
 
-def _start(kafka_broker: KafkaBroker, tmp: Path, build: Any) -> Iterator[Run]:
+def _start(kafka_broker: Broker, tmp: Path, build: Any) -> Iterator[Run]:
     redis = RedisServer(tmp)
     redis.start()
     try:
@@ -186,7 +188,7 @@ HUGE_HEADER = (("big", b"H" * 1_200_000),)
 
 
 @pytest.fixture(scope="module")
-def keyless(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def keyless(kafka_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     name = f"k-{uuid.uuid4().hex[:8]}"
     records: list[Any] = [
         ("tombstone", 0, None, None, ()),
@@ -235,7 +237,7 @@ def test_keyless_not_json_with_huge_header_is_dead_lettered_not_stalled(keyless:
 
 
 @pytest.fixture(scope="module")
-def fuzz(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def fuzz(kafka_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     name = f"f-{uuid.uuid4().hex[:8]}"
     ids = {s.id: f"{name}-{n}" for n, s in enumerate(SHAPES) if REASON[s.value] is None}
     records = [

@@ -11,7 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 
 from service.dev import sample
-from service.dev.devstack import create_topics
+from service.dev.broker import create_topics
 from service.engine.kafka_client import connection_kwargs
 from service.engine.registry import Registry
 from service.engine.settings import Settings
@@ -55,19 +55,54 @@ def make_settings(bootstrap: str, redis_url: str, name: str, **overrides: Any) -
     return Settings(**values)
 
 
+# Topic config for a source topic that takes records over the broker's default 1 MiB limit
+# (Apache Kafka refuses them at produce; Tansu has no limit): the hostile suites write such
+# records the way another producer could, to a topic configured for them. The dead-letter
+# and outcomes topics keep the default, as in production.
+LARGE_RECORDS = {"max.message.bytes": str(8 * 1024 * 1024)}
+
+
 async def prepare_topics(
-    settings: Settings, partitions: int = 3, *, partitions_of: Mapping[str, int] | None = None
+    settings: Settings,
+    partitions: int = 3,
+    *,
+    partitions_of: Mapping[str, int] | None = None,
+    source_configs: Mapping[str, str] | None = None,
 ) -> None:
     """Every bound topic (`partitions` each, or `partitions_of[handler name]`), its dead-letter
-    topic and the outcomes topic."""
+    topic and the outcomes topic. `source_configs` (e.g. `LARGE_RECORDS`) go to the bound
+    topics only."""
     topics: dict[str, int] = {}
+    sources: dict[str, int] = {}
     for name, topic in settings.topics.items():
-        topics[topic] = (partitions_of or {}).get(name, partitions)
+        sources[topic] = topics[topic] = (partitions_of or {}).get(name, partitions)
         topics[settings.dead_letter_topic(topic)] = 1
     outcomes = settings.outcomes_topic()
     if outcomes:
         topics[outcomes] = 1
-    await create_topics(settings.kafka.bootstrap_servers, topics)
+    if source_configs:
+        await create_topics_with_configs(settings.kafka.bootstrap_servers, sources, source_configs)
+    await create_topics(settings.kafka.bootstrap_servers, topics)  # waits for every leader
+
+
+async def create_topics_with_configs(
+    bootstrap: str, topics: Mapping[str, int], configs: Mapping[str, str]
+) -> None:
+    """CreateTopics with topic configs; an existing topic is left as it is."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from aiokafka.errors import for_code
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        response = await admin.create_topics(
+            [NewTopic(t, n, 1, topic_configs=dict(configs)) for t, n in topics.items()]
+        )
+        for name, code, message in response.topic_errors:
+            if code not in (0, 36):  # 36: TOPIC_ALREADY_EXISTS
+                raise AssertionError(f"creating {name!r}: {for_code(code).__name__} {message}")
+    finally:
+        await admin.close()
 
 
 async def produce(settings: Settings, records: list[sample.SampleRecord]) -> None:

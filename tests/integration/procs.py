@@ -33,7 +33,7 @@ from pydantic import BaseModel, SecretStr
 from redis.exceptions import RedisError
 
 from service.dev import sample
-from service.dev.devstack import _die_with_parent_preexec
+from service.dev.servers import die_with_parent_preexec
 from service.engine import faults
 from service.engine.kafka_client import connection_kwargs
 from service.engine.keys import RedisKeys
@@ -101,7 +101,7 @@ class WorkerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent_preexec(),
+                preexec_fn=die_with_parent_preexec(),
             )
         return self
 

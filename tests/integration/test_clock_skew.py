@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, SecretStr
 
 from service import Context, RetryableError, handler
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from service.engine.keys import RedisKeys
 from service.engine.processing import open_processor
 from service.engine.records import Delivery, Outcome
@@ -207,7 +207,7 @@ def always_later(order: Order, ctx: Context) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("skew_s", [SKEW_S, -SKEW_S], ids=["ahead", "behind"])
 async def test_a_retry_parked_by_a_skewed_host_is_due_after_its_delay_by_redis_time(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_url: str,
     unique_name: str,
     monkeypatch: pytest.MonkeyPatch,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from service.engine import processing
+from service.engine import decisions
 from service.engine.metrics import Metrics
 from service.engine.processing import Processor
 from service.engine.records import Delivery, Outcome
@@ -131,7 +131,7 @@ async def test_record_beyond_a_configured_dedupe_window_is_dead_lettered_not_gra
     # Two days and a second later the marker is gone, and the record is redelivered.
     later = 2 * DAY_S + 1
     await pass_time_in_redis(env.redis, later)
-    monkeypatch.setattr(processing, "now_ms", lambda: start + later * 1000)
+    monkeypatch.setattr(decisions, "now_ms", lambda: start + later * 1000)
     assert await env.processor.process(payment("pay_1", start)) is Outcome.DEAD_LETTERED
     assert await env.grants("pay_1") == 1
     assert env.dead_letter_reasons() == ["beyond_dedupe_window"]

@@ -22,7 +22,8 @@ from service.engine.idempotency import (
     Idempotency,
 )
 from service.engine.keys import RedisKeys
-from service.engine.redis_client import RedisOps, RedisRefused
+from service.engine.redis_client import RedisOps
+from service.engine.redis_errors import RedisRefused
 from service.engine.settings import RedisSettings
 
 LEDGER = "fx:ledger:purchases"

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from service import Context, handler
-from service.dev.devstack import KafkaBroker, create_topics
+from service.dev.broker import Broker, create_topics
 from service.engine.faults import HEADER as FAULT_HEADER
 from service.engine.idempotency import ClaimRequest, ClaimStatus
 from service.engine.keys import RedisKeys
@@ -99,7 +99,7 @@ class Env:
 
 
 @pytest.fixture
-async def env(kafka_broker: KafkaBroker, redis_url: str, unique_name: str) -> AsyncIterator[Env]:
+async def env(kafka_broker: Broker, redis_url: str, unique_name: str) -> AsyncIterator[Env]:
     topics = {"optimistic": f"{unique_name}-opt", "claiming": f"{unique_name}-claim"}
     settings = make_settings(kafka_broker.bootstrap, redis_url, unique_name, topics=topics)
     outcomes = settings.outcomes_topic()

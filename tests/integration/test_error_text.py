@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from service import Context, PermanentError, handler
-from service.dev.devstack import KafkaBroker, create_topics
+from service.dev.broker import Broker, create_topics
 from service.engine.keys import RedisKeys
 from service.engine.processing import Processor, open_processor
 from service.engine.records import Delivery, Outcome
@@ -93,7 +93,7 @@ class Env:
 
 
 @pytest.fixture
-async def env(kafka_broker: KafkaBroker, redis_url: str, unique_name: str) -> AsyncIterator[Env]:
+async def env(kafka_broker: Broker, redis_url: str, unique_name: str) -> AsyncIterator[Env]:
     topic = f"{unique_name}-leaky"
     settings = make_settings(
         kafka_broker.bootstrap, redis_url, unique_name, topics={"leaky": topic}

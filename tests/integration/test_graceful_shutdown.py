@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import (
@@ -37,7 +37,7 @@ GRACE_S = 10.0
 
 @pytest.mark.timeout(300)
 async def test_sigterm_mid_run_exits_cleanly_and_loses_nothing(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_url: str,
     unique_name: str,
     spawn_worker: Callable[..., WorkerProcess],
@@ -46,9 +46,9 @@ async def test_sigterm_mid_run_exits_cleanly_and_loses_nothing(
         kafka_broker.bootstrap,
         redis_url,
         unique_name,
-        # The dev broker does not act on a LeaveGroup: the restarted worker waits out the
-        # old member's session, so keep it short.
-        kafka={"session_timeout_ms": 4_000, "heartbeat_interval_ms": 1_000},
+        # Tansu does not act on a LeaveGroup: the restarted worker waits out the old
+        # member's session, so keep it short (6 s: the least Apache Kafka accepts by default).
+        kafka={"session_timeout_ms": 6_000, "heartbeat_interval_ms": 1_000},
         idempotency={"lease_ms": 3_000},
         retry={"lease_ms": 3_000, "max_attempts": 3},
         handler_timeout_s=1.0,

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from service import Context, handler
-from service.dev.devstack import KafkaBroker, create_topics
+from service.dev.broker import Broker, create_topics
 from service.engine.errors import ConfigurationError
 from service.engine.keys import RedisKeys
 from service.engine.processing import Processor, open_processor
@@ -77,7 +77,7 @@ class Env:
 
 
 @pytest.fixture
-async def env(kafka_broker: KafkaBroker, redis_url: str, unique_name: str) -> AsyncIterator[Env]:
+async def env(kafka_broker: Broker, redis_url: str, unique_name: str) -> AsyncIterator[Env]:
     topics = {"payments": f"{unique_name}-pay", "orders": f"{unique_name}-orders"}
     settings = make_settings(kafka_broker.bootstrap, redis_url, unique_name, topics=topics)
     outcomes = settings.outcomes_topic()

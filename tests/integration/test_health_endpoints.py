@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker, RedisServer, free_port
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
+from service.dev.servers import free_port
 from service.engine.retries import RetryScheduler
 from service.engine.worker import Worker
 from tests.helpers import await_until
@@ -39,7 +41,7 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 
 async def test_readiness_follows_assignment_and_redis_and_metrics_show_partitions(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     port = free_port()
     settings = make_settings(
@@ -94,7 +96,7 @@ def _http(port: int) -> dict[str, Any]:
 
 
 async def test_retry_scheduler_only_process_stays_live_past_the_poll_gap(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """Defect 13: `service retry-scheduler` never polls Kafka, so /healthz must not wait for it."""
     port = free_port()
@@ -117,7 +119,7 @@ async def test_retry_scheduler_only_process_stays_live_past_the_poll_gap(
 
 
 async def test_healthz_fails_when_a_background_loop_dies(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -141,7 +143,7 @@ async def test_healthz_fails_when_a_background_loop_dies(
 
 
 async def test_healthz_fails_when_the_poll_loop_stalls_while_the_event_loop_runs(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -185,7 +187,7 @@ async def test_healthz_fails_when_the_poll_loop_stalls_while_the_event_loop_runs
 
 
 async def test_not_ready_before_joining_the_group(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -216,7 +218,7 @@ async def test_not_ready_before_joining_the_group(
 
 
 async def test_worker_given_zero_partitions_is_a_live_standby_not_ready(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """Defect 13: two workers, one partition; the idle one must not report ready."""
     ports = [free_port(), free_port()]
@@ -232,7 +234,7 @@ async def test_worker_given_zero_partitions_is_a_live_standby_not_ready(
         def settled() -> bool:
             counts = sorted(w.health.assigned_partitions for w in workers)
             joined = all(w.health.joined_group for w in workers)
-            return joined and counts == [0, 1] and not any(w._revoking for w in workers)
+            return joined and counts == [0, 1] and not any(w.intake.revoking for w in workers)
 
         await await_until(settled, 60, message="no 1 + 0 assignment")
         idle = 0 if workers[0].health.assigned_partitions == 0 else 1
@@ -244,7 +246,7 @@ async def test_worker_given_zero_partitions_is_a_live_standby_not_ready(
 
 
 async def test_not_ready_while_stopping_but_still_live(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     monkeypatch: pytest.MonkeyPatch,

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.engine.processing import Processor
 from service.engine.records import Delivery
 from service.engine.worker import Worker
@@ -43,7 +44,7 @@ def _large(n: int) -> list[sample.SampleRecord]:
 
 
 async def test_in_flight_bytes_stay_within_the_byte_budget_and_all_is_granted(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -85,7 +86,7 @@ async def test_in_flight_bytes_stay_within_the_byte_budget_and_all_is_granted(
             paused_all = (
                 consumer is not None
                 and bool(consumer.assignment())
-                and worker._paused == set(consumer.assignment())
+                and worker.intake.paused == set(consumer.assignment())
             )
             return held["records"] > 0 and (paused_all or held["records"] == len(records))
 

@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from service import Context, RetryableError, handler
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from service.engine.keys import RedisKeys
 from service.engine.processing import Processor, open_processor
 from service.engine.records import Delivery, Outcome
@@ -131,7 +131,7 @@ class Env:
 
 
 @pytest.fixture
-async def env(kafka_broker: KafkaBroker, redis_url: str, unique_name: str) -> AsyncIterator[Env]:
+async def env(kafka_broker: Broker, redis_url: str, unique_name: str) -> AsyncIterator[Env]:
     # Every value here passes validation: the lease outlasts the timeout by 100 ms.
     settings = make_settings(
         kafka_broker.bootstrap,

@@ -1,6 +1,6 @@
 """Per-key order on a real broker: records sharing a Kafka key run one after another, in
-offset order, within a batch (processing._waves) and across batches of a partition (the
-key-overlap wait in Worker._dispatch), while records and batches of other keys run at
+offset order, within a batch (jobs.key_waves) and across batches of a partition (the
+key-overlap wait in Intake._dispatch), while records and batches of other keys run at
 the same time.
 
 The handler below is a claiming `async def` handler that logs when each record starts
@@ -25,7 +25,8 @@ from aiokafka.structs import TopicPartition
 from pydantic import BaseModel
 
 from service import Context, handler
-from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.dev.broker import Broker, create_topics
+from service.dev.redis_server import RedisServer
 from service.engine.kafka_client import connection_kwargs
 from service.engine.processing import open_processor
 from service.engine.records import Delivery, Outcome
@@ -177,7 +178,7 @@ def assert_key_order(probe: Probe, by_key: dict[str, list[str]]) -> None:
 
 
 async def test_records_sharing_a_key_run_in_offset_order_within_a_batch(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """One fetched batch with keys A B C A B C A B C: three waves, each one of every key."""
     settings = settings_for(kafka_broker.bootstrap, redis_server.url, unique_name)
@@ -212,7 +213,7 @@ def released(probe: Probe) -> Iterator[None]:
 
 
 async def test_a_batch_waits_for_an_earlier_batch_of_the_same_key_but_not_for_others(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """Batches of one record: A1 is held; A2 (same key) must wait for it, C3 must not."""
     settings = settings_for(

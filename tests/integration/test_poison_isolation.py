@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from service.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 async def test_a_record_that_breaks_processing_is_isolated_and_dead_lettered(
-    kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     settings = make_settings(kafka_broker.bootstrap, redis_url, unique_name)
     await prepare_topics(settings, partitions=1)
@@ -25,7 +25,7 @@ async def test_a_record_that_breaks_processing_is_isolated_and_dead_lettered(
     assert poison.payment_id is not None
 
     async with running_worker(settings) as worker:
-        prepare = worker.processor._prepare
+        prepare = worker.processor.decisions.prepare
 
         def broken_prepare(delivery: Any) -> Any:
             # Stands for a bug in our own code path, triggered by one record's content.
@@ -33,7 +33,7 @@ async def test_a_record_that_breaks_processing_is_isolated_and_dead_lettered(
                 raise RuntimeError("simulated bug in the worker")
             return prepare(delivery)
 
-        worker.processor._prepare = broken_prepare  # type: ignore[method-assign]
+        worker.processor.decisions.prepare = broken_prepare  # type: ignore[method-assign]
         await produce(settings, records)
 
         async def settled() -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import (
@@ -37,7 +37,7 @@ GRACE_S = 10.0
 
 @pytest.mark.timeout(300)
 async def test_a_worker_leaving_mid_run_hands_over_its_partitions(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_url: str,
     unique_name: str,
     spawn_worker: Callable[..., WorkerProcess],

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import pytest
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
@@ -36,7 +37,7 @@ FAILED = "redis call failed"
 
 @pytest.mark.timeout(300)
 async def test_redis_restart_mid_run(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     spawn_worker: Callable[..., WorkerProcess],

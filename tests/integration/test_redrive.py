@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.engine.kafka_client import make_producer
-from service.engine.processing import REDRIVE_HEADER
 from service.engine.publisher import KEY_SUBSTITUTED_HEADER
+from service.engine.records import REDRIVE_HEADER
 from service.engine.settings import Settings
 from service.ops import audit
 from service.ops.redrive import redrive
@@ -50,7 +51,7 @@ async def _wait_grants(settings: Settings, ids: set[str]) -> dict[str, int]:
 
 
 async def test_redrive_by_reason_leaves_other_reasons_for_a_later_redrive(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     faulty = make_settings(kafka_broker.bootstrap, redis_server.url, unique_name)
     await prepare_topics(faulty, partitions=2)
@@ -99,7 +100,7 @@ async def test_redrive_by_reason_leaves_other_reasons_for_a_later_redrive(
 
 
 async def test_redrive_stops_at_the_end_offsets_seen_at_start(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """Records that fail again land in the dead-letter topic behind the run: not re-read."""
     settings = make_settings(kafka_broker.bootstrap, redis_server.url, unique_name)
@@ -123,7 +124,7 @@ async def test_redrive_stops_at_the_end_offsets_seen_at_start(
 
 
 async def test_redrive_never_retakes_a_redriven_records_dead_letter_unless_asked(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """A record that fails again after a redrive does not come back on every run.
 
@@ -169,7 +170,7 @@ async def _count(records_coro: Awaitable[list[Any]], n: int) -> bool:
 
 
 async def test_redrive_of_a_keyless_tombstone_sends_it_back_as_it_came(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """Its dead letter carries a substituted key; the redriven record has none again.
 

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from service.engine.idempotency import ClaimRequest, ClaimStatus, Idempotency, fingerprint
 from service.engine.keys import RedisKeys
 from service.engine.records import Delivery
@@ -34,7 +34,7 @@ DEAD_LEASE_MS = 2_000
 
 @pytest.mark.timeout(120)
 async def test_a_dead_workers_retry_runs_again_after_its_lease(
-    kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     settings = make_settings(
         kafka_broker.bootstrap,
@@ -106,7 +106,7 @@ async def test_a_dead_workers_retry_runs_again_after_its_lease(
 
 @pytest.mark.timeout(120)
 async def test_a_hanging_handler_times_out_is_retried_then_dead_lettered(
-    kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     attempts = 3
     settings = make_settings(

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from service.engine import processing
+from service.engine.decisions import Decisions
 from service.engine.idempotency import FinishRequest, Idempotency
 from service.engine.keys import RedisKeys
-from service.engine.processing import Processor
 from service.engine.records import Delivery
 from service.engine.redis_client import RedisOps, make_client
 from service.engine.retries import ParkRequest, RetryQueue
@@ -50,9 +50,9 @@ def payment(n: int) -> bytes:
 
 def break_processing(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bugs in our own path, triggered by one record each (not by its handler)."""
-    prepare, finish_many = Processor._prepare, Idempotency.finish_many
+    prepare, finish_many = Decisions.prepare, Idempotency.finish_many
 
-    def broken_prepare(self: Processor, delivery: Delivery) -> Any:
+    def broken_prepare(self: Decisions, delivery: Delivery) -> Any:
         if delivery.key == BREAKS_BEFORE_WRITING:
             raise RuntimeError("simulated bug before the effects")
         return prepare(self, delivery)
@@ -63,13 +63,13 @@ def break_processing(monkeypatch: pytest.MonkeyPatch) -> None:
             raise RuntimeError("simulated bug after the effects")
         return results
 
-    monkeypatch.setattr(Processor, "_prepare", broken_prepare)
+    monkeypatch.setattr(Decisions, "prepare", broken_prepare)
     monkeypatch.setattr(Idempotency, "finish_many", broken_finish)
     monkeypatch.setattr(processing, "INTERNAL_BACKOFF_MAX_S", 0.2)  # keep the test short
 
 
 async def test_poison_retry_is_dead_lettered_and_its_batch_mates_granted(
-    kafka_broker: KafkaBroker, redis_url: str, unique_name: str, monkeypatch: pytest.MonkeyPatch
+    kafka_broker: Broker, redis_url: str, unique_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = make_settings(kafka_broker.bootstrap, redis_url, unique_name)
     topic, prefix = settings.topics["payments"], settings.redis.key_prefix

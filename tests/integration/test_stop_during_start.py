@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from service.dev.devstack import RedisServer
+from service.dev.redis_server import RedisServer
 from tests.helpers import wait_until
 from tests.integration.harness import make_settings
 from tests.integration.procs import WorkerProcess

@@ -7,7 +7,8 @@ import logging
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.dev.broker import Broker, create_topics
+from service.dev.redis_server import RedisServer
 from service.engine.errors import ConfigurationError
 from service.engine.kafka_client import connection_kwargs
 from service.engine.worker import Worker
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 async def test_production_mode_refuses_to_start_on_a_dead_letter_topic_with_one_replica(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     """The dev broker has one replica and no min.insync.replicas: an ack is the leader's."""
     settings = make_settings(
@@ -36,7 +37,7 @@ async def test_production_mode_refuses_to_start_on_a_dead_letter_topic_with_one_
 
 
 async def test_auto_mode_requires_durable_topics_when_redis_durability_is_not_local(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     settings = make_settings(
         kafka_broker.bootstrap,
@@ -50,7 +51,7 @@ async def test_auto_mode_requires_durable_topics_when_redis_durability_is_not_lo
 
 
 async def test_auto_mode_only_warns_with_local_redis_durability(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     caplog: pytest.LogCaptureFixture,
@@ -65,7 +66,7 @@ async def test_auto_mode_only_warns_with_local_redis_durability(
 
 
 async def test_a_missing_dead_letter_topic_is_reported_and_not_created_by_the_check(
-    kafka_broker: KafkaBroker, redis_server: RedisServer, unique_name: str
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
 ) -> None:
     settings = make_settings(
         kafka_broker.bootstrap, redis_server.url, unique_name, topic_durability="require"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from tests.integration.harness import (
     assert_invariants,
     make_settings,
@@ -15,7 +15,7 @@ from tests.integration.harness import (
 
 
 async def test_mixed_run_grants_each_payment_once(
-    kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     settings = make_settings(kafka_broker.bootstrap, redis_url, unique_name)
     await prepare_topics(settings, partitions=3)

@@ -5,6 +5,9 @@ with ``--key``, and ``--cert`` alone still serves plaintext), so the real-TLS te
 TLS-terminating proxy that demands a client certificate in front of a dedicated Tansu
 that advertises the proxy's address. aiokafka does the whole TLS handshake for real:
 CA verification, host name check, client certificate with an encrypted key.
+
+That dedicated broker is Tansu whatever `WORKER_TEST_BROKER` chooses for the session
+(it needs Tansu's advertised-listener flag; see tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError
 
 from service.dev import sample
-from service.dev.devstack import LOOPBACK, KafkaBroker, free_port
+from service.dev.servers import LOOPBACK, free_port
+from service.dev.tansu import TansuBroker
 from service.engine.kafka_client import connection_kwargs, make_consumer, make_producer
 from service.engine.settings import KafkaSettings, Settings
 from tests.integration.harness import assert_invariants, make_settings, running_worker, wait_settled
@@ -133,7 +137,7 @@ def test_sasl_without_credentials_is_refused_by_settings(protocol: str) -> None:
 # --- a real mutual-TLS run --------------------------------------------------------------------
 
 
-class _BrokerBehindProxy(KafkaBroker):
+class _BrokerBehindProxy(TansuBroker):
     """Tansu listening in plaintext on its port, advertising the TLS proxy's address."""
 
     def __init__(self, work_dir: Path, advertised_port: int) -> None:

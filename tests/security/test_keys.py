@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from service.engine.context import Context, Effects, InvalidEffect
 from service.engine.keys import ENGINE_NAMESPACES, MAX_INLINE_KEY_BYTES, RedisKeys, effect_key
-from service.engine.redis_client import RedisOps
+from service.engine.redis_durability import fence_key
 from service.engine.settings import HANDLER_NAME, RedisSettings
 
 PREFIX = st.from_regex(r"\A[A-Za-z0-9._-]{1,64}\Z")
@@ -141,7 +141,7 @@ def engine_keys(prefix: str) -> list[str]:
         params = inspect.signature(method).parameters.values()
         found.append(method(*(b"x" if p.annotation in (bytes, "bytes") else "x" for p in params)))
     settings = RedisSettings(key_prefix=prefix)
-    found.append(RedisOps(None, settings).fence_key)  # type: ignore[arg-type]
+    found.append(fence_key(settings))
     return found
 
 

@@ -23,15 +23,11 @@ from redis.exceptions import AuthenticationError, NoPermissionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service.dev import sample
-from service.dev.devstack import (
-    REDIS_BIN_ENV,
-    DevStackError,
-    RedisServer,
-    find_redis_server,
-    free_port,
-)
+from service.dev.redis_server import REDIS_BIN_ENV, RedisServer, find_redis_server
+from service.dev.servers import DevStackError, free_port
 from service.engine.keys import RedisKeys
 from service.engine.redis_client import RedisOps, make_client
+from service.engine.redis_persistence import check_persistence
 from service.engine.settings import RedisSettings
 from service.ops import audit
 from tests.helpers import await_until
@@ -152,7 +148,7 @@ async def test_acl_user_over_tls_can_do_its_work(tls_redis: TlsRedis) -> None:
         assert await client.ping()
         ops = RedisOps(client, settings)
         # INFO is granted, CONFIG is not: the check still runs, appendfsync is unknown.
-        assert await ops.check_persistence() == []
+        assert await check_persistence(ops.client, ops.settings) == []
         await client.set(f"{PREFIX}:probe", "1")
         with pytest.raises(NoPermissionError):
             await client.set("someone-else:key", "1")

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaError
 
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.engine.errors import ConfigurationError
 from service.engine.settings import Settings, load_settings
 from service.engine.worker import Worker
@@ -217,7 +218,7 @@ def test_failing_run_does_not_leak(
 
 @pytest.mark.timeout(90)
 async def test_worker_logs_and_metrics_carry_no_secret(
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server_factory: Callable[..., RedisServer],
     caplog: pytest.LogCaptureFixture,
     tmp_path: Path,
