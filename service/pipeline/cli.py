@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from service.project import SERVICE_NAME
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
@@ -42,10 +44,26 @@ MasterOption = Annotated[
 ConfOption = Annotated[
     list[str] | None, typer.Option("--conf", help="Spark config key=value (repeatable).")
 ]
-ImplementationOption = Annotated[
+SourceOption = Annotated[
     str,
-    typer.Option(help="Kafka source: auto (official connector if present), official, python."),
+    typer.Option(
+        "--source",
+        envvar="PIPELINE_SOURCE",
+        help="Spark source that reads Kafka: kafka (Spark's official connector, fetched from "
+        "Maven Central at start unless spark-submit was given it) or kafka_py (the project's "
+        "own, needs nothing fetched).",
+    ),
 ]
+_SOURCES = ("kafka", "kafka_py")
+
+
+def _check_source(source: str) -> str:
+    """A clear error naming the option and its environment variable, before Spark starts."""
+    if source not in _SOURCES:
+        raise typer.BadParameter(
+            f"--source (PIPELINE_SOURCE) must be kafka or kafka_py, not {source!r}"
+        )
+    return source
 
 
 @pipeline_app.callback()
@@ -205,7 +223,7 @@ def reconcile(
     ] = "0s",
     master: MasterOption = None,
     conf: ConfOption = None,
-    implementation: ImplementationOption = "auto",
+    source: SourceOption = "kafka",
     max_listed: Annotated[int, typer.Option(help="Keys listed per problem kind.")] = 1000,
     chart: Annotated[
         Path | None,
@@ -245,7 +263,7 @@ def reconcile(
         grace_ms=int(parse_duration(grace).total_seconds() * 1000),
         max_listed=max_listed,
         kafka_options=_kafka_options(settings),
-        implementation=implementation,
+        source=_check_source(source),
     )
     try:  # before Spark starts: a topic no handler is bound to cannot be joined
         rc.key_fields()
@@ -257,13 +275,16 @@ def reconcile(
     # Inside a process that already runs Spark (a notebook, the tests) reuse its session and
     # leave it running; --master then has no effect.
     owned = SparkSession.getActiveSession() is None
-    spark = _session(master, spark_conf, "payments-reconcile")
+    spark = _session(master, spark_conf, f"{SERVICE_NAME}-reconcile", source)
     try:
         report = run_reconcile(spark, rc)
         if chart is not None:
             from service.pipeline.chart import write_chart
 
             write_chart(spark.read.parquet(str(out / "payments")), chart)
+    except ValueError as exc:  # e.g. --source kafka without the connector on the classpath
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
     finally:
         if owned:
             spark.stop()
@@ -276,8 +297,11 @@ def reconcile(
     raise typer.Exit(report.exit_code)
 
 
-def _session(master: str | None, conf: dict[str, str], app_name: str) -> SparkSession:
+def _session(master: str | None, conf: dict[str, str], app_name: str, source: str) -> SparkSession:
     """A new session: `build_spark`'s local defaults, unless spark-submit launched us.
+
+    Locally, `--source kafka` has Spark fetch its connector at start (exit 2 with the reason
+    if it cannot); under spark-submit the connector is spark-submit's `--packages`.
 
     Under spark-submit (it hands this process its JVM through PYSPARK_GATEWAY_PORT) the
     master and configuration given to spark-submit are the cluster's and must win: the
@@ -285,10 +309,16 @@ def _session(master: str | None, conf: dict[str, str], app_name: str) -> SparkSe
     """
     from pyspark.sql import SparkSession
 
-    from service.pipeline.spark import build_spark
+    from service.pipeline.spark import ConnectorUnavailableError, build_spark
 
     if "PYSPARK_GATEWAY_PORT" not in os.environ:
-        return build_spark(master or "local[*]", conf, app_name=app_name)
+        try:
+            return build_spark(
+                master or "local[*]", conf, app_name=app_name, kafka_connector=source == "kafka"
+            )
+        except ConnectorUnavailableError as exc:
+            err.print(f"[red]{exc}[/]", highlight=False)
+            raise typer.Exit(2) from None
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
@@ -382,7 +412,7 @@ def replay(
     ] = None,
     master: MasterOption = None,
     conf: ConfOption = None,
-    implementation: ImplementationOption = "auto",
+    source: SourceOption = "kafka",
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the report as JSON instead of tables.")
     ] = False,
@@ -415,7 +445,7 @@ def replay(
     # is and leave it running; --master and --conf then have no effect.
     active = SparkSession.getActiveSession()
     owned = active is None
-    spark = active or _session(master, spark_conf, "payments-replay")
+    spark = active or _session(master, spark_conf, f"{SERVICE_NAME}-replay", _check_source(source))
     try:
         report = run_replay(
             spark,
@@ -428,7 +458,7 @@ def replay(
             partitions=partition,
             dry_run=dry_run,
             batch_size=batch_size,
-            implementation=implementation,
+            source=source,
         )
     except (ValueError, ConfigurationError) as exc:
         err.print(f"[red]{exc}[/]", highlight=False)

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
+from service.project import SERVICE_NAME
+
 __all__ = [
     "EARLIEST",
     "LATEST",
@@ -69,7 +71,7 @@ class KafkaConfig:
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
-    client_id: str = "payments-pipeline"
+    client_id: str = f"{SERVICE_NAME}-pipeline"
     request_timeout_ms: int = 30_000
     # A read that makes no progress for this long fails the task instead of hanging the job.
     poll_timeout_ms: int = 120_000

@@ -47,7 +47,7 @@ from service.pipeline.kafka_reader import (
     offsets_to_json,
     resolve_ranges,
 )
-from service.pipeline.source import KAFKA_SCHEMA, read_topic
+from service.pipeline.source import DEFAULT_SOURCE, KAFKA_SCHEMA, read_topic
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -151,7 +151,8 @@ class ReconcileConfig:
     grace_ms: int = 0
     max_listed: int = 1000
     kafka_options: Mapping[str, str] = field(default_factory=dict)
-    implementation: str = "auto"
+    source: str = DEFAULT_SOURCE
+    """Spark source to read Kafka with: `kafka` (Spark's official) or `kafka_py` (ours)."""
 
     @property
     def dead_letter_topics(self) -> tuple[str, ...]:
@@ -339,7 +340,7 @@ def _read(
         spark,
         rc.bootstrap,
         list(ending),
-        implementation=rc.implementation,
+        source=rc.source,
         startingOffsets="earliest",
         endingOffsets=json.dumps(ending),
         **dict(rc.kafka_options),

@@ -279,7 +279,7 @@ _OUTCOME_FIELD = {
 
 def _deliveries(batches: Iterable[pa.RecordBatch], *, fault_injection: bool) -> Iterator[Delivery]:
     """Rows of KAFKA_SCHEMA as the worker's `Delivery` (attempt 1, headers as the worker has:
-    the reserved ones a producer may not set are dropped, as `Worker._dispatch` does)."""
+    the reserved ones a producer may not set are dropped, as `Intake._dispatch` does)."""
     for batch in batches:
         ts = batch.column("timestamp")
         millis = ts.cast(pa.timestamp("ms", tz=ts.type.tz), safe=False).cast(pa.int64())
@@ -383,11 +383,11 @@ async def _check(
 ) -> None:
     """Dry run: classify each record against the idempotency markers (MGET only, no writes).
 
-    Mirrors the decisions of `Processor._prepare` and the CLAIM script (redis_scripts.py).
+    Mirrors the decisions of `Decisions.prepare` and the CLAIM script (engine/lua_claims.py).
     """
+    from service.engine.decoding import DecodeFailure, decode
     from service.engine.idempotency import fingerprint
     from service.engine.keys import RedisKeys
-    from service.engine.processing import DecodeFailure, decode
     from service.engine.redis_client import make_client
     from service.engine.retries import now_ms
 
@@ -551,13 +551,14 @@ def run_replay(
     partitions: Collection[int] | None = None,
     dry_run: bool = False,
     batch_size: int | None = None,
-    implementation: str = "auto",
+    source: str = "kafka",
 ) -> ReplayReport:
     """Replay a range through the worker's path on Spark executors; sum their outcomes.
 
     `topics` default to every topic bound in `settings.topics`; a topic without a handler is
     refused (each of its records would be dead-lettered as unroutable). `batch_size` defaults
-    to the worker's `max_batch_records`. See `plan_ranges` for the range arguments.
+    to the worker's `max_batch_records`. See `plan_ranges` for the range arguments. `source`
+    is the Spark source that reads the range: `kafka` (Spark's official) or `kafka_py`.
     """
     started = time.monotonic()
     topics = list(topics) if topics else list(settings.topics.values())
@@ -587,7 +588,7 @@ def run_replay(
         spark,
         settings.kafka.bootstrap_servers,
         topics,
-        implementation=implementation,
+        source=source,
         startingOffsets=json.dumps(offsets_to_json({r.tp: r.start for r in ranges})),
         endingOffsets=json.dumps(offsets_to_json({r.tp: r.end for r in ranges})),
         maxRecordsPerPartition=UNSPLIT,

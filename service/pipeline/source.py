@@ -1,11 +1,18 @@
-"""A Spark source for Kafka topics: the official `kafka` format when present, else our own.
+"""A Spark source for Kafka topics: Spark's official `kafka` format, or `kafka_py`, our own.
 
 The official connector (`spark-sql-kafka-0-10`) is a Maven artifact that is not reachable from
-every machine this project runs on, so `KafkaDataSource` reimplements the part we need on
+every machine Spark runs on, so `KafkaDataSource` reimplements the part we need on
 Spark 4's Python Data Source API, with the same schema and the same option names
 (`startingOffsets`, `endingOffsets`, `startingTimestamp`, `endingTimestamp`,
 `maxRecordsPerPartition`, `failOnDataLoss`, `maxOffsetsPerTrigger`), so `read_topic()`
 callers get the same DataFrame either way.
+
+The end of a batch read is fixed when `read_topic` is called, whichever the source:
+`endingOffsets` "latest" (the default) becomes each partition's high watermark, read from a
+Fetch response (`pin_latest_ends`). The DataFrame then reads the same records at every
+action, and no broker's ListOffsets answer can shorten it (Tansu 0.6 under-reports "latest";
+the official source asked it directly read 1,905 of 3,000 records there). If the watermarks
+cannot be read, `read_topic` raises instead of reading less.
 
 Options of the Python source (case-insensitive; defaults after the dash):
 - `bootstrap` (or `kafka.bootstrap.servers`): host:port list - required
@@ -28,6 +35,7 @@ Options of the Python source (case-insensitive; defaults after the dash):
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -87,12 +95,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_MAX_RECORDS_PER_PARTITION",
+    "DEFAULT_SOURCE",
     "KAFKA_ARROW_SCHEMA",
     "KAFKA_SCHEMA",
     "PYTHON_FORMAT",
+    "SOURCES",
     "KafkaDataSource",
     "KafkaInputPartition",
     "kafka_connector_available",
+    "official_options",
+    "pin_latest_ends",
     "read_topic",
     "read_topic_stream",
     "records_to_arrow",
@@ -396,7 +408,7 @@ def _cap(start: PartitionOffsets, latest: PartitionOffsets, max_rows: int) -> Pa
 
 
 # --------------------------------------------------------------------------------------------
-# Choosing an implementation
+# Choosing a source
 # --------------------------------------------------------------------------------------------
 
 
@@ -424,26 +436,91 @@ def register_kafka_source(spark: SparkSession) -> None:
     spark.dataSource.register(KafkaDataSource)
 
 
-_PYTHON_ONLY_OPTIONS = {"committogroup", "polltimeoutms"}
+SOURCES = (OFFICIAL_FORMAT, PYTHON_FORMAT)
+DEFAULT_SOURCE = OFFICIAL_FORMAT
+"""Spark's own reader by default: on a cluster it is the maintained, JVM-native path (pooled
+Java consumers, no Python per record, the cluster's Kafka security), fetched with
+`--packages`. `kafka_py` is for Spark without Maven Central and for PEM client certificates."""
+
+_PYTHON_ONLY_OPTIONS = {"committogroup", "polltimeoutms", "kafkaconsumer.polltimeoutms"}
+_PEM_AND_SASL_OPTIONS = (
+    "kafka.sasl.username",
+    "kafka.sasl.password",
+    "kafka.ssl.cafile",
+    "kafka.ssl.certfile",
+    "kafka.ssl.keyfile",
+)
+_LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
+
+
+def _jaas_quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def official_options(options: Mapping[str, str]) -> dict[str, str]:
+    """`kafka_py` options as the official source's: the worker's PEM and SASL settings become
+    Java client properties, and headers are asked for (the Java source leaves them out unless
+    `includeHeaders` is set, and reconcile and replay read them)."""
+    by_name = {k.lower(): v for k, v in options.items()}
+    out = {
+        k: v
+        for k, v in options.items()
+        if k.lower() not in _PYTHON_ONLY_OPTIONS and k.lower() not in _PEM_AND_SASL_OPTIONS
+    }
+    out.setdefault("includeHeaders", "true")
+    if by_name.get("kafka.ssl.certfile") or by_name.get("kafka.ssl.keyfile"):
+        raise ValueError(
+            "client certificates (WORKER_KAFKA__SSL_CERTFILE/SSL_KEYFILE, PEM files for the "
+            "Python client) are not passed to Spark's kafka source: use --source kafka_py"
+        )
+    cafile = by_name.get("kafka.ssl.cafile")
+    if cafile:
+        out["kafka.ssl.truststore.type"] = "PEM"
+        out["kafka.ssl.truststore.location"] = cafile
+    username = by_name.get("kafka.sasl.username")
+    password = by_name.get("kafka.sasl.password")
+    if username or password:
+        mechanism = (by_name.get("kafka.sasl.mechanism") or "PLAIN").upper()
+        module = _LOGIN_MODULES.get(mechanism)
+        if module is None:
+            raise ValueError(
+                f"kafka.sasl.mechanism {mechanism!r}: expected one of {sorted(_LOGIN_MODULES)}"
+            )
+        out["kafka.sasl.jaas.config"] = (
+            f"{module} required username={_jaas_quote(username or '')} "
+            f"password={_jaas_quote(password or '')};"
+        )
+    return out
 
 
 def _reader_options(
     spark: SparkSession,
     bootstrap: str,
     topics: str | Sequence[str],
-    implementation: str,
+    source: str,
     options: Mapping[str, Any],
 ) -> tuple[str, dict[str, str]]:
     names = topics if isinstance(topics, str) else ",".join(topics)
     opts = {k: str(v) for k, v in options.items() if v is not None}
-    if implementation not in {"auto", "official", "python"}:
-        raise ValueError(f"implementation must be auto, official or python: {implementation!r}")
-    official = implementation == "official" or (
-        implementation == "auto" and kafka_connector_available(spark)
-    )
-    if official:
-        opts = {k: v for k, v in opts.items() if k.lower() not in _PYTHON_ONLY_OPTIONS}
-        return OFFICIAL_FORMAT, {"kafka.bootstrap.servers": bootstrap, "subscribe": names, **opts}
+    if source not in SOURCES:
+        raise ValueError(f"the pipeline source must be one of {', '.join(SOURCES)}: {source!r}")
+    if source == OFFICIAL_FORMAT:
+        if not kafka_connector_available(spark):
+            raise ValueError(
+                f"Spark's kafka source ({OFFICIAL_PROVIDER}) is not on this session's "
+                "classpath: start Spark with --packages "
+                "org.apache.spark:spark-sql-kafka-0-10_2.13:<its Spark version>, or use the "
+                "project's own with --source kafka_py (PIPELINE_SOURCE=kafka_py)"
+            )
+        return OFFICIAL_FORMAT, {
+            "kafka.bootstrap.servers": bootstrap,
+            "subscribe": names,
+            **official_options(opts),
+        }
     register_kafka_source(spark)
     return PYTHON_FORMAT, {"bootstrap": bootstrap, "topic": names, **opts}
 
@@ -453,17 +530,55 @@ def read_topic(
     bootstrap: str,
     topics: str | Sequence[str],
     *,
-    implementation: str = "auto",
+    source: str = DEFAULT_SOURCE,
     **options: Any,
 ) -> DataFrame:
-    """Batch-read Kafka topics into KAFKA_SCHEMA with the official format or `kafka_py`.
+    """Batch-read Kafka topics into KAFKA_SCHEMA with `source`: `kafka` or `kafka_py`.
 
-    `options` are Spark kafka options (`startingOffsets`, `endingOffsets`, ...). Offsets are
-    resolved when the query is planned: read a consistent snapshot by passing explicit
-    `endingOffsets` (the reconcile job does).
+    `options` are Spark kafka options (`startingOffsets`, `endingOffsets`, ...). The end is
+    fixed here, when read_topic is called: `endingOffsets` "latest" (the default) and any
+    partition's -1 become that partition's high watermark now (see `pin_latest_ends`), so
+    every action on the DataFrame reads the same records, through either source.
     """
-    fmt, opts = _reader_options(spark, bootstrap, topics, implementation, options)
+    ending = pin_latest_ends(bootstrap, topics, options)
+    options = {k: v for k, v in options.items() if k.lower() != "endingoffsets"}
+    if ending is not None:
+        options["endingOffsets"] = ending
+    fmt, opts = _reader_options(spark, bootstrap, topics, source, options)
     return spark.read.format(fmt).options(**opts).load()
+
+
+def pin_latest_ends(
+    bootstrap: str, topics: str | Sequence[str], options: Mapping[str, Any]
+) -> str | None:
+    """`endingOffsets` of a batch read with every "latest" replaced by the high watermark.
+
+    A batch read that asks for "latest" means "everything written so far": the high
+    watermark, the offset after the last record any consumer can read. Left to the source,
+    "latest" is resolved anew each time Spark plans the lazy DataFrame (each action), and by
+    the official connector through ListOffsets, which not every Kafka-protocol broker answers
+    with the high watermark (Tansu 0.6 answers the last batch's base offset + 1: a silent
+    short read). So it is resolved once, here, from the high watermark every Fetch response
+    carries (`kafka_reader.resolve_ranges`, the same resolution `kafka_py` plans with).
+    If the watermarks cannot be read, this raises (KafkaError, TimeoutError, ValueError for
+    a missing topic): never a shorter read. Explicit offsets are passed through unchanged;
+    with `endingTimestamp` the source resolves the end itself (returns the option as given).
+    """
+    given = {k: str(v) for k, v in options.items() if v is not None}
+    ending_offsets = _opt(given, "endingOffsets")
+    if _opt(given, "endingTimestamp"):
+        return ending_offsets
+    ending = OffsetSpec.parse(ending_offsets, None, LATEST)
+    if ending.default != LATEST and LATEST not in ending.per_partition.values():
+        return ending_offsets
+    names = [t.strip() for t in topics.split(",")] if isinstance(topics, str) else list(topics)
+    config = KafkaConfig.from_options({**given, "bootstrap": bootstrap})
+    ranges = resolve_ranges(config, names, OffsetSpec(EARLIEST), ending, fail_on_data_loss=False)
+    ends = {}
+    for r in ranges:
+        asked = ending.per_partition.get(r.tp, ending.default)
+        ends[r.tp] = r.end if asked == LATEST else asked
+    return json.dumps(offsets_to_json(ends))
 
 
 def read_topic_stream(
@@ -471,9 +586,9 @@ def read_topic_stream(
     bootstrap: str,
     topics: str | Sequence[str],
     *,
-    implementation: str = "auto",
+    source: str = DEFAULT_SOURCE,
     **options: Any,
 ) -> DataFrame:
     """Streaming counterpart of `read_topic` (Structured Streaming micro-batches)."""
-    fmt, opts = _reader_options(spark, bootstrap, topics, implementation, options)
+    fmt, opts = _reader_options(spark, bootstrap, topics, source, options)
     return spark.readStream.format(fmt).options(**opts).load()

@@ -1,4 +1,9 @@
-"""SparkSession construction for the pipeline jobs: Java discovery and safe local defaults."""
+"""SparkSession construction for the pipeline jobs: Java, the Kafka connector, local defaults.
+
+Spark's official `kafka` source is a Maven artifact, not part of pyspark. `build_spark` has
+Spark fetch it itself (`spark.jars.packages`, resolved by Ivy from Maven Central when the JVM
+starts) into a cache outside the checkout, so a second start is offline and quick.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,24 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from service.project import SERVICE_NAME
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["DEFAULT_CONF", "build_spark", "ensure_java", "parse_conf"]
+__all__ = [
+    "CONNECTOR_VERSION_ENV",
+    "DEFAULT_CONF",
+    "KAFKA_CONNECTOR",
+    "ConnectorUnavailableError",
+    "JavaNotFoundError",
+    "build_spark",
+    "connector_conf",
+    "connector_package",
+    "ensure_java",
+    "ivy_dir",
+    "parse_conf",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +51,51 @@ DEFAULT_CONF: dict[str, str] = {
 }
 
 
+KAFKA_CONNECTOR = "org.apache.spark:spark-sql-kafka-0-10_2.13"
+"""Maven coordinates (without version) of Spark's official Kafka source."""
+CONNECTOR_VERSION_ENV = "PIPELINE_KAFKA_CONNECTOR_VERSION"
+"""Overrides the connector version (default: the installed pyspark's version)."""
+
+
 class JavaNotFoundError(RuntimeError):
     """No Java runtime for Spark's JVM."""
+
+
+class ConnectorUnavailableError(RuntimeError):
+    """Spark could not start with its Kafka connector (not fetched, or not on the classpath)."""
+
+
+def ivy_dir() -> Path:
+    """`${XDG_CACHE_HOME:-~/.cache}/<service>/spark-ivy`: Ivy's cache, never in the checkout."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / SERVICE_NAME / "spark-ivy"
+
+
+def connector_package(version: str | None = None) -> str:
+    """`group:artifact:version` of the connector for `version`, else the env override, else
+    the installed pyspark (a connector must match the Spark that runs it)."""
+    if not version:
+        version = os.environ.get(CONNECTOR_VERSION_ENV, "").strip()
+    if not version:
+        import pyspark
+
+        version = pyspark.__version__
+    return f"{KAFKA_CONNECTOR}:{version}"
+
+
+def connector_conf(
+    version: str | None = None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Spark conf that has Ivy fetch the connector: added to any `spark.jars.packages` in
+    `base`, with `spark.jars.ivy` defaulting to `ivy_dir()`."""
+    base = base or {}
+    packages = [p for p in base.get("spark.jars.packages", "").split(",") if p.strip()]
+    if not any(p.strip().startswith(KAFKA_CONNECTOR + ":") for p in packages):
+        packages.append(connector_package(version))
+    return {
+        "spark.jars.packages": ",".join(packages),
+        "spark.jars.ivy": base.get("spark.jars.ivy") or str(ivy_dir()),
+    }
 
 
 def ensure_java() -> str:
@@ -75,9 +137,15 @@ def parse_conf(pairs: Iterable[str]) -> dict[str, str]:
 def build_spark(
     master: str = "local[*]",
     conf: Mapping[str, str] | None = None,
-    app_name: str = "payments-pipeline",
+    app_name: str = f"{SERVICE_NAME}-pipeline",
+    *,
+    kafka_connector: bool = True,
 ) -> SparkSession:
-    """A SparkSession with DEFAULT_CONF under `conf`, Python workers on this interpreter."""
+    """A SparkSession with DEFAULT_CONF under `conf`, Python workers on this interpreter.
+
+    With `kafka_connector` Spark fetches its official Kafka source at start (`connector_conf`);
+    a start that fails then raises ConnectorUnavailableError saying what to change.
+    """
     ensure_java()
     # Executors must import `service.pipeline` (the data source class is pickled by
     # reference), so they run this very interpreter and its virtualenv.
@@ -87,9 +155,23 @@ def build_spark(
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
+    settings = {**DEFAULT_CONF, **(conf or {})}
+    if kafka_connector:
+        settings.update(connector_conf(base=settings))
     builder = SparkSession.builder.master(master).appName(app_name)
-    for key, value in {**DEFAULT_CONF, **(conf or {})}.items():
+    for key, value in settings.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    try:
+        spark = builder.getOrCreate()
+    except Exception as exc:
+        if not kafka_connector:
+            raise
+        raise ConnectorUnavailableError(
+            f"Spark did not start with spark.jars.packages={settings['spark.jars.packages']} "
+            f"(Ivy cache {settings['spark.jars.ivy']}); if Ivy's output above says the "
+            f"connector was not found, set {CONNECTOR_VERSION_ENV} to a Spark version Maven "
+            "Central has, or use the project's own source: --source kafka_py "
+            "(PIPELINE_SOURCE=kafka_py)"
+        ) from exc
     spark.sparkContext.setLogLevel("WARN")
     return spark

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from typer.testing import CliRunner, Result
 
 from service import Context, handler, project
-from service.dev.devstack import KafkaBroker, RedisServer, free_port
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
+from service.dev.servers import free_port
 from service.engine import registry
 from service.engine.errors import ConfigurationError
 from service.pipeline.cli import pipeline_app
@@ -107,7 +109,7 @@ def reconcile_cli(
 
 def test_reconcile_finds_exactly_the_injected_problems(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     tmp_path: Path,
@@ -170,7 +172,7 @@ def test_reconcile_finds_exactly_the_injected_problems(
 
 def test_clean_dataset_reports_clean_and_the_cli_exits_zero(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     unique_name: str,
     tmp_path: Path,
     make_topics: Callable[[dict[str, int]], None],
@@ -203,7 +205,7 @@ def test_clean_dataset_reports_clean_and_the_cli_exits_zero(
 
 def test_cli_exits_non_zero_when_a_payment_is_lost(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     tmp_path: Path,
@@ -279,7 +281,7 @@ def test_report_serializes(tmp_path: Path) -> None:
 
 def test_succeeded_without_ledger_entry_is_lost_not_clean(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     tmp_path: Path,
@@ -330,7 +332,7 @@ def _with_orders_handler(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_handler_with_another_dedupe_key_reconciles_by_its_own_field(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     tmp_path: Path,
@@ -379,7 +381,7 @@ def test_handler_with_another_dedupe_key_reconciles_by_its_own_field(
 
 def test_pipeline_defaults_to_the_projects_bindings_without_worker_topics(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     unique_name: str,
     tmp_path: Path,
     make_topics: Callable[[dict[str, int]], None],
@@ -451,7 +453,7 @@ def test_topic_without_a_handler_is_refused_naming_the_fix(tmp_path: Path) -> No
 
 def test_computed_dedupe_key_is_taken_from_the_outcomes(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
     tmp_path: Path,

@@ -19,7 +19,8 @@ from aiokafka import AIOKafkaProducer
 from typer.testing import CliRunner
 
 from service.dev import sample
-from service.dev.devstack import KafkaBroker, RedisServer
+from service.dev.broker import Broker
+from service.dev.redis_server import RedisServer
 from service.engine.processing import open_processor
 from service.engine.records import Delivery, Outcome
 from service.engine.registry import Registry
@@ -29,12 +30,14 @@ from service.pipeline.cli import pipeline_app
 from service.pipeline.replay import SealedSettings, _classify, run_replay
 from tests.integration.harness import (
     assert_invariants,
+    create_topics_with_configs,
     make_settings,
     prepare_topics,
     produce,
     running_worker,
     wait_settled,
 )
+from tests.pipeline.conftest import KEEP_FOREVER
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -45,9 +48,16 @@ BASE_TS = 1_760_000_000_000
 CLEAN = sample.Mix(transient=0.0, permanent=0.0, malformed=0.0)
 
 
-def settings_for(broker: KafkaBroker, redis_url: str, name: str, partitions: int = 3) -> Settings:
+def settings_for(broker: Broker, redis_url: str, name: str, partitions: int = 3) -> Settings:
+    """Settings for `name`'s topics, created to keep their 2025-dated records (conftest.py)."""
     settings = make_settings(broker.bootstrap, redis_url, name)
-    asyncio.run(prepare_topics(settings, partitions=partitions))
+    topics = {topic: partitions for topic in settings.topics.values()}
+    topics |= {settings.dead_letter_topic(topic): 1 for topic in settings.topics.values()}
+    outcomes = settings.outcomes_topic()
+    if outcomes:
+        topics[outcomes] = 1
+    asyncio.run(create_topics_with_configs(broker.bootstrap, topics, KEEP_FOREVER))
+    asyncio.run(prepare_topics(settings, partitions=partitions))  # waits for every leader
     return settings
 
 
@@ -118,7 +128,7 @@ def read_topic_records(settings: Settings, topic: str) -> list[Any]:
 
 
 def test_replay_after_a_worker_run_applies_nothing(
-    spark: SparkSession, kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    spark: SparkSession, kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     """Everything is done (granted, or dead-lettered permanently): all of it is skipped."""
     settings = settings_for(kafka_broker, redis_url, unique_name)
@@ -162,7 +172,7 @@ def test_replay_after_a_worker_run_applies_nothing(
 
 
 def test_replay_applies_exactly_the_missing_records(
-    spark: SparkSession, kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    spark: SparkSession, kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     """No worker ran; a subset went through the processor; replay fills exactly the gap."""
     settings = settings_for(kafka_broker, redis_url, unique_name)
@@ -194,7 +204,7 @@ def test_replay_applies_exactly_the_missing_records(
 
 
 def test_offset_and_timestamp_ranges_select_exactly_those_records(
-    spark: SparkSession, kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    spark: SparkSession, kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     settings = settings_for(kafka_broker, redis_url, unique_name, partitions=2)
     topic = settings.topics["payments"]
@@ -240,7 +250,7 @@ def test_offset_and_timestamp_ranges_select_exactly_those_records(
 
 
 def test_undecodable_records_are_dead_lettered_again_on_every_replay(
-    spark: SparkSession, kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    spark: SparkSession, kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     """What the worker does on redelivery too: no dedupe key, nothing to mark them done by."""
     settings = settings_for(kafka_broker, redis_url, unique_name, partitions=2)
@@ -301,7 +311,7 @@ def _cli_env(settings: Settings, redis_url: str) -> dict[str, str]:
 
 
 def test_cli_replays_a_range_from_the_worker_environment(
-    spark: SparkSession, kafka_broker: KafkaBroker, redis_url: str, unique_name: str
+    spark: SparkSession, kafka_broker: Broker, redis_url: str, unique_name: str
 ) -> None:
     settings = settings_for(kafka_broker, redis_url, unique_name, partitions=1)
     topic = settings.topics["payments"]
@@ -325,7 +335,7 @@ def test_cli_replays_a_range_from_the_worker_environment(
 
 def test_cli_exits_non_zero_when_a_partition_fails_and_never_prints_secrets(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     redis_server_factory: Callable[..., RedisServer],
     unique_name: str,
 ) -> None:

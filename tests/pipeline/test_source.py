@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from service.dev.devstack import KafkaBroker
+from service.dev.broker import Broker
 from service.pipeline.kafka_reader import KafkaConfig, fetch_high_watermarks
 from service.pipeline.source import (
     KAFKA_ARROW_SCHEMA,
@@ -77,7 +77,7 @@ def test_arrow_schema_is_what_spark_expects() -> None:
 
 def test_batch_read_returns_every_record_once(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     unique_name: str,
     make_topics: Callable[[dict[str, int]], None],
 ) -> None:
@@ -106,7 +106,7 @@ def test_batch_read_returns_every_record_once(
     listed = asyncio.run(_list_offsets_latest(bootstrap, tps))
     assert all(listed[p] <= 3000 for p in range(3))
 
-    df = read_topic(spark, bootstrap, topic, maxRecordsPerPartition=1000)
+    df = read_topic(spark, bootstrap, topic, source=PYTHON_FORMAT, maxRecordsPerPartition=1000)
     assert df.rdd.getNumPartitions() == 9  # 3 Kafka partitions x 3 sub-ranges
     rows = df.select("partition", "offset", "value").collect()
     assert len(rows) == n
@@ -121,9 +121,30 @@ def test_batch_read_returns_every_record_once(
     assert [(h["key"], bytes(h["value"])) for h in first["headers"]] == [("h", b"0")]
 
 
+@pytest.mark.parametrize("source", ["kafka", PYTHON_FORMAT])
+def test_latest_is_the_high_watermark_when_read_topic_is_called(
+    spark: SparkSession,
+    kafka_broker: Broker,
+    unique_name: str,
+    make_topics: Callable[[dict[str, int]], None],
+    source: str,
+) -> None:
+    """The default end: every record written so far, and no more however often it is read."""
+    topic = unique_name
+    make_topics({topic: 2})
+    batch = [(i % 2, None, f"v{i}".encode(), BASE_TS + i, []) for i in range(3000)]
+    produce(kafka_broker.bootstrap, topic, batch)
+    df = read_topic(spark, kafka_broker.bootstrap, topic, source=source)  # endingOffsets latest
+    assert df.count() == 3000
+    produce(kafka_broker.bootstrap, topic, batch[:10])
+    assert df.count() == 3000  # the end was fixed when read_topic was called
+    later = read_topic(spark, kafka_broker.bootstrap, topic, source=source, endingOffsets="latest")
+    assert later.count() == 3010
+
+
 def test_offset_ranges(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     unique_name: str,
     make_topics: Callable[[dict[str, int]], None],
 ) -> None:
@@ -138,6 +159,7 @@ def test_offset_ranges(
         spark,
         kafka_broker.bootstrap,
         topic,
+        source=PYTHON_FORMAT,
         startingOffsets=json.dumps({topic: {"0": 10, "1": -2}}),
         endingOffsets=json.dumps({topic: {"0": 20, "1": -1}}),
         maxRecordsPerPartition=7,
@@ -150,14 +172,18 @@ def test_offset_ranges(
 
     # A partition the JSON does not name takes the default (earliest / latest).
     only_p0 = read_topic(
-        spark, kafka_broker.bootstrap, topic, endingOffsets=json.dumps({topic: {"0": 5}})
+        spark,
+        kafka_broker.bootstrap,
+        topic,
+        source=PYTHON_FORMAT,
+        endingOffsets=json.dumps({topic: {"0": 5}}),
     )
     assert only_p0.groupBy("partition").count().orderBy("partition").collect() == [(0, 5), (1, 100)]
 
 
 def test_timestamp_ranges(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     unique_name: str,
     make_topics: Callable[[dict[str, int]], None],
 ) -> None:
@@ -172,19 +198,26 @@ def test_timestamp_ranges(
         spark,
         kafka_broker.bootstrap,
         topic,
+        source=PYTHON_FORMAT,
         startingTimestamp=BASE_TS + 1000,
         endingTimestamp=BASE_TS + 2005,
     )
     # ts in [BASE+1000, BASE+2005): i in [100, 200]
     assert sorted(int(v) for v in values(df)) == list(range(100, 201))
 
-    after_all = read_topic(spark, kafka_broker.bootstrap, topic, startingTimestamp=BASE_TS + 10_000)
+    after_all = read_topic(
+        spark,
+        kafka_broker.bootstrap,
+        topic,
+        source=PYTHON_FORMAT,
+        startingTimestamp=BASE_TS + 10_000,
+    )
     assert after_all.count() == 0
 
 
 def test_streaming_reads_each_record_once_and_resumes_from_checkpoint(
     spark: SparkSession,
-    kafka_broker: KafkaBroker,
+    kafka_broker: Broker,
     unique_name: str,
     tmp_path: Path,
     make_topics: Callable[[dict[str, int]], None],
@@ -203,6 +236,7 @@ def test_streaming_reads_each_record_once_and_resumes_from_checkpoint(
             spark,
             bootstrap,
             topic,
+            source=PYTHON_FORMAT,
             startingOffsets="earliest",
             maxRecordsPerPartition=400,
             commitToGroup=group,
@@ -245,18 +279,39 @@ def test_streaming_reads_each_record_once_and_resumes_from_checkpoint(
     assert all(c is not None and c >= 1000 for c in asyncio.run(committed()))
 
 
-def test_read_topic_picks_an_implementation(spark: SparkSession) -> None:
-    """Official connector when it loads, else kafka_py, with each one's option names."""
+def test_the_source_is_chosen_by_name_with_each_ones_option_names(spark: SparkSession) -> None:
+    """`kafka_py` keeps our option names; `kafka` gets the Java client's (SASL as JAAS, the CA
+    file as a PEM truststore, headers included) and our Python-only options are dropped."""
     from service.pipeline.source import _reader_options
 
-    if kafka_connector_available(spark):
-        pytest.skip("the official connector is on this classpath")
-    fmt, opts = _reader_options(spark, "h:1", ["a", "b"], "auto", {"maxRecordsPerPartition": 5})
+    fmt, opts = _reader_options(spark, "h:1", ["a", "b"], "kafka_py", {"maxRecordsPerPartition": 5})
     assert (fmt, opts) == (
         PYTHON_FORMAT,
         {"bootstrap": "h:1", "topic": "a,b", "maxRecordsPerPartition": "5"},
     )
-    fmt, opts = _reader_options(spark, "h:1", "a", "official", {"commitToGroup": "g"})
-    assert (fmt, opts) == ("kafka", {"kafka.bootstrap.servers": "h:1", "subscribe": "a"})
-    with pytest.raises(ValueError):
+    assert kafka_connector_available(spark)  # the suite's session fetched it (conftest.py)
+    secured = {
+        "commitToGroup": "g",
+        "kafka.sasl.mechanism": "SCRAM-SHA-512",
+        "kafka.sasl.username": "u",
+        "kafka.sasl.password": 'p"w',
+        "kafka.ssl.cafile": "/ca.pem",
+    }
+    fmt, opts = _reader_options(spark, "h:1", "a", "kafka", secured)
+    assert (fmt, opts) == (
+        "kafka",
+        {
+            "kafka.bootstrap.servers": "h:1",
+            "subscribe": "a",
+            "includeHeaders": "true",
+            "kafka.sasl.mechanism": "SCRAM-SHA-512",
+            "kafka.sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule"
+            ' required username="u" password="p\\"w";',
+            "kafka.ssl.truststore.type": "PEM",
+            "kafka.ssl.truststore.location": "/ca.pem",
+        },
+    )
+    with pytest.raises(ValueError, match="SSL_CERTFILE"):
+        _reader_options(spark, "h:1", "a", "kafka", {"kafka.ssl.certfile": "/c.pem"})
+    with pytest.raises(ValueError, match="kafka, kafka_py"):
         _reader_options(spark, "h:1", "a", "jvm", {})
