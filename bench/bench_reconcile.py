@@ -27,7 +27,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.dev.broker import create_topics
+from service.dev.redis_server import RedisServer
+from service.dev.tansu import TansuBroker
 from service.pipeline.reconcile import DedupeField, ReconcileConfig, print_report, run_reconcile
 from service.pipeline.source import read_topic
 from service.pipeline.spark import build_spark, parse_conf
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     n = args.records
     work = Path(tempfile.mkdtemp(prefix="bench-reconcile-"))
-    broker = KafkaBroker(work / "tansu", silent=True)
+    broker = TansuBroker(work / "tansu", silent=True)
     redis_server = (
         None
         if args.no_ledger

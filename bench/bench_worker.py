@@ -43,7 +43,9 @@ from rich.console import Console
 from rich.table import Table
 
 from service import Context, handler
-from service.dev.devstack import KafkaBroker, RedisServer, create_topics
+from service.dev.broker import create_topics
+from service.dev.redis_server import RedisServer
+from service.dev.tansu import TansuBroker
 from service.engine import runtime
 from service.engine.metrics import Metrics
 from service.engine.registry import Registry
@@ -334,7 +336,7 @@ def main(records: int, partitions: int, concurrency: int, rounds: int, processes
     slow = Row("3. worker, 10 ms handler")
     sleepy_n = min(records, 40_000)
     with tempfile.TemporaryDirectory() as tmp:
-        broker = KafkaBroker(Path(tmp) / "kafka").start()
+        broker = TansuBroker(Path(tmp) / "kafka").start()
         redis_server = RedisServer(Path(tmp) / "redis").start()
         bootstrap, redis_url = broker.bootstrap, redis_server.url
         try:
