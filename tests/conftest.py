@@ -24,6 +24,7 @@ import pytest
 from service.dev.broker import Broker
 from service.dev.redis_server import RedisServer
 from service.dev.tansu import TansuBroker
+from tests.helpers import on_ci
 
 # Tests that use these fixtures talk to real servers and are marked `integration` automatically,
 # so `pytest -m "not integration"` stays fast and needs no binaries.
@@ -45,10 +46,6 @@ def broker_choice() -> str:
             f"{BROKER_ENV}={wanted!r}: choose one of {', '.join(BROKER_CHOICES)}"
         )
     return wanted
-
-
-def on_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -6,20 +6,20 @@ Without java or mvn the tests skip and say how to install them; on CI (CI=true) 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from service.dev.apache_kafka import ApacheKafkaCluster, available
+from tests.helpers import on_ci
 
 
 def _require_kafka() -> None:
     reason = available()
     if reason is None:
         return
-    if os.environ.get("CI") == "true":
+    if on_ci():
         pytest.fail(f"Apache Kafka is required on CI: {reason}", pytrace=False)
     pytest.skip(f"Apache Kafka unavailable: {reason}")
 

@@ -16,6 +16,7 @@ import pytest
 
 from service.dev.toxiproxy import Proxy, Toxiproxy, ToxiproxyUnavailable, ensure_server
 from service.engine.settings import Settings
+from tests.helpers import on_ci
 from tests.integration.procs import WorkerProcess, worker_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ def toxiproxy_binary() -> Path:
     try:
         return ensure_server()
     except ToxiproxyUnavailable as exc:
-        if os.environ.get("CI") == "true":
+        if on_ci():
             pytest.fail(str(exc))
         pytest.skip(str(exc))
 

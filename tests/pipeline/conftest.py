@@ -31,6 +31,7 @@ import pytest
 
 from service.dev.apache_kafka import ApacheKafkaCluster, available
 from service.dev.broker import Broker, create_topics
+from tests.helpers import on_ci
 from tests.integration.harness import create_topics_with_configs
 
 try:
@@ -79,10 +80,6 @@ def connector_version() -> str:
     return installed if cached.exists() or _published(installed) else PUBLISHED_CONNECTOR
 
 
-def _on_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     """local[2], two shuffle partitions, no UI, the official connector; stopped at the end."""
@@ -104,7 +101,7 @@ def spark() -> Iterator[SparkSession]:
             app_name="pipeline-tests",
         )
     except (JavaNotFoundError, ConnectorUnavailableError) as exc:
-        if _on_ci():
+        if on_ci():
             pytest.fail(f"CI must run the pipeline tests: {exc}")
         pytest.skip(
             f"{exc} (Java 17+: apt-get install openjdk-17-jre-headless; the connector needs "
@@ -136,7 +133,7 @@ def kafka_broker(
         return
     reason = available()  # the session chose Tansu (WORKER_TEST_BROKER=tansu)
     if reason is not None:
-        if _on_ci():
+        if on_ci():
             pytest.fail(f"CI must run the pipeline tests on Apache Kafka: {reason}", pytrace=False)
         pytest.skip(f"the pipeline tests need Apache Kafka: {reason}")
     with ApacheKafkaCluster(1, tmp_path_factory.mktemp("pipeline-kafka")) as cluster:

@@ -30,7 +30,7 @@ from service.engine.redis_client import RedisOps, make_client
 from service.engine.redis_persistence import check_persistence
 from service.engine.settings import RedisSettings
 from service.ops import audit
-from tests.helpers import await_until
+from tests.helpers import await_until, on_ci
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
 from tests.security.pki import Pki, make_pki
 
@@ -122,7 +122,7 @@ def start_tls_redis(work_dir: Path, pki: Pki) -> TlsRedis:
         probe.close()
         return TlsRedis(server, tls_port, pki, str(info.get("redis_version")))
     message = INSTALL_HINT + (" (tried: " + "; ".join(tried) + ")" if tried else "")
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+    if on_ci():
         pytest.fail(message)
     pytest.skip(message)
 
