@@ -15,7 +15,9 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
+from service.engine.breaker import Breaker, BreakerState
 from service.engine.decoding import DecodeFailure, decode
 from service.engine.idempotency import (
     ClaimRequest,
@@ -30,6 +32,7 @@ from service.engine.idempotency import (
 from service.engine.jobs import Fate, Job, log_fields
 from service.engine.keys import RedisKeys
 from service.engine.metrics import Metrics
+from service.engine.policies import RetryPolicy
 from service.engine.publisher import Publisher, encode_outcome
 from service.engine.records import (
     REDRIVE_HEADER,
@@ -40,8 +43,8 @@ from service.engine.records import (
     without_redrive,
 )
 from service.engine.redaction import describe_error, record_text
-from service.engine.registry import Registry
-from service.engine.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms, now_ms
+from service.engine.registry import Handler, Registry
+from service.engine.retries import ParkRequest, ParkStatus, RetryQueue, now_ms
 from service.engine.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,18 @@ class Decisions:
         self._publisher = publisher
         self._metrics = metrics
         self._key_prefix = settings.redis.key_prefix
+        self._keys = RedisKeys(self._key_prefix)
+        default = settings.retry.policy()
+        self._policies: dict[str, RetryPolicy] = {
+            h.name: h.retry or default for _, h in registry.items()
+        }
+        self._ordered: dict[str, bool] = {
+            h.name: _keeps_key_order(h, settings.ordering) for _, h in registry.items()
+        }
+
+    def policy(self, handler: str) -> RetryPolicy:
+        """The handler's retry policy: its own, or the settings' (WORKER_RETRY__*)."""
+        return self._policies.get(handler) or self._settings.retry.policy()
 
     # --- stage 0: a redrive is one only with its ticket (one MGET, only when marked) ---
 
@@ -121,6 +136,10 @@ class Decisions:
             return job
         job.payload = payload
         job.dedupe_key = dedupe_key
+        if d.is_retry:
+            job.chain = d.chain  # its chain was decided when it was first parked
+        elif d.key is not None and self._ordered.get(handler.name, False):
+            job.chain = self._keys.retry_chain(d.topic, d.partition, d.key)
         idem = self._settings.idempotency
         if idem.ttl_s is not None:
             beyond = idem.window_refusal(d.timestamp_ms, now_ms())
@@ -139,7 +158,7 @@ class Decisions:
 
     async def claim(self, wave: list[Job]) -> None:
         """Claim every key but the effects-only handlers' (their finish does the checks)."""
-        await self._claim_jobs([j for j in wave if not j.optimistic])
+        await self._claim_jobs([j for j in wave if not j.optimistic and j.fate is None])
 
     async def claim_failed(self, wave: list[Job]) -> None:
         """Effects-only deliveries whose handler failed claim now, before their fate is kept.
@@ -160,7 +179,13 @@ class Decisions:
         lease_ends = time.monotonic() + self._settings.idempotency.lease_ms / 1000
         statuses = await self._idem.claim_many(
             [
-                ClaimRequest(j.idem_key, j.token, j.fingerprint, self._ticket(j.delivery))
+                ClaimRequest(
+                    j.idem_key,
+                    j.token,
+                    j.fingerprint,
+                    self._ticket(j.delivery),
+                    "" if j.delivery.is_retry else j.chain,
+                )
                 for j in claiming
             ]
         )
@@ -175,12 +200,23 @@ class Decisions:
                 job.dead_letter("conflict", _conflict(job))
             elif status is ClaimStatus.PARTIAL:  # the delivery that applied them died
                 job.dead_letter("effects_partial", _PARTIAL_EARLIER)
+            elif status is ClaimStatus.BLOCKED:
+                job.park_behind()
             else:  # BUSY: another delivery of this key is running; park briefly, same attempt
                 job.park(job.delivery.attempt, "busy: key claimed by another delivery", busy_ms)
 
-    def handler_failed(self, job: Job, exc: BaseException, error: str | None = None) -> None:
-        """A handler error: dead-letter if permanent or out of attempts, else park.
+    def handler_failed(
+        self,
+        job: Job,
+        exc: BaseException,
+        error: str | None = None,
+        breaker: Breaker | None = None,
+    ) -> None:
+        """A handler error: dead-letter if permanent or out of attempts, else park; or hold.
 
+        A retryable failure counts against the handler's circuit breaker. When the breaker
+        is open, or parking would spend more than its retry budget, the record is held
+        (Fate.HOLD): the dependency is down, and neither a park nor an attempt is spent.
         Its text is recorded (dead-letter header, log, retry item, outcome event) only as
         ``describe_error`` makes it: public message if declared, redacted, bounded.
         """
@@ -188,16 +224,27 @@ class Decisions:
         error = error or describe_error(exc)
         if job.handler.classify(exc) == "fail":
             job.dead_letter("permanent", error)
-        else:
-            self.retry_or_give_up(job, error)
+            if breaker is not None:
+                breaker.record_success()  # the dependency answered; the record is wrong
+            return
+        if breaker is not None:
+            breaker.record_failure(error)
+            if breaker.state is not BreakerState.CLOSED or not breaker.try_park():
+                job.fate, job.reason = Fate.HOLD, record_text(error)
+                return
+        self.retry_or_give_up(job, error)
 
     def retry_or_give_up(self, job: Job, error: str) -> None:
+        """Park for another run, unless the handler's retry policy is spent."""
         error = record_text(error)  # e.g. a Redis error echoing an effect's arguments
-        attempt = job.delivery.attempt
-        if attempt >= self._settings.retry.max_attempts:
-            job.dead_letter("exhausted", error)
+        d = job.delivery
+        policy = self.policy(job.name)
+        now = now_ms()
+        spent = policy.spent(d.attempt, d.first_failed_ms, now)
+        if spent is not None:
+            job.dead_letter("exhausted", f"{error} (retries spent: {spent})")
         else:
-            job.park(attempt + 1, error, backoff_ms(attempt, self._settings.retry))
+            job.park(d.attempt + 1, error, policy.next_delay_ms(d.attempt, d.first_failed_ms, now))
 
     # --- stage 4: effects + done-markers (one script call) ---
 
@@ -212,6 +259,7 @@ class Decisions:
                 fingerprint=j.fingerprint,
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
                 effects=j.effects.commands if j.effects is not None and j.fate is None else [],
+                chain=j.chain,
             )
             for j in (*done, *stale)
         ]
@@ -232,6 +280,8 @@ class Decisions:
                     "effects_partial",
                     f"an effect failed in Redis after others were applied: {detail}",
                 )
+            elif status is FinishStatus.BLOCKED:  # nothing applied; the claim goes at PARK
+                job.park_behind()
             elif status is FinishStatus.SUPERSEDED:
                 why = "busy: key claimed by another delivery"
                 if job.holds_claim:
@@ -252,8 +302,10 @@ class Decisions:
                 delivery=replace(
                     j.delivery,
                     attempt=j.next_attempt,
-                    first_failed_ms=j.delivery.first_failed_ms or now,
-                    last_error=j.reason,
+                    # Waiting behind its key is no failure: no clock starts, no error is kept.
+                    first_failed_ms=j.delivery.first_failed_ms or (None if j.blocked else now),
+                    last_error=j.delivery.last_error if j.blocked else j.reason,
+                    chain=j.chain,
                 ),
                 delay_ms=j.delay_ms,
                 idem_key=j.idem_key,
@@ -303,6 +355,7 @@ class Decisions:
                 token=j.token if marks_key else "",
                 fingerprint=j.fingerprint if marks_key else "",
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
+                chain=j.delivery.chain if j.delivery.is_retry else "",
             )
             for j in jobs
             for marks_key in [j.holds_claim or j.optimistic or j.reason == "effects_partial"]
@@ -354,3 +407,11 @@ def _conflict(job: Job) -> str:
 
 def _is_redrive(d: Delivery) -> bool:
     return bool(d.headers) and any(k == REDRIVE_HEADER for k, _ in d.headers)
+
+
+def _keeps_key_order(handler: Handler[Any], ordering: str) -> bool:
+    """Whether the handler's retries keep per-key order (``@handler(ordering=)``, else the
+    setting: "key" and "partition" keep it per key, "none" does not)."""
+    if handler.ordering is not None:
+        return handler.ordering == "key"
+    return ordering != "none"

@@ -6,9 +6,13 @@ failures without touching the handler's code:
     transient:K   raise RetryableError on attempts 1..K, then run normally
     permanent     raise PermanentError
     hang          never return (the handler timeout turns it into a retry)
+    down-until:T  raise RetryableError while this host's clock is before T (Unix ms): the
+                  handler's dependency is down until then, whatever the attempt
 """
 
 from __future__ import annotations
+
+import time
 
 from service.engine.context import Context
 from service.engine.errors import PermanentError, RetryableError
@@ -28,6 +32,12 @@ def inject(ctx: Context) -> bool:
         failures = int(spec.split(":", 1)[1] or 0)
         if ctx.attempt <= failures:
             raise RetryableError(f"injected transient failure {ctx.attempt}/{failures}")
+    elif spec.startswith("down-until:"):
+        left_ms = int(spec.split(":", 1)[1] or 0) - int(time.time() * 1000)
+        if left_ms > 0:
+            raise RetryableError(
+                f"injected outage: dependency down for {left_ms / 1000:.1f} s more"
+            )
     elif spec == "permanent":
         raise PermanentError("injected permanent failure")
     return spec == "hang"

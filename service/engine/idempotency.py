@@ -44,6 +44,7 @@ class ClaimStatus(StrEnum):
     DEAD = "dead"  # already dead-lettered with the same content
     CONFLICT = "conflict"  # the key was used for different content
     PARTIAL = "partial"  # done with effects applied in part; its dead letter not yet acked
+    BLOCKED = "blocked"  # free, but an earlier record of its Kafka key waits in the delay queue
 
 
 class FinishStatus(StrEnum):
@@ -54,6 +55,7 @@ class FinishStatus(StrEnum):
     SUPERSEDED = "superseded"  # another delivery holds the claim (ours ended, or we had none)
     ERROR = "error"  # an effect command failed inside Redis; nothing of the record applied
     PARTIAL = "partial"  # an effect failed after others applied; marker written, dead-letter
+    BLOCKED = "blocked"  # nothing applied: an earlier record of its Kafka key still waits
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +72,7 @@ class ClaimRequest:
     token: str
     fingerprint: str
     redrive: RedriveTicket | None = None  # only a ticketed redrive may claim over dead
+    chain: str = ""  # its Kafka key's chain: no claim while an earlier record waits there
 
 
 @dataclass(slots=True)
@@ -79,6 +82,9 @@ class FinishRequest:
     fingerprint: str
     retry_id: str
     effects: list[tuple[EffectArg, ...]]
+    # Fresh record: effects wait while the chain holds an earlier record. Retry: leaving the
+    # queue releases the next record of the chain.
+    chain: str = ""
 
 
 @dataclass(slots=True)
@@ -105,6 +111,7 @@ class DeadRequest:
     token: str
     fingerprint: str
     retry_id: str
+    chain: str = ""  # the retry's chain: dropping it releases the chain's next record
 
 
 def fingerprint(payload: BaseModel) -> str:
@@ -166,7 +173,13 @@ class Idempotency:
         await self.mark_dead_many([request])
 
     async def release(self, key: str, token: str) -> None:
-        await self._ops.call(lambda: self._release_script(keys=[], args=[key, token]))
+        await self.release_many([(key, token)])
+
+    async def release_many(self, claims: Sequence[tuple[str, str]]) -> None:
+        """Drop each (key, token) claim that is still ours: one script call."""
+        args = [part for claim in claims for part in claim]
+        if args:
+            await self._ops.call(lambda: self._release_script(keys=[], args=args))
 
     async def valid_tickets(self, tickets: Sequence[RedriveTicket]) -> list[bool]:
         """Which redrive tickets exist and admit their record (one MGET, read only)."""
@@ -229,24 +242,25 @@ class Idempotency:
 
     async def _claim_chunk(self, batch: Sequence[ClaimRequest]) -> list[ClaimStatus]:
         records = [
-            (r.key, r.token, r.fingerprint, r.redrive.key, r.redrive.value)
+            (r.key, r.token, r.fingerprint, r.redrive.key, r.redrive.value, r.chain)
             if r.redrive
-            else (r.key, r.token, r.fingerprint, "", "")
+            else (r.key, r.token, r.fingerprint, "", "", r.chain)
             for r in batch
         ]
         args: list[EffectArg] = [self._lease_ms, _json(records)]
+        keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         # Claims need no durability wait: a lost claim only means a later duplicate claim,
         # which the done-marker check still stops.
-        replies = await self._ops.call(lambda: self._claim_script(keys=[], args=args))
+        replies = await self._ops.call(lambda: self._claim_script(keys=keys, args=args))
         return [_CLAIM_STATUS[r] for r in replies]
 
     async def _finish_chunk(
         self, batch: Sequence[FinishRequest]
     ) -> list[tuple[FinishStatus, str | None]]:
         records = [
-            (r.key, r.token, r.fingerprint, r.retry_id, [_command(c) for c in r.effects])
+            (r.key, r.token, r.fingerprint, r.retry_id, [_command(c) for c in r.effects], r.chain)
             if r.effects
-            else (r.key, r.token, r.fingerprint, r.retry_id, ())
+            else (r.key, r.token, r.fingerprint, r.retry_id, (), r.chain)
             for r in batch
         ]
         args: list[EffectArg] = [self._ttl_arg, _json(records)]
@@ -266,7 +280,7 @@ class Idempotency:
         return await self._ops.call(finish, durable=True)
 
     async def _dead_chunk(self, batch: Sequence[DeadRequest]) -> None:
-        records = [(r.key, r.token, r.fingerprint, r.retry_id) for r in batch]
+        records = [(r.key, r.token, r.fingerprint, r.retry_id, r.chain) for r in batch]
         args: list[EffectArg] = [self._ttl_arg, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
         await self._ops.call(lambda: self._dead_script(keys=keys, args=args), durable=True)

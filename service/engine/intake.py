@@ -67,6 +67,9 @@ class Intake:
         self._starved = False  # no room freed up during a whole capacity wait
         self._consumer: AIOKafkaConsumer | None = None
         self._process: Process | None = None
+        # Topics whose handler's circuit is open (the worker sets it once the breakers
+        # exist): their partitions stay paused, so nothing more piles up behind the gate.
+        self.held_topics: Callable[[], set[str]] = set
 
     async def run(self, consumer: AIOKafkaConsumer, process: Process) -> None:
         """Poll until the stop event; every batch goes to ``process`` (``process_reliably``)."""
@@ -225,6 +228,8 @@ class Intake:
         else:
             limit = self._settings.max_in_flight_per_partition
             want = {tp for tp in assigned if self._tracker.in_flight(tp) >= limit}
+        if held := self.held_topics():
+            want |= {tp for tp in assigned if tp.topic in held}
         if pause := want - self.paused:
             self._consumer.pause(*pause)
         if resume := (self.paused - want) & assigned:

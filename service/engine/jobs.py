@@ -26,6 +26,9 @@ class Fate(Enum):
     DUPLICATE = "duplicate"
     PARK = "park"
     DEAD_LETTER = "dead_letter"
+    # Its handler's circuit is open: run it again once the breaker lets it (a fresh record
+    # waits in memory, its offset uncommitted; a retry goes back to the queue, same attempt).
+    HOLD = "hold"
 
 
 @dataclass(slots=True)
@@ -49,6 +52,13 @@ class Job:
     next_attempt: int = 0
     delay_ms: int = 0
     outcome: Outcome | None = None
+    # Its Kafka key's chain in the delay queue ('' when its retries keep no order), and
+    # whether it parks only to wait behind an earlier record there (no attempt used).
+    chain: str = ""
+    blocked: bool = False
+    # Its handler was called in this pass; it was admitted as its breaker's half-open probe.
+    ran: bool = False
+    probe: bool = False
 
     @property
     def name(self) -> str:
@@ -60,6 +70,15 @@ class Job:
     def park(self, attempt: int, error: str, delay_ms: int) -> None:
         self.fate, self.reason = Fate.PARK, error
         self.next_attempt, self.delay_ms = attempt, delay_ms
+
+    def park_behind(self) -> None:
+        """Wait in the delay queue behind an earlier record of its key, same attempt."""
+        self.park(self.delivery.attempt, BLOCKED, 0)
+        self.blocked = True
+
+
+# Why a record waits without having failed: its key's chain holds an earlier record.
+BLOCKED = "blocked: an earlier record of its Kafka key waits in the delay queue"
 
 
 def key_waves(jobs: list[Job]) -> list[list[Job]]:

@@ -55,6 +55,15 @@ class RedisKeys:
             return f"{self.prefix}:idem:{handler}:={dedupe_key}"
         return f"{self.prefix}:idem:{handler}:#{hashlib.sha256(raw).hexdigest()}"
 
+    def retry_chain(self, topic: str, partition: int, key: bytes) -> str:
+        """The chain of a Kafka key's records waiting in the delay queue, in offset order.
+
+        Hashed: the key is a producer's bytes, of any length. Topic and partition are part
+        of it because order is a partition's, and the same key may live in several topics.
+        """
+        digest = hashlib.sha256(b"%s\0%d\0%s" % (topic.encode(), partition, key)).hexdigest()
+        return f"{self.prefix}:retry:chain:{digest[:40]}"
+
     def redrive_ticket(self, redrive_of: bytes) -> str:
         """Where ``service dlq redrive`` leaves the ticket of the record it sends back.
 

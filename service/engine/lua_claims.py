@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from service.engine.lua_common import NOW, PARSE
 
-# ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, ticket_key, ticket], ...]
-# Returns per record: claimed | busy | done | dead | conflict | partial
-# (partial: done with effects applied in part, and no dead letter acknowledged yet)
+# KEYS: inflight, due, items (of the delay queue, for the key chains)
+# ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, ticket_key, ticket, chain], ...]
+# Returns per record: claimed | busy | done | dead | conflict | partial | blocked
+# (partial: done with effects applied in part, and no dead letter acknowledged yet;
+# blocked: the record could claim, but its Kafka key's chain (chain '' for none) still has
+# an earlier record waiting in the delay queue, so it must not run yet: nothing is taken)
 # ticket_key ('' for a record that is no redrive) names the ticket `service dlq redrive`
 # wrote before sending the record back; only while it holds `ticket` may the record claim
 # over its own dead-letter marker (same fingerprint), and claiming consumes it: once.
@@ -29,7 +32,7 @@ CLAIM = (
 local lease = ARGV[1]
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[2])) do
-  local key, token, fp, ticket_key, ticket = r[1], r[2], r[3], r[4], r[5]
+  local key, token, fp, ticket_key, ticket, chain = r[1], r[2], r[3], r[4], r[5], r[6]
   local ticketed = ticket_key ~= '' and redis.call('GET', ticket_key) == ticket
   local v = redis.call('GET', key)
   local kind, f1, f2 = parse(v)
@@ -48,6 +51,9 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
     else status = 'dead' end
   else
     status = 'conflict'
+  end
+  if status == 'claimed' and chain ~= '' and chain_head(chain, KEYS[1], KEYS[2], KEYS[3]) then
+    status = 'blocked'
   end
   if status == 'claimed' then
     redis.call('SET', key, 'c|' .. token .. '|' .. fp, 'PX', lease)
@@ -132,16 +138,16 @@ return 1
 
 # KEYS: inflight, due, items
 # ARGV[1]: ttl_s ('' = no expiry);
-# ARGV[2]: [[idem_key ('' when undecodable), token, fingerprint, retry_id], ...]
+# ARGV[2]: [[idem_key ('' when undecodable), token, fingerprint, retry_id, chain], ...]
 # Marks the key dead-lettered (unless someone completed it meanwhile), settles a partial
-# apply's marker ('|p' -> '|P'), drops the retry item.
+# apply's marker ('|p' -> '|P'), drops the retry item and releases the next of its chain.
 MARK_DEAD = (
     PARSE
     + """
 local ttl = ARGV[1]
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[2])) do
-  local key, token, fp, retry_id = r[1], r[2], r[3], r[4]
+  local key, token, fp, retry_id, chain = r[1], r[2], r[3], r[4], r[5]
   local status = 'marked'
   if key ~= '' then
     local v = redis.call('GET', key)
@@ -160,7 +166,7 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
       status = 'kept'
     end
   end
-  drop_item(KEYS[1], KEYS[2], KEYS[3], retry_id)
+  drop_item(KEYS[1], KEYS[2], KEYS[3], retry_id, chain)
   out[#out + 1] = status
 end
 return out

@@ -10,7 +10,7 @@ standalone Redis or a primary with replicas.
 from __future__ import annotations
 
 # parse(): a dedupe key's value (lua_claims.py lists its states) as kind and two fields.
-# release(): drop a claim only while it is still ours. drop_item(): a retry leaves the queue.
+# release(): drop a claim only while it is still ours.
 PARSE = """
 local function parse(v)
   if not v then return nil, nil, nil end
@@ -27,11 +27,32 @@ local function release(key, token)
     redis.call('DEL', key)
   end
 end
-local function drop_item(inflight, due, items, id)
+-- chain_head(): the record a key's chain waits on (nil when none waits). Ids whose item
+-- is gone are dropped, and the head is made due (score 0: at once) unless it already is or
+-- runs, so a chain never waits on nothing.
+local function chain_head(chain, inflight, due, items)
+  while true do
+    local head = redis.call('LINDEX', chain, 0)
+    if not head then return nil end
+    if redis.call('HEXISTS', items, head) == 1 then
+      if not redis.call('ZSCORE', due, head) and not redis.call('ZSCORE', inflight, head) then
+        redis.call('ZADD', due, 0, head)
+      end
+      return head
+    end
+    redis.call('LPOP', chain)
+  end
+end
+-- drop_item(): a retry leaves the queue; if it was in a key's chain, the next one is released.
+local function drop_item(inflight, due, items, id, chain)
   if id ~= '' then
     redis.call('ZREM', inflight, id)
     redis.call('ZREM', due, id)
     redis.call('HDEL', items, id)
+    if chain and chain ~= '' then
+      redis.call('LREM', chain, 1, id)
+      chain_head(chain, inflight, due, items)
+    end
   end
 end
 """

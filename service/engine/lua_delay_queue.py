@@ -1,7 +1,9 @@
 """The Lua scripts of the delay queue: PARK, CLAIM_DUE and REAP.
 
 Retry queue: ``due`` (ZSET id -> due ms), ``inflight`` (ZSET id -> lease deadline ms;
-the deadline doubles as the fencing token of the claim), ``items`` (HASH id -> JSON).
+the deadline doubles as the fencing token of the claim), ``items`` (HASH id -> JSON), and
+one ``chain`` per Kafka key with records waiting (LIST of ids in offset order; only its
+head is due or in flight, the rest wait in ``items`` until drop_item releases them).
 Both times are on Redis's clock (TIME inside the scripts), never a host's.
 """
 
@@ -10,11 +12,14 @@ from __future__ import annotations
 from service.engine.lua_common import NOW, PARSE
 
 # KEYS: inflight, due, items
-# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease], ...]
+# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease, chain], ...]
 #   lease '' for a fresh delivery (park unless already parked), else the fencing
 #   deadline of the retry claim being rescheduled. delay_ms and lease are strings.
 #   The item is due at Redis's now + delay_ms.
-# Returns per record: parked | exists | lost_lease
+#   chain: the key of the record's Kafka-key chain ('' for none). A fresh record joins the
+#   end of it; it is due only when it is the chain's head (first), otherwise it waits,
+#   not scheduled, until the records before it leave the queue (drop_item releases it).
+# Returns per record: parked | exists | lost_lease | blocked (parked, waiting in its chain)
 PARK = (
     PARSE
     + NOW
@@ -23,11 +28,22 @@ local now = now_ms()
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[1])) do
   local id, item, delay_ms, key, token, lease = r[1], r[2], r[3], r[4], r[5], r[6]
+  local chain = r[7]
   local due_ms = string.format('%d', now + tonumber(delay_ms))
   local status
   if lease == '' then
     if redis.call('HEXISTS', KEYS[3], id) == 1 then
       status = 'exists'
+    elseif chain ~= '' then
+      local waiting = chain_head(chain, KEYS[1], KEYS[2], KEYS[3])
+      redis.call('HSET', KEYS[3], id, item)
+      redis.call('RPUSH', chain, id)
+      if waiting then
+        status = 'blocked'
+      else
+        redis.call('ZADD', KEYS[2], due_ms, id)
+        status = 'parked'
+      end
     else
       redis.call('HSET', KEYS[3], id, item)
       redis.call('ZADD', KEYS[2], due_ms, id)

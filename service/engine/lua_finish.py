@@ -11,8 +11,12 @@ from service.engine.lua_common import PARSE
 
 # KEYS: inflight, due, items
 # ARGV[1]: ttl_s ('' = done-markers never expire);
-# ARGV[2]: [[idem_key, token, fingerprint, retry_id, [[cmd, arg...], ...]], ...]
-# Returns per record: ok | done | dead | conflict | superseded | error:<message> | partial:<message>
+# ARGV[2]: [[idem_key, token, fingerprint, retry_id, [[cmd, arg...], ...], chain], ...]
+# Returns per record:
+#   ok | done | dead | conflict | superseded | blocked | error:<message> | partial:<message>
+# chain: the record's Kafka-key chain ('' for none). For a fresh record (retry_id ''), its
+# effects wait while the chain holds an earlier record (blocked: nothing applied); for a
+# retry, which is its chain's head, leaving the queue releases the next record of the chain.
 # The same checks serve a delivery that claimed the key and one that did not (an
 # effects-only handler's): the effects apply only while the key is free or ours.
 # error: nothing of the record was applied (the record is retried);
@@ -244,7 +248,7 @@ local function set_marker(key, value)
 end
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[2])) do
-  local key, token, fp, retry_id, cmds = r[1], r[2], r[3], r[4], r[5]
+  local key, token, fp, retry_id, cmds, chain = r[1], r[2], r[3], r[4], r[5], r[6]
   local v = redis.call('GET', key)
   local kind, f1, f2 = parse(v)
   local status
@@ -259,6 +263,8 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
     if f1 == fp then status = 'dead' else status = 'conflict' end
   elseif kind == 'c' and f1 ~= token then
     status = 'superseded'
+  elseif retry_id == '' and chain ~= '' and chain_head(chain, KEYS[1], KEYS[2], KEYS[3]) then
+    status = 'blocked'
   else
     local problem = effects_error(cmds)
     if problem then
@@ -290,7 +296,7 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
     end
   end
   if status == 'ok' or status == 'done' or status == 'dead' then
-    drop_item(KEYS[1], KEYS[2], KEYS[3], retry_id)
+    drop_item(KEYS[1], KEYS[2], KEYS[3], retry_id, chain)
   end
   out[#out + 1] = status
 end

@@ -59,6 +59,25 @@ class Metrics:
             ["cause"],
             registry=r,
         )
+        # Circuit breakers (engine/breaker.py): one series per circuit, set from the start.
+        self.circuit_state = Gauge(
+            "worker_circuit_state",
+            "Circuit breaker state: 0 closed, 1 half_open, 2 open",
+            ["circuit"],
+            registry=r,
+        )
+        self.circuit_transitions = Counter(
+            "worker_circuit_transitions",
+            "Circuit breaker transitions, by the state entered",
+            ["circuit", "to"],
+            registry=r,
+        )
+        self.circuit_held = Gauge(
+            "worker_circuit_held_records",
+            "Records held at a circuit's gate (not run, not parked, not committed)",
+            ["circuit"],
+            registry=r,
+        )
 
     def forget_partition(self, topic: str, partition: int) -> None:
         """Drop a revoked partition's gauges so another worker's numbers are not shadowed."""

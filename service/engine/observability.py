@@ -70,6 +70,8 @@ class HealthState:
     crashed: dict[str, str] = field(default_factory=dict)
     # Causes outside the records that hold progress back (not ready while any is active).
     stalls: Stalls = field(default_factory=Stalls)
+    # The circuit breakers' state for /readyz (an open one is also a stall).
+    circuits: Callable[[], dict[str, dict[str, object]]] = dict
 
     def mark_started(self) -> None:
         """Gaps count from here: connecting at start is the startup probe's business."""
@@ -103,6 +105,7 @@ class HealthState:
             "kafka": self.kafka_ok,
             "redis": self.redis_ok,
             "stalled": sorted(self.stalls.active()),
+            "circuits": self.circuits(),
         }
         ok = (
             self.started

@@ -36,14 +36,17 @@ from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
 
 from service.engine import faults
+from service.engine.breaker import Breakers
 from service.engine.context import Context, Effects
 from service.engine.decisions import Decisions
+from service.engine.gate import Gate, GaveUp
 from service.engine.handler_pool import HandlerPool, Slot
 from service.engine.idempotency import ExtendRequest, ExtendStatus, Idempotency
 from service.engine.jobs import Fate, Job, key_waves, log_fields
 from service.engine.kafka_client import make_producer
 from service.engine.keys import RedisKeys
 from service.engine.metrics import Metrics
+from service.engine.policies import BreakerPolicy
 from service.engine.publisher import Publisher
 from service.engine.records import Delivery, Outcome
 from service.engine.redaction import describe_error
@@ -67,10 +70,6 @@ INTERNAL_BACKOFF_MAX_S = 30.0
 LEASE_MARGIN_MS = 1_000
 
 
-class _GaveUp(Exception):
-    """``give_up`` said stop before a record's next try (shutdown, revoke)."""
-
-
 class Processor:
     """A batch of records through its stages; the decisions themselves are ``decisions``."""
 
@@ -83,6 +82,7 @@ class Processor:
         publisher: Publisher,
         redis: Redis,
         metrics: Metrics,
+        breakers: Breakers | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry
@@ -95,6 +95,9 @@ class Processor:
         self._pool = HandlerPool(settings.max_concurrent_handlers)
         self._latency: dict[str, Any] = {}  # handler name -> its histogram child
         self._key_prefix = settings.redis.key_prefix
+        # The circuit breakers in front of the handlers (none: every record is admitted).
+        self.breakers = breakers or Breakers(registry, BreakerPolicy(enabled=False))
+        self._gate = Gate(self.breakers, idempotency, settings.retry.busy_delay_ms)
 
     @classmethod
     def build(
@@ -123,7 +126,10 @@ class Processor:
             stalls=stalls,
         )
         retries = RetryQueue(ops, keys)
-        return cls(settings, registry, idempotency, retries, publisher, ops.client, metrics)
+        breakers = Breakers(registry, settings.breaker, metrics=metrics, stalls=stalls)
+        return cls(
+            settings, registry, idempotency, retries, publisher, ops.client, metrics, breakers
+        )
 
     async def process(self, delivery: Delivery) -> Outcome:
         """One record on its own (tools and tests); the worker calls process_batch."""
@@ -145,8 +151,10 @@ class Processor:
         ``internal``. Returns False only when ``give_up`` says to stop (shutdown, revoke).
         """
         try:
-            await self.process_batch(deliveries, ordered=ordered)
+            await self.process_batch(deliveries, ordered=ordered, give_up=give_up)
             return True
+        except GaveUp:  # stopped while its handler's circuit was open: left uncommitted
+            return False
         except Exception:
             log.exception("batch failed; retrying its records one by one")
         for d in deliveries:
@@ -166,9 +174,11 @@ class Processor:
         async def attempt() -> None:
             nonlocal failures
             if give_up():
-                raise _GaveUp
+                raise GaveUp
             try:
-                await self.process_batch([d], ordered=ordered)
+                await self.process_batch([d], ordered=ordered, give_up=give_up)
+            except GaveUp:
+                raise
             except Exception as exc:
                 failures += 1
                 log.exception("record failed unexpectedly", extra=log_fields(Job(d)))
@@ -178,13 +188,13 @@ class Processor:
         try:
             await until_done(
                 attempt,
-                transient=lambda exc: not isinstance(exc, _GaveUp),
+                transient=lambda exc: not isinstance(exc, GaveUp),
                 stopping=give_up,
                 on_failure=lambda _exc, _attempt: None,  # logged above, with the record
                 first_wait_s=INTERNAL_FIRST_WAIT_S,
                 max_wait_s=INTERNAL_BACKOFF_MAX_S,
             )
-        except Exception:  # _GaveUp, or the last failure when give_up() turned true
+        except Exception:  # GaveUp, or the last failure when give_up() turned true
             return False
         return True
 
@@ -200,23 +210,45 @@ class Processor:
         return True
 
     async def process_batch(
-        self, deliveries: Sequence[Delivery], *, ordered: bool = True
+        self,
+        deliveries: Sequence[Delivery],
+        *,
+        ordered: bool = True,
+        give_up: Callable[[], bool] | None = None,
     ) -> list[Outcome]:
+        """Every record of the batch to a durable fate (see the module's docstring).
+
+        A record whose handler's circuit is open waits here, in memory, until the breaker
+        lets it run (its offset stays uncommitted); ``give_up`` ends that wait (raising
+        ``GaveUp``) on shutdown or when the partition is revoked.
+        """
         deliveries = await self.decisions.vet_redrives(deliveries)
         jobs = [self.decisions.prepare(d) for d in deliveries]
         live = [j for j in jobs if j.fate is None]
         ordering = self._settings.ordering if ordered else "none"
         if ordering == "partition":
             waves = [[job] for job in live]  # strictly one after another, in offset order
-        elif ordering == "key":
+        elif ordering == "key" or (ordered and any(j.chain for j in live)):
             waves = key_waves(live)
         else:
             waves = [live]
+        # Chains a record of this batch will park in: its key's later records wait behind it
+        # (they park after it, in offset order, in the same PARK call).
+        parking: set[str] = set()
         for wave in waves:
-            await self.decisions.claim(wave)
-            await self._handle([j for j in wave if j.fate is None])
-            await self.decisions.claim_failed(wave)
-            await self.decisions.finish(wave)
+            if parking:
+                for job in wave:
+                    if job.chain in parking:
+                        job.park_behind()
+            pending = wave
+            while pending:
+                admitted, pending = await self._gate.admit(pending, give_up)
+                await self.decisions.claim(admitted)
+                await self._handle([j for j in admitted if j.fate is None])
+                await self.decisions.claim_failed(admitted)
+                await self.decisions.finish(admitted)
+                pending += await self._gate.held(admitted)
+            parking.update(j.chain for j in wave if j.chain and j.fate is Fate.PARK)
         await self.decisions.park([j for j in jobs if j.fate is Fate.PARK])
         await self.decisions.dead_letter([j for j in jobs if j.fate is Fate.DEAD_LETTER])
         await self.decisions.emit(jobs)
@@ -239,9 +271,15 @@ class Processor:
                     later.append((job, ctx, hang))
                     continue
                 inline[handler.name] += 1
+                job.ran = True
                 handler.run_sync(payload, ctx)
+                if breaker := self.breakers.for_handler(handler.name):
+                    breaker.record_success()
             except Exception as exc:
-                self.decisions.handler_failed(job, exc)
+                job.ran = True
+                self.decisions.handler_failed(
+                    job, exc, breaker=self.breakers.for_handler(handler.name)
+                )
         if inline:
             # Inline handlers take microseconds: one observation of the batch's mean per
             # handler keeps the histogram honest about them without a per-record cost.
@@ -273,6 +311,8 @@ class Processor:
         ):
             return
         started = time.perf_counter()
+        breaker = self.breakers.for_handler(job.handler.name)
+        job.ran = True
         try:
             with slot.deadline(limit_s):
                 if hang:
@@ -282,10 +322,14 @@ class Processor:
                 result = job.handler.func(job.payload, ctx)
                 if result is not None:
                     await result
+            if breaker is not None:
+                breaker.record_success()
         except TimeoutError as exc:
-            self.decisions.handler_failed(job, exc, f"handler timed out after {limit_s:g} s")
+            self.decisions.handler_failed(
+                job, exc, f"handler timed out after {limit_s:g} s", breaker=breaker
+            )
         except Exception as exc:
-            self.decisions.handler_failed(job, exc)
+            self.decisions.handler_failed(job, exc, breaker=breaker)
         finally:
             self._latency_of(job.name).observe(time.perf_counter() - started)
 

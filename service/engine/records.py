@@ -90,6 +90,9 @@ class Delivery:
     retry_lease: int | None = None  # fencing deadline of the retry claim, when a retry
     first_failed_ms: int | None = None
     last_error: str | None = None
+    # The Redis key of its Kafka key's chain when it waits in order behind earlier records
+    # of that key (RedisKeys.retry_chain), '' when its retries keep no order.
+    chain: str = ""
 
     @property
     def retry_id(self) -> str:
@@ -117,6 +120,8 @@ class Delivery:
             "first_failed_ms": self.first_failed_ms,
             "last_error": self.last_error,
         }
+        if self.chain:
+            doc["chain"] = self.chain
         return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
@@ -134,6 +139,7 @@ class Delivery:
             retry_lease=lease,
             first_failed_ms=doc.get("first_failed_ms"),
             last_error=doc.get("last_error"),
+            chain=str(doc.get("chain") or ""),
         )
 
 

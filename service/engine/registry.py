@@ -29,6 +29,7 @@ from service.engine.context import Context
 from service.engine.errors import ConfigurationError, PermanentError, RetryableError
 from service.engine.keys import ENGINE_NAMESPACES
 from service.engine.naming import check_handler_name
+from service.engine.policies import BreakerPolicy, RetryPolicy
 
 M = TypeVar("M", bound=BaseModel)
 # A handler is ``async def`` when it awaits I/O, or plain ``def`` when it only decides and
@@ -82,6 +83,16 @@ class Handler(Generic[M]):
     is_async: bool = False  # set by ``handler``: ``async def`` runs on the pool, ``def`` inline
     # Namespaces besides its own name that its effects write, e.g. ("ledger",).
     writes: tuple[str, ...] = ()
+    # How its failures are retried, and its circuit breaker: None means the settings'
+    # (WORKER_RETRY__*, WORKER_BREAKER__*); ``breaker=False`` turns the breaker off.
+    retry: RetryPolicy | None = None
+    breaker: BreakerPolicy | Literal[False] | None = None
+    # Handlers naming the same dependency share one breaker (default: their own name).
+    dependency: str | None = None
+    # Per-key order of effects across retries: "key" parks a record behind an earlier
+    # record of its Kafka key (same partition) still waiting in the delay queue; "none"
+    # lets it overtake. None follows WORKER_ORDERING ("none" there means "none").
+    ordering: Literal["key", "none"] | None = None
     # Its name and ``writes``: the only ``{prefix}:<namespace>`` its effects may touch.
     namespaces: frozenset[str] = field(init=False, default=frozenset())
 
@@ -130,6 +141,10 @@ def handler(
     timeout_s: float | None = None,
     effects_only: bool = False,
     writes: Iterable[str] = (),
+    retry: RetryPolicy | None = None,
+    breaker: BreakerPolicy | Literal[False] | None = None,
+    dependency: str | None = None,
+    ordering: Literal["key", "none"] | None = None,
 ) -> Callable[[HandlerFunc[M]], Handler[M]]:
     """Declare a handler; the decorated function becomes a :class:`Handler`.
 
@@ -143,10 +158,29 @@ def handler(
     Effects go to ``{prefix}:<name>:...`` (``ctx.redis_key(name, ...)``); ``writes`` names
     the other namespaces they may use, e.g. ``writes=("ledger", "entitlements")``. The
     engine's namespaces (``keys.ENGINE_NAMESPACES``) are refused as a name or in ``writes``.
+
+    ``retry`` (a :class:`RetryPolicy`, e.g. ``RetryPolicy.payments()``) and ``breaker`` (a
+    :class:`BreakerPolicy`, or False for none) override the settings' defaults;
+    ``dependency`` names what the handler calls, so handlers sharing it share a breaker.
+    ``ordering="none"`` lets a record overtake an earlier one of its Kafka key that waits
+    in the delay queue (the default keeps their effects in offset order).
     """
     writes = tuple(writes)
     _check_namespaces(name, writes)  # at declaration, before the function is even wrapped
 
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise ConfigurationError(f"handler {name!r}: retry= takes a RetryPolicy")
+    if not (breaker is None or breaker is False or isinstance(breaker, BreakerPolicy)):
+        raise ConfigurationError(f"handler {name!r}: breaker= takes a BreakerPolicy or False")
+    if dependency is not None and (
+        not isinstance(dependency, str) or not NAMESPACE.fullmatch(dependency)
+    ):
+        raise ConfigurationError(
+            f"handler {name!r}: dependency={dependency!r} must be 1-64 letters, digits, "
+            "'.', '_' or '-'"
+        )
+    if ordering not in (None, "key", "none"):
+        raise ConfigurationError(f"handler {name!r}: ordering= is 'key' or 'none'")
     if isinstance(dedupe_key, str) and dedupe_key not in model.model_fields:
         raise ConfigurationError(
             f"handler {name!r}: dedupe_key {dedupe_key!r} is not a field of {model.__name__}"
@@ -164,6 +198,10 @@ def handler(
             effects_only=effects_only,
             is_async=inspect.iscoroutinefunction(func),
             writes=writes,
+            retry=retry,
+            breaker=breaker,
+            dependency=dependency,
+            ordering=ordering,
         )
 
     return wrap

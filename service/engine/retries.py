@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ class ParkStatus(StrEnum):
     PARKED = "parked"
     EXISTS = "exists"  # a fresh redelivery of a record already parked: nothing to do
     LOST_LEASE = "lost_lease"  # our retry lease expired; the item belongs to another run
+    BLOCKED = "blocked"  # parked behind an earlier record of its Kafka key (its chain)
 
 
 @dataclass(slots=True)
@@ -45,16 +45,6 @@ class ParkRequest:
     delay_ms: int  # due this long after PARK runs, on Redis's clock
     idem_key: str  # '' when no claim is held
     token: str
-
-
-def backoff_ms(attempt: int, policy: RetrySettings, rng: random.Random | None = None) -> int:
-    """Delay before run number ``attempt + 1``: exponential, capped, with ± jitter."""
-    base = policy.base_delay_ms * policy.multiplier ** max(attempt - 1, 0)
-    delay = min(float(policy.max_delay_ms), base)
-    if policy.jitter:
-        spread = delay * policy.jitter
-        delay += (rng or random).uniform(-spread, spread)
-    return max(0, int(delay))
 
 
 def now_ms() -> int:
@@ -151,6 +141,7 @@ class RetryQueue:
                 r.idem_key,
                 r.token,
                 "" if r.delivery.retry_lease is None else str(r.delivery.retry_lease),
+                r.delivery.chain,
             ]
             for r in batch
         ]

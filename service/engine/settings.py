@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service import project
 from service.engine.naming import HANDLER_NAME, KEY_PREFIX, TOPIC_NAME
 from service.engine.naming import check_topic as _check_topic
+from service.engine.policies import BreakerPolicy, RetryPolicy
 
 
 def _secret_text(value: str | SecretStr | None) -> str:
@@ -129,9 +130,14 @@ class RetrySettings(BaseModel):
 
     base_delay_ms: int = Field(default=1_000, ge=0)
     multiplier: float = Field(default=2.0, ge=1.0)
-    max_delay_ms: int = Field(default=300_000, ge=0)
+    max_delay_ms: int = Field(default=600_000, ge=0)
     jitter: float = Field(default=0.2, ge=0.0, le=1.0)
-    max_attempts: int = Field(default=6, ge=1, le=1000)
+    # When retries are spent: after this many runs, or this long after the first failure,
+    # whichever comes first (at least one set). A payment waits out an outage of hours
+    # rather than being dead-lettered (the circuit breaker keeps an outage from spending
+    # them); a handler may declare its own policy on @handler(retry=RetryPolicy(...)).
+    max_attempts: int | None = Field(default=None, ge=1, le=100_000)
+    max_age_s: float | None = Field(default=12 * 3600, gt=0)
     # How long a claimed retry may run before the reaper hands it to someone else.
     lease_ms: int = Field(default=60_000, ge=100)
     poll_interval_ms: int = Field(default=250, ge=10)
@@ -143,7 +149,23 @@ class RetrySettings(BaseModel):
     def _delays_ordered(self) -> RetrySettings:
         if self.max_delay_ms < self.base_delay_ms:
             raise ValueError("WORKER_RETRY__MAX_DELAY_MS must be >= WORKER_RETRY__BASE_DELAY_MS")
+        if self.max_attempts is None and self.max_age_s is None:
+            raise ValueError(
+                "set WORKER_RETRY__MAX_ATTEMPTS, WORKER_RETRY__MAX_AGE_S or both: "
+                "retries must end somewhere"
+            )
         return self
+
+    def policy(self) -> RetryPolicy:
+        """The backoff and limits, as the policy of handlers that declare none."""
+        return RetryPolicy(
+            base_delay_ms=self.base_delay_ms,
+            multiplier=self.multiplier,
+            max_delay_ms=self.max_delay_ms,
+            jitter=self.jitter,
+            max_attempts=self.max_attempts,
+            max_age_s=self.max_age_s,
+        )
 
 
 class IdempotencySettings(BaseModel):
@@ -258,11 +280,15 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         env_file=".env",
         extra="ignore",
+        # WORKER_RETRY__MAX_AGE_S=none (or WORKER_IDEMPOTENCY__TTL_S=none): unset a limit.
+        env_parse_none_str="none",
     )
 
     kafka: KafkaSettings = KafkaSettings()
     redis: RedisSettings = RedisSettings()
     retry: RetrySettings = RetrySettings()
+    # The circuit breaker of handlers that declare none on @handler (WORKER_BREAKER__*).
+    breaker: BreakerPolicy = BreakerPolicy()
     idempotency: IdempotencySettings = IdempotencySettings()
     outcomes: OutcomeSettings = OutcomeSettings()
     dead_letter: DeadLetterSettings = DeadLetterSettings()

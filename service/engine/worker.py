@@ -158,6 +158,8 @@ class Worker:
             metrics=self.metrics,
             stalls=self.stalls,
         )
+        self.intake.held_topics = self.processor.breakers.open_topics
+        self.health.circuits = self.processor.breakers.snapshot
         if self.consume:
             session = until_answered(lambda: check_session_timeout(s), self._stop)
             await self._unless_stopped(session, "checking the group's session timeout")

@@ -10,7 +10,7 @@ dead-lettered ``internal``, never abandoned unless told to give up.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -106,7 +106,11 @@ class BreakingProcessor(Processor):
         self.calls, self.dead_lettered = 0, 0
 
     async def process_batch(
-        self, deliveries: Sequence[Delivery], *, ordered: bool = True
+        self,
+        deliveries: Sequence[Delivery],
+        *,
+        ordered: bool = True,
+        give_up: Callable[[], bool] | None = None,
     ) -> list[Outcome]:
         self.calls += 1
         if self.calls <= self.breaks:

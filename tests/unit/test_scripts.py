@@ -22,7 +22,7 @@ from service.engine.idempotency import (
 from service.engine.keys import RedisKeys
 from service.engine.records import Delivery
 from service.engine.redis_client import RedisOps
-from service.engine.retries import ParkRequest, ParkStatus, RetryQueue, backoff_ms
+from service.engine.retries import ParkRequest, ParkStatus, RetryQueue
 from service.engine.settings import RedisSettings, RetrySettings
 
 PREFIX = "unit"
@@ -415,9 +415,9 @@ async def test_unreadable_item_stays_in_flight(env: Env) -> None:
 
 def test_backoff_grows_and_is_capped() -> None:
     policy = RetrySettings(base_delay_ms=100, multiplier=2.0, max_delay_ms=1_000, jitter=0.0)
-    delays = [backoff_ms(attempt, policy) for attempt in range(1, 8)]
+    delays = [policy.policy().delay_ms(attempt) for attempt in range(1, 8)]
     assert delays == [100, 200, 400, 800, 1_000, 1_000, 1_000]
-    assert backoff_ms(0, policy) == 100
+    assert policy.policy().delay_ms(0) == 100
 
 
 def test_backoff_jitter_stays_within_bounds() -> None:
@@ -425,7 +425,7 @@ def test_backoff_jitter_stays_within_bounds() -> None:
     rng = random.Random(1)
     for attempt in range(1, 10):
         nominal = min(2_000, 100 * 3.0 ** (attempt - 1))
-        seen = {backoff_ms(attempt, policy, rng) for _ in range(200)}
+        seen = {policy.policy().delay_ms(attempt, rng) for _ in range(200)}
         assert min(seen) >= int(nominal * 0.75)
         assert max(seen) <= int(nominal * 1.25)
         assert len(seen) > 1, "jitter spreads the delays"
@@ -433,6 +433,6 @@ def test_backoff_jitter_stays_within_bounds() -> None:
 
 def test_backoff_full_jitter_is_never_negative() -> None:
     policy = RetrySettings(base_delay_ms=0, max_delay_ms=0, jitter=1.0)
-    assert backoff_ms(3, policy, random.Random(2)) == 0
+    assert policy.policy().delay_ms(3, random.Random(2)) == 0
     policy = RetrySettings(base_delay_ms=10, max_delay_ms=10, jitter=1.0)
-    assert all(0 <= backoff_ms(1, policy, random.Random(s)) <= 20 for s in range(50))
+    assert all(0 <= policy.policy().delay_ms(1, random.Random(s)) <= 20 for s in range(50))
