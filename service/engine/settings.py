@@ -307,7 +307,10 @@ class Settings(BaseSettings):
     max_batch_records: int = Field(default=500, ge=1, le=10_000)
     # Async handlers running at once (what the services they call see as concurrency).
     max_concurrent_handlers: int = Field(default=200, ge=1)
-    # Order guarantee inside a partition: per Kafka key (default), whole partition, or none.
+    # Order inside a partition: per Kafka key (default), whole partition, or none. "key" and
+    # "partition" also keep a key's records in order across retries (a record waits behind an
+    # earlier one of its key in the delay queue; docs/architecture.md, Per-key order), which
+    # a handler may turn off with @handler(ordering="none").
     ordering: Literal["key", "partition", "none"] = "key"
     # Commit the contiguous watermark this often, or after this many completions.
     commit_interval_ms: int = Field(default=1000, ge=10)
