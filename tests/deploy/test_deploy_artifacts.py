@@ -76,6 +76,10 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "worker_commit_failures_total": ("counter", frozenset()),
     "worker_inflight_records": ("gauge", frozenset()),
     "worker_redis_errors_total": ("counter", frozenset()),
+    "worker_stalled": ("gauge", frozenset({"cause"})),
+    "worker_circuit_state": ("gauge", frozenset({"circuit"})),
+    "worker_circuit_transitions_total": ("counter", frozenset({"circuit", "to"})),
+    "worker_circuit_held_records": ("gauge", frozenset({"circuit"})),
 }
 # Closed label value sets (checked where a query matches a literal value).
 LABEL_VALUES = {
@@ -797,6 +801,24 @@ def test_dashboard_structure() -> None:
             assert target["expr"].strip() and target["refId"]
         grid = panel["gridPos"]
         assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24
+
+
+def test_the_metrics_contract_is_what_the_worker_exposes() -> None:
+    """METRICS above is checked against the worker's own registry, so neither drifts."""
+    from service.engine.metrics import Metrics
+
+    exposed: dict[str, tuple[str, frozenset[str]]] = {}
+    for family in Metrics().registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels: frozenset[str] = frozenset()
+        for metric in family.samples:
+            labels = frozenset(metric.labels) - {"le"}
+            break
+        exposed[name] = (family.type, labels)
+    for name, (kind, labels) in METRICS.items():
+        assert name in exposed, f"{name} is not a metric of service/engine/metrics.py"
+        assert exposed[name][0] == kind, (name, exposed[name][0])
+    assert set(exposed) <= set(METRICS), f"not in the contract: {set(exposed) - set(METRICS)}"
 
 
 def test_dashboard_queries_use_only_worker_metrics() -> None:
