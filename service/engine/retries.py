@@ -183,6 +183,9 @@ class RetryScheduler:
         self._running: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._on_depth = on_depth
+        # Set while run() is not running: no batch can start then.
+        self._loop_ended = asyncio.Event()
+        self._loop_ended.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -193,6 +196,13 @@ class RetryScheduler:
 
     async def run(self) -> None:
         """Loop until stopped: reap expired leases, claim what is due, run it."""
+        self._loop_ended.clear()
+        try:
+            await self._loop()
+        finally:
+            self._loop_ended.set()
+
+    async def _loop(self) -> None:
         reap_every_s = max(self._policy.lease_ms / 4000, 0.1)
         next_reap = 0.0
         while not self._stop.is_set():
@@ -246,7 +256,14 @@ class RetryScheduler:
             self._in_flight -= len(batch)
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait for running retries up to ``timeout_s``, then cancel the rest."""
+        """Wait for running retries up to ``timeout_s``, then cancel the rest.
+
+        The loop first: a claim already sent when ``stop`` was called still starts its
+        batch, which must be among those waited for (it once ran on after the producer and
+        Redis were closed).
+        """
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._loop_ended.wait(), timeout_s)
         if self._running:
             _, pending = await asyncio.wait(set(self._running), timeout=timeout_s)
             for task in pending:

@@ -815,7 +815,7 @@ def test_the_metrics_contract_is_what_the_worker_exposes() -> None:
             labels = frozenset(metric.labels) - {"le"}
             break
         exposed[name] = (family.type, labels)
-    for name, (kind, labels) in METRICS.items():
+    for name, (kind, _labels) in METRICS.items():
         assert name in exposed, f"{name} is not a metric of service/engine/metrics.py"
         assert exposed[name][0] == kind, (name, exposed[name][0])
     assert set(exposed) <= set(METRICS), f"not in the contract: {set(exposed) - set(METRICS)}"
