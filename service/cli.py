@@ -115,14 +115,26 @@ def retry_scheduler() -> None:
 @app.command("check-config")
 def check_config() -> None:
     """Validate the settings and print them (secrets masked); exit 2 naming a bad one."""
+    from service.engine.breaker import Breakers
     from service.engine.registry import Registry
 
     settings = _settings()
     try:
-        Registry.from_settings(settings.topics)  # the handlers `run` would bind
+        registry = Registry.from_settings(settings.topics)  # the handlers `run` would bind
+        breakers = Breakers(registry, settings.breaker)
     except ConfigurationError as exc:
         raise _refuse(exc) from None
-    console.print_json(json.dumps(settings.model_dump(mode="json")))
+    handlers = {
+        h.name: {
+            "topic": topic,
+            "retry": (h.retry or settings.retry.policy()).model_dump(mode="json"),
+            "circuit": (b.name if (b := breakers.for_handler(h.name)) else None),
+            "breaker": b.policy.model_dump(mode="json") if b else None,
+            "ordering": h.ordering or ("none" if settings.ordering == "none" else "key"),
+        }
+        for topic, h in registry.items()
+    }
+    console.print_json(json.dumps({**settings.model_dump(mode="json"), "handlers": handlers}))
 
 
 @app.command()

@@ -109,6 +109,7 @@ class Processor:
         producer: AIOKafkaProducer,
         metrics: Metrics,
         stalls: Stalls | None = None,
+        breakers: Breakers | None = None,
     ) -> Processor:
         """The record path over an open Redis client and a started producer.
 
@@ -126,7 +127,8 @@ class Processor:
             stalls=stalls,
         )
         retries = RetryQueue(ops, keys)
-        breakers = Breakers(registry, settings.breaker, metrics=metrics, stalls=stalls)
+        if breakers is None:
+            breakers = Breakers(registry, settings.breaker, metrics=metrics, stalls=stalls)
         return cls(
             settings, registry, idempotency, retries, publisher, ops.client, metrics, breakers
         )

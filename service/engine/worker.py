@@ -22,6 +22,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
+from service.engine.breaker import Breakers
 from service.engine.group_check import GROUP_JOIN_REFUSED, check_session_timeout
 from service.engine.intake import Intake
 from service.engine.kafka_client import make_consumer, make_producer
@@ -71,6 +72,10 @@ class Worker:
         self.registry = registry or Registry.from_settings(settings.topics)
         self.metrics = metrics or Metrics()
         self.stalls = Stalls(self.metrics)
+        # Built here, so breakers that contradict each other fail before anything connects.
+        self.breakers = Breakers(
+            self.registry, settings.breaker, metrics=self.metrics, stalls=self.stalls
+        )
         self.health = HealthState(
             max_poll_gap_s=settings.kafka.max_poll_interval_ms / 2000,
             stalls=self.stalls,
@@ -157,9 +162,10 @@ class Worker:
             producer=self._producer,
             metrics=self.metrics,
             stalls=self.stalls,
+            breakers=self.breakers,
         )
-        self.intake.held_topics = self.processor.breakers.open_topics
-        self.health.circuits = self.processor.breakers.snapshot
+        self.intake.held_topics = self.breakers.open_topics
+        self.health.circuits = self.breakers.snapshot
         if self.consume:
             session = until_answered(lambda: check_session_timeout(s), self._stop)
             await self._unless_stopped(session, "checking the group's session timeout")

@@ -538,3 +538,21 @@ def test_breakers_report_to_the_stalls_and_metrics_they_are_given() -> None:
         grants.record_failure("x")
     assert "circuit_open:grants" in stalls.active()
     assert sample(metrics, "worker_circuit_state", {"circuit": "grants"}) == 2
+
+
+def test_a_worker_with_conflicting_breakers_fails_before_connecting() -> None:
+    """Refused when the worker is built (nothing listens on the URLs below), naming both."""
+    from service.engine.settings import Settings
+    from service.engine.worker import Worker
+
+    handlers = registry(
+        declare("grants", dependency="psp", breaker=policy(min_calls=50)),
+        declare("refunds", dependency="psp"),
+    )
+    settings = Settings(
+        kafka={"bootstrap_servers": "127.0.0.1:1"},
+        redis={"url": "redis://127.0.0.1:1/0"},
+        topics={"grants": "grants.v1", "refunds": "refunds.v1"},
+    )
+    with pytest.raises(ConfigurationError, match="'grants' and 'refunds'"):
+        Worker(settings, handlers)
