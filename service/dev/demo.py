@@ -1,17 +1,23 @@
 """`make run`: the worker on the embedded stack, processing sample payment notifications.
 
-Starts (or reuses) the dev broker and Redis, produces a sample with transient,
-permanent and malformed records, runs the worker with a live progress view, prints
-a summary once everything has settled, then keeps running until Ctrl-C. On the way out
-it stops the servers it started (unless `--keep`) and leaves ones that `service dev up`
-started, saying which and how to stop them: a newcomer must not find stray servers later.
+Starts (or reuses) the dev broker and Redis, produces a sample with transient, permanent
+and malformed records and refunds (one refund follows a payment that fails twice: the
+ledger must still read grant, then refund), and runs the worker with a live progress view.
+Then the grant dependency goes down for a few seconds: the circuit breaker opens and holds
+the payments instead of spending their retries or dead-lettering them, and closes once the
+dependency is back. Prints a summary once everything has settled, then keeps running until
+Ctrl-C. On the way out it stops the servers it started (unless `--keep`) and leaves ones
+that `service dev up` started, saying which and how to stop them: a newcomer must not find
+stray servers later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokafka import AIOKafkaProducer
@@ -31,6 +37,13 @@ from service.engine.worker import Worker
 from service.ops import audit
 
 OUTCOMES = ("succeeded", "retry_scheduled", "dead_lettered", "duplicate")
+KINDS = ("ok", "transient", "permanent", "malformed", "duplicate", "refund")
+CIRCUIT_STATES = {0: "closed", 1: "half-open", 2: "open"}
+# The simulated outage: this many payments, their grant dependency down this long.
+OUTAGE_PAYMENTS = 30
+OUTAGE_S = 8.0
+# How long the outage may take to settle before the demo says so and moves on.
+OUTAGE_DEADLINE_S = 90.0
 
 
 def demo_settings(bootstrap: str, redis_url: str, topic: str, http_port: int) -> Settings:
@@ -38,7 +51,13 @@ def demo_settings(bootstrap: str, redis_url: str, topic: str, http_port: int) ->
         kafka={"bootstrap_servers": bootstrap, "group_id": "payments-demo"},
         redis={"url": redis_url, "key_prefix": "demo"},
         topics={"payments": topic},
-        retry={"base_delay_ms": 300, "max_delay_ms": 3000, "max_attempts": 5},
+        # Snappy backoff so the sample settles in seconds; no attempt cap (as in production,
+        # an age limit ends retries), so an outage cannot spend them before the breaker opens.
+        retry={"base_delay_ms": 300, "max_delay_ms": 3000, "max_attempts": None, "max_age_s": 600},
+        # A breaker that opens within a second of an outage on a quiet service and probes
+        # every 2 to 4 s. Ten runs at least: with five, the first runs of a ten-record
+        # sample (10% transient failures) can fail often enough to open it.
+        breaker={"min_calls": 10, "window_s": 10, "cool_down_s": 2, "max_cool_down_s": 4},
         http={"port": http_port, "host": "127.0.0.1"},
         fault_injection=True,
         log_format="console",
@@ -57,18 +76,84 @@ def _counts(worker: Worker) -> dict[str, int]:
     }
 
 
-def _progress(worker: Worker, produced: int, state: _Snapshot | None) -> Panel:
+def _circuit(worker: Worker, topic: str) -> str:
+    """The circuit in front of the topic's handler: its dependency's, else its own name."""
+    h = worker.registry.for_topic(topic)
+    return (h.dependency or h.name) if h is not None else topic
+
+
+@dataclass
+class _Circuit:
+    """The breaker as the worker's metrics show it (what /metrics serves)."""
+
+    state: str
+    held: int
+    opened: int  # transitions to open so far
+
+    @classmethod
+    def read(cls, worker: Worker, circuit: str) -> _Circuit:
+        registry = worker.metrics.registry
+        labels = {"circuit": circuit}
+        value = registry.get_sample_value("worker_circuit_state", labels)
+        held = registry.get_sample_value("worker_circuit_held_records", labels)
+        opened = registry.get_sample_value(
+            "worker_circuit_transitions_total", {**labels, "to": "open"}
+        )
+        state = CIRCUIT_STATES.get(int(value), "?") if value is not None else "not wired"
+        return cls(state, int(held or 0), int(opened or 0))
+
+
+@dataclass
+class _RefundWatch:
+    """The refund whose payment fails twice: the ledger's order once both are applied."""
+
+    payment_id: str
+    history: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.history) >= 2
+
+    async def update(self, settings: Settings) -> None:
+        if not self.done:
+            self.history = await audit.ledger_history(
+                settings.redis.url.get_secret_value(), settings.redis.key_prefix, self.payment_id
+            )
+
+    def line(self) -> Text:
+        order = " -> ".join(self.history) or "nothing yet"
+        if self.history == ["grant", "refund"]:
+            return Text(
+                f"refund of {self.payment_id} (its payment failed twice): ledger {order}, in order",
+                style="green",
+            )
+        if self.done:
+            return Text(f"refund of {self.payment_id}: ledger {order}: OUT OF ORDER", style="red")
+        return Text(f"refund of {self.payment_id} waits behind its failing payment: ledger {order}")
+
+
+def _progress(
+    worker: Worker, produced: int, state: _Snapshot | None, refund: _RefundWatch | None
+) -> Panel:
     counts = _counts(worker)
     table = Table.grid(padding=(0, 2))
     table.add_row(*(f"[bold]{o}[/] {counts[o]}" for o in OUTCOMES))
     parts: list[Table | Text] = [table]
+    circuit = _circuit(worker, "payments")
+    parts.append(Text(f"circuit {circuit}: {_Circuit.read(worker, circuit).state}"))
     if state is not None:
-        offsets = Table("partition", "committed", "high watermark", "lag", box=None)
-        for p in state.offsets:
-            offsets.add_row(str(p.partition), str(p.committed), str(p.high_watermark), str(p.lag))
-        parts.append(offsets)
+        parts.append(_offsets_table(state))
         parts.append(Text(f"retry queue: waiting {state.depth[0]}, running {state.depth[1]}"))
+    if refund is not None:
+        parts.append(refund.line())
     return Panel(Group(*parts), title=f"processing {produced} sample notifications")
+
+
+def _offsets_table(state: _Snapshot) -> Table:
+    offsets = Table("partition", "committed", "high watermark", "lag", box=None)
+    for p in state.offsets:
+        offsets.add_row(str(p.partition), str(p.committed), str(p.high_watermark), str(p.lag))
+    return offsets
 
 
 class _Snapshot:
@@ -102,7 +187,7 @@ async def run_demo(
     broker: str = DEFAULT_BROKER,
 ) -> int:
     name = "Apache Kafka, 1 node" if broker == "kafka" else "the embedded broker, Tansu"
-    console.print(f"[bold]1/4[/] starting {name} and Redis (AOF always)...")
+    console.print(f"[bold]1/5[/] starting {name} and Redis (AOF always)...")
     # Not in a thread: a Ctrl-C now cancels at the first await below, inside the `try`.
     info = DevStack.up(state_dir, broker=broker)
     console.print(f"    Kafka {info.bootstrap}   Redis {info.redis_url}   state {info.state_dir}")
@@ -141,43 +226,56 @@ async def _demo(info: DevStackInfo, records: int, exit_when_done: bool, console:
     )
 
     run_id = uuid.uuid4().hex[:6]
-    mix = sample.Mix(transient=0.10, permanent=0.02, malformed=0.02, duplicate=0.02)
+    mix = sample.Mix(transient=0.10, permanent=0.02, malformed=0.02, duplicate=0.02, refund=0.02)
     batch = sample.generate(records, mix, seed=int(run_id, 16), prefix=f"pay_{run_id}")
-    kinds = {
-        k: sum(1 for r in batch if r.kind == k)
-        for k in ("ok", "transient", "permanent", "malformed", "duplicate")
-    }
-    console.print(f"[bold]2/4[/] producing {len(batch)} notifications to '{topic}': {kinds}")
-    producer = AIOKafkaProducer(linger_ms=5, **connection_kwargs(settings.kafka))
-    await producer.start()
-    try:
-        await sample.produce(producer, topic, batch)
-    finally:
-        await producer.stop()
+    kinds = {k: sum(1 for r in batch if r.kind == k) for k in KINDS}
+    console.print(f"[bold]2/5[/] producing {len(batch)} notifications to '{topic}': {kinds}")
+    await _produce(settings, topic, batch)
 
     console.print(
-        f"[bold]3/4[/] running the worker (metrics: http://127.0.0.1:{settings.http.port}/metrics)"
+        f"[bold]3/5[/] running the worker (metrics: http://127.0.0.1:{settings.http.port}/metrics)"
     )
     worker = Worker(settings)
     task = asyncio.create_task(worker.run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.request_stop)
+    # The sample opens with a payment that fails twice, then its refund on the same key.
+    first_refund = next((r.refund_of for r in batch if r.refund_of), None)
+    refund = _RefundWatch(first_refund) if first_refund else None
     snapshot: _Snapshot | None = None
-    with Live(_progress(worker, len(batch), None), console=console, refresh_per_second=4) as live:
+    live_view = _progress(worker, len(batch), None, refund)
+    with Live(live_view, console=console, refresh_per_second=4) as live:
         while not task.done():
             await asyncio.wait({task}, timeout=0.5)
             if worker.health.started:
                 snapshot = await _snapshot(settings)
-            live.update(_progress(worker, len(batch), snapshot))
-            if snapshot is not None and snapshot.settled and _counts(worker)["succeeded"]:
+                if refund is not None:
+                    await refund.update(settings)
+            live.update(_progress(worker, len(batch), snapshot, refund))
+            if (
+                snapshot is not None
+                and snapshot.settled
+                and _counts(worker)["succeeded"]
+                and (refund is None or refund.done)
+            ):
                 break
     if task.done():
         task.result()
         return 1
 
-    console.print("[bold]4/4[/] summary")
-    console.print(await _summary(settings, batch, worker))
+    console.print(
+        f"[bold]4/5[/] the grant dependency goes down for {OUTAGE_S:g} s under "
+        f"{OUTAGE_PAYMENTS} more payments (x-fault: down-until)"
+    )
+    outage = await _outage(settings, worker, task, console, run_id)
+    if task.done():
+        task.result()
+        return 1
+
+    console.print("[bold]5/5[/] summary")
+    console.print(await _summary(settings, batch, worker, refund, outage))
+    console.print(outage.line())
     if exit_when_done:
         worker.request_stop()
     else:
@@ -187,11 +285,147 @@ async def _demo(info: DevStackInfo, records: int, exit_when_done: bool, console:
     return 0
 
 
-async def _summary(settings: Settings, batch: list[sample.SampleRecord], worker: Worker) -> Table:
+async def _produce(settings: Settings, topic: str, records: list[sample.SampleRecord]) -> None:
+    producer = AIOKafkaProducer(linger_ms=5, **connection_kwargs(settings.kafka))
+    await producer.start()
+    try:
+        await sample.produce(producer, topic, records)
+    finally:
+        await producer.stop()
+
+
+@dataclass
+class _Outage:
+    """What the outage did, measured from the outside and from the worker's metrics."""
+
+    payments: list[str]
+    started: float = field(default_factory=time.monotonic)
+    opened: int = 0  # transitions to open since the outage began
+    max_held: int = 0
+    dead_lettered: int = 0  # dead letters since the outage began
+    parked: int = 0  # retry_scheduled outcomes since the outage began (parks and re-parks)
+    granted: int = 0  # outage payments with exactly one ledger entry
+    circuit: str = "?"
+    settled: bool = False
+
+    @property
+    def all_granted(self) -> bool:
+        return self.granted == len(self.payments)
+
+    def line(self) -> str:
+        opened = "circuit opened" if self.opened else "circuit did NOT open"
+        end = (
+            "all granted after it closed"
+            if self.all_granted and self.circuit == "closed"
+            else f"{self.granted}/{len(self.payments)} granted, circuit {self.circuit}"
+        )
+        if not self.settled:
+            end += f", not settled after {OUTAGE_DEADLINE_S:g} s"
+        return f"outage: {opened}, {self.max_held} held, {self.dead_lettered} dead-lettered, {end}"
+
+
+async def _outage(
+    settings: Settings, worker: Worker, task: asyncio.Task[None], console: Console, run_id: str
+) -> _Outage:
+    """Payments whose dependency is down for a while: the breaker should hold, not give up."""
+    topic = settings.topics["payments"]
+    circuit = _circuit(worker, topic)
+    # On a busy service an outage fails every run, so the failure ratio climbs at once; the
+    # sample's successes are still in the breaker's window and would outvote the first
+    # failures: start once they no longer do (at most one window from now).
+    window_s = settings.breaker.window_s
+    deadline = time.monotonic() + window_s + 2
+    with Live(Text(""), console=console, transient=True) as live:
+        while not task.done() and time.monotonic() < deadline:
+            runs = worker.health.circuits().get(circuit, {}).get("runs", 0)
+            if not isinstance(runs, int):
+                break
+            if runs <= OUTAGE_PAYMENTS:
+                break
+            live.update(
+                Text(f"letting the sample's {runs} runs leave the breaker's {window_s:g} s window")
+            )
+            await asyncio.wait({task}, timeout=0.5)
+
+    down_until_ms = int((time.time() + OUTAGE_S) * 1000)
+    records = sample.outage(
+        OUTAGE_PAYMENTS, down_until_ms, seed=int(run_id, 16), prefix=f"out_{run_id}"
+    )
+    before = _Circuit.read(worker, circuit)
+    counts_before = _counts(worker)
+    result = _Outage([str(r.payment_id) for r in records])
+    await _produce(settings, topic, records)
+    url, prefix = settings.redis.url.get_secret_value(), settings.redis.key_prefix
+    view = _outage_view(result, None, down_until_ms)
+    with Live(view, console=console, refresh_per_second=4) as live:
+        while not task.done() and time.monotonic() - result.started < OUTAGE_DEADLINE_S:
+            await asyncio.wait({task}, timeout=0.5)
+            now = _Circuit.read(worker, circuit)
+            result.circuit = now.state
+            result.opened = now.opened - before.opened
+            result.max_held = max(result.max_held, now.held)
+            counts = _counts(worker)
+            result.dead_lettered = counts["dead_lettered"] - counts_before["dead_lettered"]
+            result.parked = counts["retry_scheduled"] - counts_before["retry_scheduled"]
+            grants = await audit.ledger_grants(url, prefix)
+            result.granted = sum(1 for p in result.payments if grants.get(p) == 1)
+            snapshot = await _snapshot(settings)
+            live.update(_outage_view(result, snapshot, down_until_ms, now))
+            back = time.time() * 1000 >= down_until_ms
+            closed = now.state in ("closed", "not wired")
+            if back and closed and result.all_granted and snapshot.settled:
+                result.settled = True
+                break
+    return result
+
+
+def _outage_view(
+    result: _Outage, state: _Snapshot | None, down_until_ms: int, circuit: _Circuit | None = None
+) -> Panel:
+    left_s = down_until_ms / 1000 - time.time()
+    parts: list[Table | Text] = [
+        Text(
+            f"grant dependency: DOWN, back in {left_s:.1f} s"
+            if left_s > 0
+            else "grant dependency: up",
+            style="red" if left_s > 0 else "green",
+        )
+    ]
+    if circuit is not None:
+        style = {"open": "red", "half-open": "yellow", "closed": "green"}.get(circuit.state, "")
+        parts.append(
+            Text(
+                f"circuit {result.circuit}: {circuit.held} records held "
+                f"(opened {result.opened}x since the outage began)",
+                style=style,
+            )
+        )
+    parts.append(
+        Text(
+            f"since the outage began: {result.parked} retry_scheduled (parked, or re-parked "
+            "while the circuit is open), "
+            f"{result.dead_lettered} dead-lettered"
+        )
+    )
+    parts.append(Text(f"granted: {result.granted}/{len(result.payments)}"))
+    if state is not None:
+        parts.append(Text(f"retry queue: waiting {state.depth[0]}, running {state.depth[1]}"))
+        parts.append(_offsets_table(state))
+    return Panel(Group(*parts), title=f"dependency outage: {len(result.payments)} payments")
+
+
+async def _summary(
+    settings: Settings,
+    batch: list[sample.SampleRecord],
+    worker: Worker,
+    refund: _RefundWatch | None,
+    outage: _Outage,
+) -> Table:
     url = settings.redis.url.get_secret_value()
     grants = await audit.ledger_grants(url, settings.redis.key_prefix)
-    ours = {r.payment_id for r in batch if r.payment_id}
+    ours = {r.payment_id for r in batch if r.payment_id} | set(outage.payments)
     granted = {k: v for k, v in grants.items() if k in ours}
+    refunds = sum(v for k, v in granted.items() if k.endswith(sample.REFUND_SUFFIX))
     dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic("payments"))
     reasons: dict[str, int] = {}
     for record in dlq:
@@ -200,8 +434,14 @@ async def _summary(settings: Settings, batch: list[sample.SampleRecord], worker:
     counts = _counts(worker)
     snapshot = await _snapshot(settings)
     table = Table(title="payments demo", show_header=False)
-    table.add_row("granted (ledger entries of this run)", str(sum(granted.values())))
+    table.add_row("ledger entries of this run (grants and refunds)", str(sum(granted.values())))
+    table.add_row("of them refunds (entitlement revoked)", str(refunds))
     table.add_row("payments granted more than once", str(sum(1 for v in granted.values() if v > 1)))
+    if refund is not None:
+        table.add_row(
+            f"refund of {refund.payment_id}, whose payment failed twice",
+            "ledger: " + (" -> ".join(refund.history) or "nothing"),
+        )
     table.add_row("retries scheduled", str(counts["retry_scheduled"]))
     table.add_row("duplicates absorbed", str(counts["duplicate"]))
     table.add_row(

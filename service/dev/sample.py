@@ -4,7 +4,9 @@ Each generated record says what should become of it, so a run can be checked fro
 the outside: valid payments (including transient failures) are granted exactly once;
 permanent failures and malformed records end in the dead-letter topic with a reason.
 Transient failures use the ``x-fault`` header (honoured only with fault injection on);
-permanent ones are real business errors (a currency we do not sell).
+permanent ones are real business errors (a currency we do not sell). Refunds come as a
+payment followed by its refund on the user's key, so the two share a partition and the
+refund must not overtake its payment, even while the payment waits in the retry queue.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Literal
 
 from aiokafka import AIOKafkaProducer
 
-Kind = Literal["ok", "transient", "permanent", "malformed", "duplicate"]
+Kind = Literal["ok", "transient", "permanent", "malformed", "duplicate", "refund"]
+
+REFUND_SUFFIX = ".refund"  # a refund's dedupe key: service/handlers/payments.py
 
 
 @dataclass(frozen=True)
@@ -27,29 +31,44 @@ class Mix:
     malformed: float = 0.02
     duplicate: float = 0.0  # the same notification delivered twice
     max_transient_failures: int = 2
+    # A payment followed by its refund (two records). With any, the sample opens with one
+    # pair whose payment fails twice first, so its refund must wait for it.
+    refund: float = 0.0
 
 
 @dataclass(frozen=True)
 class SampleRecord:
     kind: Kind
-    payment_id: str | None  # None for malformed records
+    # The ledger's key for this record: the payment id, `<payment_id>.refund` for a refund;
+    # None for malformed records.
+    payment_id: str | None
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]] = field(default_factory=list)
 
     @property
     def expect_grant(self) -> bool:
-        return self.kind in ("ok", "transient", "duplicate")
+        """A ledger entry under ``payment_id``, exactly one (a refund's is its revocation)."""
+        return self.kind in ("ok", "transient", "duplicate", "refund")
+
+    @property
+    def refund_of(self) -> str | None:
+        """The payment a refund revokes (None for any other kind)."""
+        if self.kind != "refund" or self.payment_id is None:
+            return None
+        return self.payment_id.removesuffix(REFUND_SUFFIX)
 
     @property
     def expect_dead_letter(self) -> str | None:
         return {"permanent": "permanent", "malformed": "malformed"}.get(self.kind)
 
 
-def _payment(payment_id: str, rng: random.Random, currency: str) -> dict[str, object]:
+def _payment(
+    payment_id: str, rng: random.Random, currency: str, user_id: str | None = None
+) -> dict[str, object]:
     return {
         "payment_id": payment_id,
-        "user_id": f"user_{rng.randrange(10_000):05d}",
+        "user_id": user_id or f"user_{rng.randrange(10_000):05d}",
         "product_id": f"sku_{rng.randrange(200):03d}",
         "amount_minor": rng.randrange(99, 99_999),
         "currency": currency,
@@ -68,16 +87,39 @@ _MALFORMED: list[bytes] = [
 ]
 
 
+def refund_pair(
+    payment_id: str, rng: random.Random, *, fail_first: int = 0
+) -> tuple[SampleRecord, SampleRecord]:
+    """A payment and then its refund, keyed by the user (one partition, in this order); the
+    payment fails ``fail_first`` times first (``transient:K``)."""
+    user_id = f"user_{payment_id}"
+    body = _payment(payment_id, rng, rng.choice(["EUR", "USD", "GBP"]), user_id)
+    key = user_id.encode()
+    headers = [("x-fault", f"transient:{fail_first}".encode())] if fail_first else []
+    payment = SampleRecord(
+        "transient" if fail_first else "ok", payment_id, key, json.dumps(body).encode(), headers
+    )
+    refunded = json.dumps({**body, "status": "refunded"}).encode()
+    return payment, SampleRecord("refund", payment_id + REFUND_SUFFIX, key, refunded)
+
+
 def generate(n: int, mix: Mix = Mix(), *, seed: int = 7, prefix: str = "pay") -> list[SampleRecord]:
     """``n`` source records (duplicates count towards n) in a shuffled but seeded order."""
     rng = random.Random(seed)
     records: list[SampleRecord] = []
     i = 0
+    if mix.refund > 0 and n >= 2:
+        i += 1
+        records.extend(refund_pair(f"{prefix}_{seed}_{i:07d}", rng, fail_first=2))
     while len(records) < n:
         i += 1
         roll = rng.random()
         payment_id = f"{prefix}_{seed}_{i:07d}"
         key = payment_id.encode()
+        if roll < mix.refund and len(records) + 2 <= n:
+            records.extend(refund_pair(payment_id, rng))
+            continue
+        roll -= mix.refund
         if roll < mix.malformed:
             value = _MALFORMED[i % len(_MALFORMED)]
             records.append(SampleRecord("malformed", None, key, value))
@@ -99,6 +141,20 @@ def generate(n: int, mix: Mix = Mix(), *, seed: int = 7, prefix: str = "pay") ->
         if roll < mix.duplicate and len(records) < n:
             records.append(SampleRecord("duplicate", payment_id, key, body))
     return records[:n]
+
+
+def outage(n: int, down_until_ms: int, *, seed: int = 7, prefix: str = "out") -> list[SampleRecord]:
+    """``n`` valid payments whose grant dependency is down until ``down_until_ms`` (Unix ms,
+    this host's clock): every run fails until then (``down-until``), and all are granted
+    after it, whatever their attempt count, if nothing gave up on them meanwhile."""
+    rng = random.Random(seed)
+    header = [("x-fault", f"down-until:{down_until_ms}".encode())]
+    records = []
+    for i in range(1, n + 1):
+        payment_id = f"{prefix}_{seed}_{i:07d}"
+        body = json.dumps(_payment(payment_id, rng, rng.choice(["EUR", "USD", "GBP"]))).encode()
+        records.append(SampleRecord("transient", payment_id, payment_id.encode(), body, header))
+    return records
 
 
 async def produce(producer: AIOKafkaProducer, topic: str, records: Iterable[SampleRecord]) -> int:

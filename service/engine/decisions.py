@@ -230,9 +230,30 @@ class Decisions:
         if breaker is not None:
             breaker.record_failure(error)
             if breaker.state is not BreakerState.CLOSED or not breaker.try_park():
-                job.fate, job.reason = Fate.HOLD, record_text(error)
+                self._hold(job, error)
                 return
         self.retry_or_give_up(job, error)
+
+    def _hold(self, job: Job, error: str) -> None:
+        """A failed run the open circuit turns away: hold the record to run again later.
+
+        A retry goes back to the queue at the same attempt (the gate re-parks it), so an
+        outage spends none of its attempts. A fresh record's run counts as an attempt, in
+        memory, under its retry policy: a record failing for reasons of its own, held and
+        probed again and again, would otherwise keep the circuit open forever.
+        """
+        error = record_text(error)
+        d = job.delivery
+        if not d.is_retry:
+            now = now_ms()
+            spent = self.policy(job.name).spent(d.attempt, d.first_failed_ms, now)
+            if spent is not None:
+                job.dead_letter("exhausted", f"{error} (retries spent: {spent})")
+                return
+            job.delivery = replace(
+                d, attempt=d.attempt + 1, first_failed_ms=d.first_failed_ms or now, last_error=error
+            )
+        job.fate, job.reason = Fate.HOLD, error
 
     def retry_or_give_up(self, job: Job, error: str) -> None:
         """Park for another run, unless the handler's retry policy is spent."""

@@ -1,4 +1,4 @@
-"""Payment succeeded -> grant the purchase, exactly once.
+"""Payment succeeded -> grant the purchase; payment refunded -> revoke it. Each exactly once.
 
 The worked example of an exactly-once effect: the grant is an entry in the ledger
 stream plus the user's entitlement, both queued on ``ctx.effects`` so the worker
@@ -6,6 +6,13 @@ writes them in the same atomic step as the payment's done-marker. A crash before
 that step leaves nothing behind (the payment is redelivered and granted then); a
 crash after it leaves the done-marker, so the redelivery is a no-op. The ledger is
 deliberately not deduplicated itself: if anything ever granted twice, it would show.
+
+A refund is the same notification with ``status: "refunded"``, on the same Kafka key
+(the user), so it lands in the payment's partition after it. The engine keeps per-key
+order across retries: a refund waits behind its payment while the payment waits in the
+delay queue, so the ledger reads grant, then refund. The refund has its own dedupe key
+(``<payment_id>.refund``), its own ledger entry (``kind: refund``) and removes the
+entitlement.
 """
 
 from __future__ import annotations
@@ -26,7 +33,12 @@ MAX_AMOUNT_MINOR = 10**12
 
 
 class PaymentSucceeded(BaseModel):
-    """The provider's notification, as published to the payments topic."""
+    """The provider's notification, as published to the payments topic: a payment, or its refund.
+
+    Named after its first status. ``status`` defaults to "succeeded" and no field was added
+    for refunds, so a payment's model dump (its fingerprint, in its done-marker) is the same
+    bytes as before refunds existed: a redelivery across the upgrade is still a duplicate.
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -36,12 +48,21 @@ class PaymentSucceeded(BaseModel):
     # Strict: JSON true, 12.0 or "12" is not an amount (lax mode would grant 1, 12, 12).
     amount_minor: StrictInt = Field(gt=0, le=MAX_AMOUNT_MINOR)
     currency: Annotated[str, StringConstraints(pattern=r"^[A-Z]{3}$")]
-    status: Literal["succeeded"] = "succeeded"
+    status: Literal["succeeded", "refunded"] = "succeeded"
     occurred_at: datetime | None = None
 
 
 class UnsupportedCurrency(PermanentError):
     """We cannot grant in this currency; a person has to look at it."""
+
+
+REFUND_SUFFIX = ".refund"
+
+
+def notification_key(n: PaymentSucceeded) -> str:
+    """The payment id for a payment (as before refunds: old done-markers still match), and
+    ``<payment_id>.refund`` for its refund, so the refund is not taken for a duplicate."""
+    return n.payment_id + REFUND_SUFFIX if n.status == "refunded" else n.payment_id
 
 
 def ledger_key(ctx: Context) -> str:
@@ -51,20 +72,24 @@ def ledger_key(ctx: Context) -> str:
 # Effects-only: the grant is nothing but the queued writes below, so deliveries skip the
 # claim and the done-marker script alone decides which delivery's grant is written.
 # Its effects write the ledger and the entitlements, namespaces other than its own name.
+# No retry= here: the settings' default (WORKER_RETRY__*) is already measured in hours.
 @handler(
     "payments",
     model=PaymentSucceeded,
-    dedupe_key="payment_id",
+    dedupe_key=notification_key,
     effects_only=True,
     writes=("ledger", "entitlements"),
 )
 def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
     if payment.currency not in SUPPORTED_CURRENCIES:
         raise UnsupportedCurrency(f"currency {payment.currency} is not sold")
+    refund = payment.status == "refunded"
     ctx.effects.xadd(
         ledger_key(ctx),
         {
             "payment_id": payment.payment_id,
+            # Only refunds carry a kind: a payment's entry keeps the shape it always had.
+            **({"kind": "refund"} if refund else {}),
             "user_id": payment.user_id,
             "product_id": payment.product_id,
             "amount_minor": payment.amount_minor,
@@ -73,6 +98,10 @@ def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
             "granted_at": int(datetime.now().timestamp() * 1000),
         },
     )
-    ctx.effects.hset(
-        ctx.redis_key("entitlements", payment.user_id), {payment.product_id: payment.payment_id}
-    )
+    entitlements = ctx.redis_key("entitlements", payment.user_id)
+    if refund:
+        # The entitlement is per product: a refund revokes the product, whichever of the
+        # user's payments bought it (the example sells each product to a user once).
+        ctx.effects.command("HDEL", entitlements, payment.product_id)
+    else:
+        ctx.effects.hset(entitlements, {payment.product_id: payment.payment_id})

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -133,22 +134,48 @@ def header(record: Any, name: str) -> str | None:
     return None if found is None else bytes(found).decode("utf-8", "replace")
 
 
+def ledger_key(fields: dict[bytes, bytes]) -> str:
+    """The dedupe key a ledger entry was written under: its payment id, and for an entry of
+    another kind (a refund: ``kind: refund``) ``<payment_id>.<kind>``, the refund's own key."""
+    payment_id = fields[b"payment_id"].decode()
+    kind = fields.get(b"kind")
+    return f"{payment_id}.{kind.decode()}" if kind else payment_id
+
+
 async def ledger_grants(redis_url: str, prefix: str) -> Counter[str]:
-    """How many ledger entries each payment id has (exactly-once means all are 1)."""
+    """How many ledger entries each dedupe key has (exactly-once means all are 1)."""
+    counts: Counter[str] = Counter()
+    async for _entry_id, fields in ledger_entries(redis_url, prefix):
+        counts[ledger_key(fields)] += 1
+    return counts
+
+
+async def ledger_entries(
+    redis_url: str, prefix: str
+) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
+    """Every ledger entry (id, fields), oldest first: the order effects were applied in."""
     client = aioredis.from_url(redis_url)
     try:
-        counts: Counter[str] = Counter()
         stream = RedisKeys(prefix).effect("ledger", "purchases")
         start = "-"
         while True:
             entries = cast(list[Any], await client.xrange(stream, min=start, count=10_000))
-            for _entry_id, fields in entries:
-                counts[fields[b"payment_id"].decode()] += 1
+            for entry_id, fields in entries:
+                yield entry_id, fields
             if len(entries) < 10_000:
-                return counts
+                return
             start = "(" + entries[-1][0].decode()
     finally:
         await client.aclose()
+
+
+async def ledger_history(redis_url: str, prefix: str, payment_id: str) -> list[str]:
+    """The ledger's entries for one payment, in order: "grant", then e.g. "refund"."""
+    return [
+        (fields.get(b"kind") or b"grant").decode()
+        async for _entry_id, fields in ledger_entries(redis_url, prefix)
+        if fields.get(b"payment_id") == payment_id.encode()
+    ]
 
 
 async def retry_queue_depth(redis_url: str, prefix: str) -> tuple[int, int, int]:

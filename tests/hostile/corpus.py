@@ -426,7 +426,7 @@ def build(run: str) -> list[Kind]:
         ),
         Kind(
             "other_status",
-            (malformed(b"k", js(payment(pid("refund"), status="refunded")), error="status"),),
+            (malformed(b"k", js(payment(pid("chargeback"), status="chargeback")), error="status"),),
         ),
     ]
     names = [k.name for k in kinds]

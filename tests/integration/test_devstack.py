@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -367,6 +368,11 @@ def test_demo_that_started_the_stack_stops_it_on_exit(state_dir: Path, tmp_path:
     assert servers_under(state_dir) == [], output
     assert DevStack.status(state_dir) is None, output
     assert "--keep" in output, output  # says how to leave them running next time
+    # What the demo shows: a refund after its twice-failing payment, in ledger order, and
+    # an outage ridden out on the circuit breaker, as the worker's metrics and ledger say.
+    assert "whose payment failed twice │ ledger: grant -> refund" in output, output
+    outage = r"outage: circuit opened, [1-9]\d* held, 0 dead-lettered, all granted after it closed"
+    assert re.search(outage, output), output
 
 
 def test_demo_stops_the_stack_it_started_on_ctrl_c(state_dir: Path, tmp_path: Path) -> None:

@@ -9,7 +9,12 @@ from service.engine.context import Context
 from service.engine.errors import ConfigurationError, PermanentError, RetryableError
 from service.engine.keys import ENGINE_NAMESPACES
 from service.engine.registry import Handler, Registry, discover, handler
-from service.handlers.payments import PaymentSucceeded, UnsupportedCurrency, grant_purchase
+from service.handlers.payments import (
+    PaymentSucceeded,
+    UnsupportedCurrency,
+    grant_purchase,
+    notification_key,
+)
 
 
 class Thing(BaseModel):
@@ -29,7 +34,7 @@ def test_discovery_finds_the_payments_handler() -> None:
     assert grant_purchase in found
     payments = next(h for h in found if h.name == "payments")
     assert payments.model is PaymentSucceeded
-    assert payments.dedupe_key == "payment_id"
+    assert payments.dedupe_key is notification_key  # payment_id; <payment_id>.refund for refunds
 
 
 def test_registry_binds_handlers_to_topics() -> None:
