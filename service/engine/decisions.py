@@ -235,24 +235,27 @@ class Decisions:
         self.retry_or_give_up(job, error)
 
     def _hold(self, job: Job, error: str) -> None:
-        """A failed run the open circuit turns away: hold the record to run again later.
+        """A failed run while the circuit is open (or this failure opened it): hold it.
 
-        A retry goes back to the queue at the same attempt (the gate re-parks it), so an
-        outage spends none of its attempts. A fresh record's run counts as an attempt, in
-        memory, under its retry policy: a record failing for reasons of its own, held and
-        probed again and again, would otherwise keep the circuit open forever.
+        The run counts as an attempt of the record, under its retry policy: a record failing
+        for reasons of its own, held and probed again and again, would otherwise keep the
+        circuit open forever. A fresh record is held in memory (its offset uncommitted,
+        nothing parked); a retry is in the delay queue already and goes back there as usual.
+        Records the open circuit never let run spend nothing (gate.py).
         """
-        error = record_text(error)
         d = job.delivery
-        if not d.is_retry:
-            now = now_ms()
-            spent = self.policy(job.name).spent(d.attempt, d.first_failed_ms, now)
-            if spent is not None:
-                job.dead_letter("exhausted", f"{error} (retries spent: {spent})")
-                return
-            job.delivery = replace(
-                d, attempt=d.attempt + 1, first_failed_ms=d.first_failed_ms or now, last_error=error
-            )
+        if d.is_retry:
+            self.retry_or_give_up(job, error)
+            return
+        error = record_text(error)
+        now = now_ms()
+        spent = self.policy(job.name).spent(d.attempt, d.first_failed_ms, now)
+        if spent is not None:
+            job.dead_letter("exhausted", f"{error} (retries spent: {spent})")
+            return
+        job.delivery = replace(
+            d, attempt=d.attempt + 1, first_failed_ms=d.first_failed_ms or now, last_error=error
+        )
         job.fate, job.reason = Fate.HOLD, error
 
     def retry_or_give_up(self, job: Job, error: str) -> None:

@@ -118,5 +118,7 @@ class Gate:
         return fresh
 
     def _repark(self, job: Job, breaker: Breaker) -> None:
-        delay_ms = max(int(breaker.retry_in_s() * 1000), self._busy_delay_ms)
+        """A retry the circuit does not admit: back to the queue, same attempt, due a little
+        after the next probe (a held fresh record, already waiting here, probes first)."""
+        delay_ms = int(breaker.retry_in_s() * 1000) + self._busy_delay_ms
         job.park(job.delivery.attempt, f"held: circuit {breaker.name} is {breaker.state}", delay_ms)

@@ -41,6 +41,10 @@ def make_settings(bootstrap: str, redis_url: str, name: str, **overrides: Any) -
             "busy_delay_ms": 200,
         },
         "idempotency": {"lease_ms": 5_000},
+        # Off unless a test turns it on: these tests inject per-record failures at rates the
+        # breaker would rightly take for an outage (tests/integration/test_dependency_outage.py
+        # and tests/unit/test_breaker.py are its own).
+        "breaker": {"enabled": False},
         "handler_timeout_s": 2.0,
         "commit_interval_ms": 100,
         "http": {"enabled": False},

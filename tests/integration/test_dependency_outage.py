@@ -139,6 +139,7 @@ async def test_an_outage_longer_than_the_old_retry_policy_dead_letters_nothing(
         unique_name,
         retry={**OLD_DEFAULT_RETRY, "lease_ms": 5_000},
         breaker={
+            "enabled": True,
             "min_calls": 5,
             "window_s": 10,
             "cool_down_s": 1,
@@ -182,7 +183,13 @@ async def test_half_open_probe_closes_the_breaker_without_a_restart(
         redis_url,
         unique_name,
         http={"enabled": True, "host": "127.0.0.1", "port": port},
-        breaker={"min_calls": 3, "window_s": 10, "cool_down_s": 0.5, "max_cool_down_s": 1},
+        breaker={
+            "enabled": True,
+            "min_calls": 3,
+            "window_s": 10,
+            "cool_down_s": 0.5,
+            "max_cool_down_s": 1,
+        },
     )
     await prepare_topics(settings, partitions=1)
     records = sample.generate(20, sample.Mix(transient=0, permanent=0, malformed=0))
@@ -240,7 +247,13 @@ async def test_a_probe_failing_for_its_own_reasons_does_not_keep_the_circuit_ope
         kafka_broker.bootstrap,
         redis_url,
         unique_name,
-        breaker={"min_calls": 3, "window_s": 10, "cool_down_s": 0.2, "max_cool_down_s": 0.5},
+        breaker={
+            "enabled": True,
+            "min_calls": 3,
+            "window_s": 10,
+            "cool_down_s": 0.2,
+            "max_cool_down_s": 0.5,
+        },
     )
     await prepare_topics(settings, partitions=1)
     records = sample.generate(8, sample.Mix(transient=0, permanent=0, malformed=0))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -106,7 +107,10 @@ class Env:
 
     async def retry(self, delivery: Delivery, attempt: int = 2) -> Delivery:
         """Park ``delivery`` as a failed run would have, and claim it as the scheduler does."""
-        raw = replace(delivery, attempt=attempt, first_failed_ms=1, last_error="RetryableError")
+        failed_ms = int(time.time() * 1000)  # just now: within the retry policy's age limit
+        raw = replace(
+            delivery, attempt=attempt, first_failed_ms=failed_ms, last_error="RetryableError"
+        )
         await self.redis.hset(self._keys.retry_items, raw.retry_id, raw.to_json())
         await self.redis.zadd(self._keys.retry_due, {raw.retry_id: 0})
         (claimed,) = await self.queue.claim_due(lease_ms=self.settings.retry.lease_ms, limit=1)

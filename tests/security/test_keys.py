@@ -130,6 +130,11 @@ def test_payment_effect_keys_cannot_reach_other_namespaces(user_id: str, payment
 NAMESPACE = HANDLER.filter(lambda name: name not in ENGINE_NAMESPACES)
 
 
+def _sample_argument(annotation: object) -> object:
+    """A value of the parameter's declared type (annotations are strings here)."""
+    return {"bytes": b"x", "int": 0}.get(str(annotation).rsplit(".", 1)[-1].strip("'>"), "x")
+
+
 def engine_keys(prefix: str) -> list[str]:
     """Every key the engine writes, found by looking: a key added later is checked too."""
     keys = RedisKeys(prefix)
@@ -139,7 +144,7 @@ def engine_keys(prefix: str) -> list[str]:
         if name.startswith("_") or name == "effect" or not callable(method):
             continue
         params = inspect.signature(method).parameters.values()
-        found.append(method(*(b"x" if p.annotation in (bytes, "bytes") else "x" for p in params)))
+        found.append(method(*(_sample_argument(p.annotation) for p in params)))
     settings = RedisSettings(key_prefix=prefix)
     found.append(fence_key(settings))
     return found
