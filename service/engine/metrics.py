@@ -50,7 +50,10 @@ class Metrics:
             "worker_partition_lag", "High watermark minus committed offset", labels, registry=r
         )
         self.retry_depth = Gauge(
-            "worker_retry_queue_depth", "Items in the Redis delay queue", ["state"], registry=r
+            "worker_retry_queue_depth",
+            "Items in the Redis delay queue: due, inflight, or waiting behind their key's chain",
+            ["state"],
+            registry=r,
         )
         self.in_flight = Gauge("worker_inflight_records", "Records being processed", registry=r)
         self.stalled = Gauge(

@@ -105,6 +105,20 @@ class RetryQueue:
 
         return await self._ops.call(both)
 
+    async def sizes(self) -> tuple[int, int, int]:
+        """(due, in flight, waiting): waiting are parked records behind an earlier record of
+        their Kafka key (in its chain), neither due nor in flight until it leaves."""
+
+        async def three() -> tuple[int, int, int]:
+            pipe = self._ops.client.pipeline(transaction=False)
+            pipe.zcard(self._keys.retry_due)
+            pipe.zcard(self._keys.retry_inflight)
+            pipe.hlen(self._keys.retry_items)
+            due, inflight, items = await pipe.execute()
+            return int(due), int(inflight), max(0, int(items) - int(due) - int(inflight))
+
+        return await self._ops.call(three)
+
     async def next_due_ms(self) -> int | None:
         async def first() -> list[Any]:
             return list(await self._ops.client.zrange(self._keys.retry_due, 0, 0, withscores=True))
@@ -173,7 +187,7 @@ class RetryScheduler:
         policy: RetrySettings,
         *,
         max_in_flight: int,
-        on_depth: Callable[[int, int], None] | None = None,
+        on_depth: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self._queue = queue
         self._process = process
@@ -212,7 +226,7 @@ class RetryScheduler:
                 if reaped:
                     log.warning("retry leases expired; items re-queued", extra={"count": reaped})
                 if self._on_depth:
-                    self._on_depth(*await self._queue.depth())
+                    self._on_depth(*await self._queue.sizes())
                 next_reap = loop_now + reap_every_s
             free = self._max_in_flight - self._in_flight
             claimed: list[Delivery] = []

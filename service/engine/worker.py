@@ -278,9 +278,10 @@ class Worker:
         self.health.redis_ok = False
         self.metrics.redis_errors.inc()
 
-    def _set_retry_depth(self, due: int, inflight: int) -> None:
+    def _set_retry_depth(self, due: int, inflight: int, waiting: int) -> None:
         self.metrics.retry_depth.labels("due").set(due)
         self.metrics.retry_depth.labels("inflight").set(inflight)
+        self.metrics.retry_depth.labels("waiting").set(waiting)  # behind their key's chain
 
     def _watch(self, task: asyncio.Task[Any]) -> None:
         """Keep a background loop; one that dies while not stopping makes /healthz fail."""

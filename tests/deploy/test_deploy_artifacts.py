@@ -84,7 +84,7 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
 # Closed label value sets (checked where a query matches a literal value).
 LABEL_VALUES = {
     "outcome": {"succeeded", "retry_scheduled", "dead_lettered", "duplicate"},
-    "state": {"due", "inflight"},
+    "state": {"due", "inflight", "waiting"},
     "reason": {
         "malformed",
         "too_large",

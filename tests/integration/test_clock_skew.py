@@ -79,7 +79,7 @@ class Host:
         if self.hold:
             await self.released.wait()
 
-    def _on_depth(self, due: int, inflight: int) -> None:
+    def _on_depth(self, due: int, inflight: int, waiting: int) -> None:
         self.reaps += 1
 
     def start(self) -> None:

@@ -151,6 +151,7 @@ async def test_first_park_is_due_and_later_ones_wait_in_offset_order(env: Env) -
     assert await env.members() == [a.retry_id, b.retry_id, c.retry_id]
     assert await env.queue.claim_due(lease_ms=60_000, limit=10) == []
     assert await env.queue.depth() == (1, 0)
+    assert await env.queue.sizes() == (1, 0, 2), "b and c wait: the metric's 'waiting'"
     # A redelivery of a member (a crash before the commit) changes nothing.
     for member in (a, b, c):
         assert await env.park(member) is ParkStatus.EXISTS
