@@ -94,16 +94,9 @@ class RetryQueue:
         return int(reaped)
 
     async def depth(self) -> tuple[int, int]:
-        """(due or waiting, in flight) item counts."""
-
-        async def both() -> tuple[int, int]:
-            pipe = self._ops.client.pipeline(transaction=False)
-            pipe.zcard(self._keys.retry_due)
-            pipe.zcard(self._keys.retry_inflight)
-            due, inflight = await pipe.execute()
-            return int(due), int(inflight)
-
-        return await self._ops.call(both)
+        """(due, in flight) item counts: ``sizes`` without the records waiting in chains."""
+        due, inflight, _ = await self.sizes()
+        return due, inflight
 
     async def sizes(self) -> tuple[int, int, int]:
         """(due, in flight, waiting): waiting are parked records behind an earlier record of
