@@ -18,10 +18,22 @@ import hashlib
 
 MAX_INLINE_KEY_BYTES = 160
 # Every namespace the engine writes, or may write, under the key prefix: idempotency
-# markers, the delay queue, the durability fence (redis_durability.fence_key), redrive state.
+# markers, the delay queue, the durability fence (redis_durability.fence_key), redrive state,
+# what operators did (service/ops/action_log.py) and what workers report (ops namespace).
 # A key the engine adds must live under one of these (tests/security/test_keys.py checks).
 ENGINE_NAMESPACES = frozenset(
-    {"idem", "retry", "durability", "redrive", "dlq", "engine", "worker", "ticket", "tickets"}
+    {
+        "idem",
+        "retry",
+        "durability",
+        "redrive",
+        "dlq",
+        "engine",
+        "worker",
+        "ticket",
+        "tickets",
+        "ops",
+    }
 )
 
 
@@ -63,6 +75,11 @@ class RedisKeys:
         """
         digest = hashlib.sha256(b"%s\0%d\0%s" % (topic.encode(), partition, key)).hexdigest()
         return f"{self.prefix}:retry:chain:{digest[:40]}"
+
+    @property
+    def ops_audit(self) -> str:
+        """The stream of operators' actions (redrive, retry-now, drop, offsets reset)."""
+        return f"{self.prefix}:ops:audit"
 
     def redrive_ticket(self, redrive_of: bytes) -> str:
         """Where ``service dlq redrive`` leaves the ticket of the record it sends back.

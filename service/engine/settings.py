@@ -272,6 +272,33 @@ class HttpSettings(BaseModel):
         return value
 
 
+class ConsoleSettings(BaseModel):
+    """``service console``: the operators' web pages, a process of its own (not the worker's).
+
+    Read-only unless a token is set; with one, the actions (retry now, redrive, drop) ask
+    for it on every request. Loopback by default, like the metrics endpoint.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8081, ge=0, le=65535)
+    # Actions are refused without it; set it from a secret (WORKER_CONSOLE__TOKEN).
+    token: SecretStr | None = None
+    # How often the partitions page refreshes itself, seconds.
+    refresh_s: float = Field(default=5.0, ge=1, le=3600)
+
+    @field_validator("token")
+    @classmethod
+    def _token_strong(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters (or unset: a read-only console)")
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _host_literal(cls, value: str) -> str:
+        return HttpSettings._host_literal(value)
+
+
 class Settings(BaseSettings):
     """The worker's whole configuration."""
 
@@ -293,6 +320,7 @@ class Settings(BaseSettings):
     outcomes: OutcomeSettings = OutcomeSettings()
     dead_letter: DeadLetterSettings = DeadLetterSettings()
     http: HttpSettings = HttpSettings()
+    console: ConsoleSettings = ConsoleSettings()
 
     # Handler name -> the topic it consumes; the default is service/project.py's TOPICS, where
     # `service new-handler` binds new handlers.

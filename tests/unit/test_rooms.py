@@ -16,7 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = ROOT / "service" / "engine"
-OUTSIDE_ENGINE = ("service.ops", "service.dev", "service.pipeline", "service.cli")
+OUTSIDE_ENGINE = (
+    "service.ops",
+    "service.dev",
+    "service.pipeline",
+    "service.cli",
+    "service.console",
+)
 
 
 def _ruff(project: Path, *paths: str) -> subprocess.CompletedProcess[str]:
