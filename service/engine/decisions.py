@@ -334,6 +334,7 @@ class Decisions:
                 delay_ms=j.delay_ms,
                 idem_key=j.idem_key,
                 token=j.token if j.holds_claim else "",
+                handler=j.name,
             )
             for j in jobs
         ]
@@ -417,6 +418,12 @@ class Decisions:
         counts = Counter((j.name, j.outcome or Outcome.DEAD_LETTERED) for j in jobs)
         for (name, outcome), n in counts.items():
             self._metrics.records.labels(name, outcome.value).inc(n)
+        # Every fate is durable now (outcome events acknowledged): end to end, for the
+        # records that are done; a parked one is not, its retry will be.
+        done_ms = now_ms()
+        for job in jobs:
+            if job.outcome is not Outcome.RETRY_SCHEDULED:
+                self._metrics.observe_done(job.name, job.delivery.timestamp_ms, done_ms)
 
 
 _PARTIAL_EARLIER = (

@@ -55,6 +55,10 @@ class RedisKeys:
         self.retry_due = f"{prefix}:retry:due"
         self.retry_inflight = f"{prefix}:retry:inflight"
         self.retry_items = f"{prefix}:retry:items"
+        # The reason-class tally of parked items (retries.reason_class): id -> "handler|reason"
+        # and "handler|reason" -> count. The scripts derive both from retry_items' name.
+        self.retry_class = f"{prefix}:retry:class"
+        self.retry_counts = f"{prefix}:retry:counts"
 
     def idempotency(self, handler: str, dedupe_key: str) -> str:
         try:

@@ -172,3 +172,18 @@ end
 return out
 """
 )
+
+# MARK_DEAD for one retry an operator took out of the queue (``service retries drop``,
+# service/ops/retry_admin.py): ARGV[2] holds exactly one record, ARGV[3] the fencing deadline
+# of the operator's lease on it. Marks as MARK_DEAD does only while the item is still in
+# flight under that lease; otherwise (the lease ran out, the reaper re-queued the item, a
+# worker may run it now) nothing changes and it answers {'lost_lease'}.
+MARK_DEAD_LEASED = (
+    PARSE
+    + """
+local leased = cjson.decode(ARGV[2])
+local held = #leased == 1 and redis.call('ZSCORE', KEYS[1], leased[1][4])
+if (not held) or tonumber(held) ~= tonumber(ARGV[3]) then return {'lost_lease'} end
+"""
+    + MARK_DEAD.removeprefix(PARSE)
+)

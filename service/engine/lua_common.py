@@ -28,20 +28,50 @@ local function release(key, token)
   end
 end
 -- chain_head(): the record a key's chain waits on (nil when none waits). Ids whose item
--- is gone are dropped, and the head is made due (score 0: at once) unless it already is or
--- runs, so a chain never waits on nothing.
+-- is gone are dropped, and the head is made due (now, on Redis's clock: at once, and the
+-- oldest-due age measures from its release) unless it already is or runs, so a chain
+-- never waits on nothing. TIME after a write is fine: effects replication (Redis 5+).
 local function chain_head(chain, inflight, due, items)
   while true do
     local head = redis.call('LINDEX', chain, 0)
     if not head then return nil end
     if redis.call('HEXISTS', items, head) == 1 then
       if not redis.call('ZSCORE', due, head) and not redis.call('ZSCORE', inflight, head) then
-        redis.call('ZADD', due, 0, head)
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        redis.call('ZADD', due, string.format('%d', now), head)
       end
       return head
     end
     redis.call('LPOP', chain)
   end
+end
+-- The reason-class tally (retries.reason_class), kept exact by every script that parks or
+-- drops an item: 'class' (HASH id -> 'handler|reason') and 'counts' (HASH 'handler|reason'
+-- -> n), siblings of 'items' in the retry namespace (RedisKeys.retry_class/retry_counts),
+-- named from it so every caller of drop_item keeps them without passing more keys.
+local function uncount(base, class)  -- a count never goes below 0; a 0 is deleted
+  if redis.call('HINCRBY', base .. 'counts', class, -1) <= 0 then
+    redis.call('HDEL', base .. 'counts', class)
+  end
+end
+-- untally(): the item leaves its class.
+local function untally(items, id)
+  local base = string.sub(items, 1, -6)
+  local old = redis.call('HGET', base .. 'class', id)
+  if old then
+    redis.call('HDEL', base .. 'class', id)
+    uncount(base, old)
+  end
+end
+-- tally(): the item is counted under class (moved there if it was under another).
+local function tally(items, id, class)
+  local base = string.sub(items, 1, -6)
+  local old = redis.call('HGET', base .. 'class', id)
+  if old == class then return end
+  if old then uncount(base, old) end
+  redis.call('HSET', base .. 'class', id, class)
+  redis.call('HINCRBY', base .. 'counts', class, 1)
 end
 -- drop_item(): a retry leaves the queue; if it was in a key's chain, the next one is released.
 local function drop_item(inflight, due, items, id, chain)
@@ -49,6 +79,7 @@ local function drop_item(inflight, due, items, id, chain)
     redis.call('ZREM', inflight, id)
     redis.call('ZREM', due, id)
     redis.call('HDEL', items, id)
+    untally(items, id)
     if chain and chain ~= '' then
       redis.call('LREM', chain, 1, id)
       chain_head(chain, inflight, due, items)

@@ -12,13 +12,15 @@ from __future__ import annotations
 from service.engine.lua_common import NOW, PARSE
 
 # KEYS: inflight, due, items
-# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease, chain], ...]
+# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease, chain, handler, reason], ...]
 #   lease '' for a fresh delivery (park unless already parked), else the fencing
 #   deadline of the retry claim being rescheduled. delay_ms and lease are strings.
 #   The item is due at Redis's now + delay_ms.
 #   chain: the key of the record's Kafka-key chain ('' for none). A fresh record joins the
 #   end of it; it is due only when it is the chain's head (first), otherwise it waits,
 #   not scheduled, until the records before it leave the queue (drop_item releases it).
+#   handler, reason: the item's class in the tally (lua_common.tally): 'handler|reason', or
+#   'handler|blocked' while it waits in its chain; a re-park moves it to its new class.
 # Returns per record: parked | exists | lost_lease | blocked (parked, waiting in its chain)
 PARK = (
     PARSE
@@ -29,6 +31,7 @@ local out = {}
 for _, r in ipairs(cjson.decode(ARGV[1])) do
   local id, item, delay_ms, key, token, lease = r[1], r[2], r[3], r[4], r[5], r[6]
   local chain = r[7]
+  local class = (r[8] or '') .. '|' .. (r[9] or 'unknown')
   local due_ms = string.format('%d', now + tonumber(delay_ms))
   local status
   if lease == '' then
@@ -39,14 +42,17 @@ for _, r in ipairs(cjson.decode(ARGV[1])) do
       redis.call('HSET', KEYS[3], id, item)
       redis.call('RPUSH', chain, id)
       if waiting then
+        tally(KEYS[3], id, (r[8] or '') .. '|blocked')
         status = 'blocked'
       else
         redis.call('ZADD', KEYS[2], due_ms, id)
+        tally(KEYS[3], id, class)
         status = 'parked'
       end
     else
       redis.call('HSET', KEYS[3], id, item)
       redis.call('ZADD', KEYS[2], due_ms, id)
+      tally(KEYS[3], id, class)
       status = 'parked'
     end
   else
@@ -57,6 +63,7 @@ for _, r in ipairs(cjson.decode(ARGV[1])) do
       redis.call('ZREM', KEYS[1], id)
       redis.call('HSET', KEYS[3], id, item)
       redis.call('ZADD', KEYS[2], due_ms, id)
+      tally(KEYS[3], id, class)
       status = 'parked'
     end
   end

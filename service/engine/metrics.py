@@ -6,6 +6,11 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Record timestamp to done: milliseconds for a first run, up to the 12 h a retry may last.
+END_TO_END_BUCKETS = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400, 43200,
+)  # fmt: skip
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -55,6 +60,30 @@ class Metrics:
             ["state"],
             registry=r,
         )
+        # The delay queue is shared: every worker running a scheduler reports the same
+        # numbers, so alerts and panels take max() over workers, never sum().
+        self.retry_items = Gauge(
+            "worker_retry_queue_items",
+            "Parked items in the shared Redis delay queue by handler and reason class (the "
+            "last error's type, or blocked/held/busy); every worker reports the same: use max()",
+            ["handler", "reason"],
+            registry=r,
+        )
+        self.retry_oldest_due_age = Gauge(
+            "worker_retry_oldest_due_age_seconds",
+            "How long the earliest due retry has been due, by Redis's clock (0: none due); "
+            "growing: nothing takes due retries. Shared queue, same on every worker: use max()",
+            registry=r,
+        )
+        self.end_to_end_seconds = Histogram(
+            "worker_end_to_end_seconds",
+            "Kafka record timestamp to its durable outcome (succeeded, duplicate or "
+            "dead-lettered; retries included, parking is not an outcome)",
+            ["handler"],
+            buckets=END_TO_END_BUCKETS,
+            registry=r,
+        )
+        self._retry_classes: set[tuple[str, str]] = set()
         self.in_flight = Gauge("worker_inflight_records", "Records being processed", registry=r)
         self.stalled = Gauge(
             "worker_stalled",
@@ -81,6 +110,21 @@ class Metrics:
             ["circuit"],
             registry=r,
         )
+
+    def set_retry_breakdown(self, breakdown: dict[tuple[str, str], int]) -> None:
+        """Set every (handler, reason) series, then drop those whose class emptied (set
+        first, so a scrape in between never misses a series that still has items)."""
+        for (handler, reason), count in breakdown.items():
+            self.retry_items.labels(handler, reason).set(count)
+        for gone in self._retry_classes - breakdown.keys():
+            with contextlib.suppress(KeyError):
+                self.retry_items.remove(*gone)
+        self._retry_classes = set(breakdown)
+
+    def observe_done(self, handler: str, record_ts_ms: int, done_ms: int) -> None:
+        """One record's end-to-end time; a record without a timestamp (-1, 0) has none."""
+        if record_ts_ms > 0 and done_ms >= record_ts_ms:
+            self.end_to_end_seconds.labels(handler).observe((done_ms - record_ts_ms) / 1000)
 
     def forget_partition(self, topic: str, partition: int) -> None:
         """Drop a revoked partition's gauges so another worker's numbers are not shadowed."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,42 @@ class ParkRequest:
     delay_ms: int  # due this long after PARK runs, on Redis's clock
     idem_key: str  # '' when no claim is held
     token: str
+    handler: str = ""  # the handler's name: the item is counted under it (breakdown())
+
+
+# A reason class is a metric label: short, from a closed alphabet, so a message's text can
+# neither add series without bound nor smuggle characters into the exposition.
+_REASON = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+UNKNOWN_REASON = "unknown"  # parked with no error (a record whose chain was gone at PARK)
+OTHER_REASON = "other"  # an error whose head is not a short name
+
+
+def reason_class(last_error: str | None) -> str:
+    """The bounded label of an item's last error: what precedes its first ':'.
+
+    ``describe_error`` starts with the exception type ("RetryableError: ..."); the engine's
+    own waits start with a word ("busy: ...", "held: ...", "superseded: ..."); a head of a
+    few words ("effect failed in Redis: ...") has its spaces made '_'. Anything else,
+    including text with no ':' that is not a single name, is "other".
+    """
+    if not last_error:
+        return UNKNOWN_REASON
+    head, colon, _ = last_error.partition(":")
+    head = head.strip()
+    if colon:
+        head = head.replace(" ", "_")
+    return head if _REASON.fullmatch(head) else OTHER_REASON
+
+
+@dataclass(frozen=True, slots=True)
+class QueueGauges:
+    """What the scheduler reports of the shared delay queue, read in one round trip."""
+
+    due: int
+    inflight: int
+    waiting: int  # parked behind an earlier record of their Kafka key
+    breakdown: dict[tuple[str, str], int]  # (handler, reason class) -> parked items
+    oldest_due_age_s: float  # how long the earliest due item has been due; 0 when none
 
 
 def now_ms() -> int:
@@ -112,6 +149,41 @@ class RetryQueue:
 
         return await self._ops.call(three)
 
+    async def breakdown(self) -> dict[tuple[str, str], int]:
+        """Parked items by (handler, reason class): exact, and one HGETALL of a hash with a
+        field per class, however many items wait. Items parked before the tally existed are
+        not in it."""
+        raw = await self._ops.call(lambda: self._ops.client.hgetall(self._keys.retry_counts))
+        return _breakdown(raw)
+
+    async def gauges(self) -> QueueGauges:
+        """Sizes, breakdown and the oldest due item's age, in one pipeline on Redis's clock.
+
+        Released chain heads are due at Redis's now of their release; heads released at
+        score 0 by earlier versions (no moment recorded) are left out of the age.
+        """
+
+        async def read() -> list[Any]:
+            pipe = self._ops.client.pipeline(transaction=False)
+            pipe.zcard(self._keys.retry_due)
+            pipe.zcard(self._keys.retry_inflight)
+            pipe.hlen(self._keys.retry_items)
+            pipe.hgetall(self._keys.retry_counts)
+            pipe.zrangebyscore(self._keys.retry_due, "(0", "+inf", start=0, num=1, withscores=True)
+            pipe.time()
+            return list(await pipe.execute())
+
+        due, inflight, items, counts, head, server = await self._ops.call(read)
+        now = int(server[0]) * 1000 + int(server[1]) // 1000
+        age_ms = max(0, now - int(head[0][1])) if head else 0
+        return QueueGauges(
+            due=int(due),
+            inflight=int(inflight),
+            waiting=max(0, int(items) - int(due) - int(inflight)),
+            breakdown=_breakdown(counts),
+            oldest_due_age_s=age_ms / 1000,
+        )
+
     async def next_due_ms(self) -> int | None:
         async def first() -> list[Any]:
             return list(await self._ops.client.zrange(self._keys.retry_due, 0, 0, withscores=True))
@@ -149,6 +221,8 @@ class RetryQueue:
                 r.token,
                 "" if r.delivery.retry_lease is None else str(r.delivery.retry_lease),
                 r.delivery.chain,
+                r.handler,
+                reason_class(r.delivery.last_error),
             ]
             for r in batch
         ]
@@ -158,6 +232,15 @@ class RetryQueue:
             lambda: self._park_script(keys=keys, args=args), durable=True
         )
         return [ParkStatus(reply_text(r)) for r in replies]
+
+
+def _breakdown(raw: dict[Any, Any]) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for field, count in raw.items():
+        handler, _, reason = reply_text(field).partition("|")
+        if int(count) > 0:
+            out[handler, reason] = int(count)
+    return out
 
 
 # Runs a batch of retries to a durable fate, record by record when the batch breaks
@@ -181,6 +264,7 @@ class RetryScheduler:
         *,
         max_in_flight: int,
         on_depth: Callable[[int, int, int], None] | None = None,
+        on_gauges: Callable[[QueueGauges], None] | None = None,
     ) -> None:
         self._queue = queue
         self._process = process
@@ -190,6 +274,7 @@ class RetryScheduler:
         self._running: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self._on_depth = on_depth
+        self._on_gauges = on_gauges
         # Set while run() is not running: no batch can start then.
         self._loop_ended = asyncio.Event()
         self._loop_ended.set()
@@ -218,7 +303,12 @@ class RetryScheduler:
                 reaped = await self._queue.reap()
                 if reaped:
                     log.warning("retry leases expired; items re-queued", extra={"count": reaped})
-                if self._on_depth:
+                if self._on_gauges:
+                    gauges = await self._queue.gauges()
+                    self._on_gauges(gauges)
+                    if self._on_depth:
+                        self._on_depth(gauges.due, gauges.inflight, gauges.waiting)
+                elif self._on_depth:
                     self._on_depth(*await self._queue.sizes())
                 next_reap = loop_now + reap_every_s
             free = self._max_in_flight - self._in_flight

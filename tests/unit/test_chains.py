@@ -64,6 +64,13 @@ class Env:
         score = await self.redis.zscore(self.keys.retry_due, retry_id)
         return None if score is None else float(score)
 
+    async def due_now(self, retry_id: str) -> bool:
+        """Due at Redis's now (released: due at once), not at 0 nor in the future."""
+        score = await self.due_score(retry_id)
+        seconds, micros = await self.redis.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        return score is not None and now_ms - 5_000 <= score <= now_ms
+
     async def ledger(self) -> list[str]:
         """The payment ids FINISH wrote to the stream, in the order it wrote them."""
         entries = await self.redis.xrange(STREAM)
@@ -263,7 +270,7 @@ async def test_each_finish_of_the_head_releases_the_next_in_offset_order(env: En
         rest = records[i + 1 :]
         assert await env.members() == [r.retry_id for r in rest]
         if rest:
-            assert await env.due_score(rest[0].retry_id) == 0.0, "released: due at once"
+            assert await env.due_now(rest[0].retry_id), "released: due at once"
             for waiting in rest[1:]:
                 assert await env.where(waiting.retry_id) == (False, False, True)
     assert await env.ledger() == ["p1", "p2", "p3"]
@@ -293,7 +300,7 @@ async def test_a_head_whose_key_was_settled_elsewhere_still_releases(
     assert status == (FinishStatus(earlier), None)
     assert await env.where(a.retry_id) == (False, False, False)
     assert await env.members() == [b.retry_id]
-    assert await env.due_score(b.retry_id) == 0.0
+    assert await env.due_now(b.retry_id)
 
 
 async def test_mark_dead_of_the_head_releases_the_next(env: Env) -> None:
@@ -309,7 +316,7 @@ async def test_mark_dead_of_the_head_releases_the_next(env: Env) -> None:
     assert text(await env.redis.get(key) or b"").startswith("x|fp1|")
     assert await env.where(a.retry_id) == (False, False, False)
     assert await env.members() == [b.retry_id, c.retry_id]
-    assert await env.due_score(b.retry_id) == 0.0
+    assert await env.due_now(b.retry_id)
     assert await env.where(c.retry_id) == (False, False, True)
     (nxt,) = await env.queue.claim_due(lease_ms=60_000, limit=10)
     assert nxt.offset == 2
@@ -327,7 +334,7 @@ async def test_a_resent_finish_releases_nothing_twice(env: Env) -> None:
     assert await env.idem.finish(request) == (FinishStatus.OK, None)
     # The reply was lost: the same call again, while b is due ...
     assert await env.idem.finish(request) == (FinishStatus.OK, None)
-    assert await env.due_score(b.retry_id) == 0.0
+    assert await env.due_now(b.retry_id)
     assert await env.where(c.retry_id) == (False, False, True)
     # ... and once more while b runs: b stays in flight under its lease, c still waits.
     (b_run,) = await env.queue.claim_due(lease_ms=60_000, limit=10)
@@ -375,7 +382,7 @@ async def test_a_head_whose_item_is_gone_is_dropped_and_the_next_scheduled(env: 
     key = env.idem.key("payments", "p4")
     assert await env.idem.claim(claim(key, "F", chain=env.chain)) is ClaimStatus.BLOCKED
     assert await env.members() == [b.retry_id, c.retry_id]
-    assert await env.due_score(b.retry_id) == 0.0
+    assert await env.due_now(b.retry_id)
     assert await env.where(c.retry_id) == (False, False, True)
     assert [d.offset for d in await env.queue.claim_due(lease_ms=60_000, limit=10)] == [2]
 
@@ -409,7 +416,7 @@ async def test_an_unscheduled_head_is_scheduled_by_the_next_check(env: Env) -> N
     assert await env.where(a.retry_id) == (False, False, True)
     key = env.idem.key("payments", "p3")
     assert await env.idem.claim(claim(key, "F", chain=env.chain)) is ClaimStatus.BLOCKED
-    assert await env.due_score(a.retry_id) == 0.0
+    assert await env.due_now(a.retry_id)
     assert await env.where(b.retry_id) == (False, False, True)
     (run,) = await env.queue.claim_due(lease_ms=60_000, limit=10)
     assert run.offset == 1
