@@ -27,6 +27,7 @@ from service.engine.group_check import GROUP_JOIN_REFUSED, check_session_timeout
 from service.engine.intake import Intake
 from service.engine.kafka_client import make_consumer, make_producer
 from service.engine.keys import RedisKeys
+from service.engine.member_report import INTERVAL_S, MemberReporter
 from service.engine.metrics import Metrics
 from service.engine.observability import HealthState, HttpServer
 from service.engine.offsets import OffsetTracker
@@ -35,7 +36,7 @@ from service.engine.records import Delivery
 from service.engine.redis_client import RedisOps, make_client
 from service.engine.redis_persistence import check_persistence
 from service.engine.registry import Registry
-from service.engine.retries import RetryQueue, RetryScheduler
+from service.engine.retries import QueueGauges, RetryQueue, RetryScheduler
 from service.engine.runtime import tune_gc
 from service.engine.settings import Settings
 from service.engine.stalls import Stalls
@@ -92,6 +93,8 @@ class Worker:
         self._producer: AIOKafkaProducer | None = None
         self._http: HttpServer | None = None
         self.scheduler: RetryScheduler | None = None
+        self.reporter: MemberReporter | None = None
+        self.member_report_interval_s = INTERVAL_S  # what `service status` reads (tests: less)
 
     # --- lifecycle ---
 
@@ -178,6 +181,19 @@ class Worker:
         self.health.kafka_ok = True
         self._watch(asyncio.create_task(self._observe_loop(), name="observe"))
         self._watch(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        self.reporter = MemberReporter(
+            self.redis,
+            s.redis.key_prefix,
+            client_id=s.kafka.client_id,
+            tracker=self.tracker,
+            consumer=lambda: self._consumer,
+            in_flight=lambda: self.intake.in_flight,
+            circuits=self.breakers.snapshot,
+            consuming=self.consume,
+            interval_s=self.member_report_interval_s,
+        )
+        # Not watched: a report that cannot be written must not fail /healthz.
+        self._background.append(asyncio.create_task(self.reporter.run(), name="member-report"))
         if s.run_retry_scheduler or not self.consume:
             self.scheduler = RetryScheduler(
                 RetryQueue(self.ops, RedisKeys(s.redis.key_prefix)),
@@ -186,7 +202,7 @@ class Worker:
                 ),
                 s.retry,
                 max_in_flight=max(1, s.max_in_flight // 4),
-                on_depth=self._set_retry_depth,
+                on_gauges=self._set_retry_gauges,
             )
             self._watch(asyncio.create_task(self.scheduler.run(), name="retries"))
         self.health.mark_started()
@@ -261,6 +277,8 @@ class Worker:
             self.metrics.forget_partition(tp.topic, tp.partition)
         self.intake.forget(revoked)
         self.health.assigned_partitions = len(self.tracker.partitions())
+        if self.reporter is not None:
+            self.reporter.poke()
         log.info("partitions revoked", extra={"partitions": _names(revoked)})
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
@@ -270,6 +288,8 @@ class Worker:
         self.health.joined_group = True
         self.stalls.clear(GROUP_JOIN_REFUSED)  # the group took us in
         self.health.assigned_partitions = len(self.tracker.partitions())
+        if self.reporter is not None:
+            self.reporter.poke()
         log.info("partitions assigned", extra={"partitions": _names(assigned)})
 
     # --- observation ---
@@ -278,10 +298,12 @@ class Worker:
         self.health.redis_ok = False
         self.metrics.redis_errors.inc()
 
-    def _set_retry_depth(self, due: int, inflight: int, waiting: int) -> None:
-        self.metrics.retry_depth.labels("due").set(due)
-        self.metrics.retry_depth.labels("inflight").set(inflight)
-        self.metrics.retry_depth.labels("waiting").set(waiting)  # behind their key's chain
+    def _set_retry_gauges(self, gauges: QueueGauges) -> None:
+        self.metrics.retry_depth.labels("due").set(gauges.due)
+        self.metrics.retry_depth.labels("inflight").set(gauges.inflight)
+        self.metrics.retry_depth.labels("waiting").set(gauges.waiting)  # behind their chain
+        self.metrics.set_retry_breakdown(gauges.breakdown)
+        self.metrics.retry_oldest_due_age.set(gauges.oldest_due_age_s)
 
     def _watch(self, task: asyncio.Task[Any]) -> None:
         """Keep a background loop; one that dies while not stopping makes /healthz fail."""

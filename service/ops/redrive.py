@@ -26,16 +26,29 @@ stopped, a ``--reason A`` run never hides the records of reason B from a later r
 and nothing is sent twice. A run reads only up to the end offsets seen when it
 started: the dead letters its own records produce (the cause was not fixed after all)
 wait for the next run instead of looping.
+
+Filters other than the reason (dedupe key, source partition and offsets, time: the
+``DeadLetterFilter`` that ``dlq list`` shows with) never move a mark past a record they
+left: a group's mark moves only over the records it covers that were taken, already
+redriven or already done, up to the first one left. What such a run took beyond that
+point is remembered per dead letter (``sent_key``, dropped once a mark covers it) and
+skipped by later runs. Before sending, the record's dedupe key is read: one that is done
+meanwhile is counted ``already_done`` and not sent, so a run interrupted between the
+broker's ack and its bookkeeping repeats nothing. ``dry_run`` counts, by reason, what
+would move and writes nothing; ``rate`` spaces the sends. Every real run writes one
+``dlq.redrive`` entry to the operators' audit stream (service/ops/action_log.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
@@ -47,7 +60,9 @@ from service.engine.publisher import KEY_SUBSTITUTED_HEADER
 from service.engine.records import REDRIVE_HEADER, RESERVED_PREFIXES, redrive_ticket_value
 from service.engine.redis_client import RedisOps, make_client
 from service.engine.settings import Settings
+from service.ops.action_log import default_actor, record_action
 from service.ops.audit import high_watermarks
+from service.ops.dead_letters import DeadLetter, DeadLetterFilter
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +72,41 @@ _PLAIN_REASON = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # A ticket outlives any sane consumer lag; an unused one (the record never needed to
 # claim over a dead marker) just expires.
 TICKET_TTL_S = 7 * 24 * 3600
+ACTION = "dlq.redrive"
 
 
 @dataclass
 class RedriveReport:
+    """What a run did (or, with ``dry_run``, would do): ``redriven`` were sent back."""
+
     redriven: int = 0
-    skipped: int = 0  # another reason than the ones asked for: left for a later run
-    already: int = 0  # redriven by an earlier run (its group's mark is past it)
+    skipped: int = 0  # not selected (another reason, or outside the filters): left for later
+    already: int = 0  # redriven by an earlier run (below its group's mark, or remembered)
+    already_done: int = 0  # its dedupe key is done meanwhile: nothing to redrive, not sent
     redriven_again: int = 0  # a redriven record's dead letter: left unless include_redriven
     by_reason: dict[str, int] = field(default_factory=dict)
+    dry_run: bool = False
+    elapsed_s: float = 0.0
+    filters: dict[str, Any] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, Any]:
+        """The numbers, as the audit entry records them."""
+        return {
+            "redriven": self.redriven,
+            "skipped": self.skipped,
+            "already": self.already,
+            "already_done": self.already_done,
+            "redriven_again": self.redriven_again,
+            "by_reason": dict(sorted(self.by_reason.items())),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.counts(),
+            "dry_run": self.dry_run,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "filters": self.filters,
+        }
 
 
 def main_group(settings: Settings, *, redriven: bool = False) -> str:
@@ -134,106 +175,338 @@ async def redrive(
     settings: Settings,
     source_topic: str,
     *,
+    selection: DeadLetterFilter | None = None,
     reasons: set[str] | None = None,
     limit: int | None = None,
+    dry_run: bool = False,
+    rate: float | None = None,
+    actor: str | None = None,
+    source: str = "cli",
     idle_timeout_ms: int = 5000,
     include_redriven: bool = False,
 ) -> RedriveReport:
-    """Re-publish the dead letters of ``source_topic`` (only ``reasons``, when given).
+    """Re-publish the dead letters of ``source_topic`` that ``selection`` matches.
 
-    Dead letters of records that were themselves redriven are counted in
-    ``redriven_again`` and left, unless ``include_redriven``.
+    ``reasons`` is the older spelling of ``selection.reasons``. Dead letters of records that
+    were themselves redriven are counted in ``redriven_again`` and left, unless
+    ``include_redriven`` (or ``selection.redriven``). ``dry_run`` counts what would move and
+    writes nothing; ``rate`` paces the sends (records per second). A real run writes one
+    ``dlq.redrive`` entry to the operators' audit stream (``actor``: default_actor()).
     """
+    if reasons is not None:
+        if selection is not None and selection.reasons is not None:
+            raise ValueError("give the reasons once: in selection or in reasons")
+        selection = replace(selection or DeadLetterFilter(), reasons=frozenset(reasons))
+    selection = selection or DeadLetterFilter()
+    if rate is not None and rate <= 0:
+        raise ValueError("rate must be positive (records per second)")
+    began = time.monotonic()
+    report = RedriveReport(
+        dry_run=dry_run,
+        filters={
+            **selection.to_json(),
+            "topic": source_topic,
+            "limit": limit,
+            "rate": rate,
+            "include_redriven": include_redriven,
+        },
+    )
     dlq = settings.dead_letter_topic(source_topic)
     ends = {
         TopicPartition(dlq, p): high
         for p, high in (await high_watermarks(settings.kafka, dlq)).items()
     }
     tps = sorted(ends, key=lambda tp: tp.partition)
-    report = RedriveReport()
-    if not tps:
-        return report
-    marks = _Marks(settings, tps)
-    consumer = AIOKafkaConsumer(
-        enable_auto_commit=False, auto_offset_reset="earliest", **connection_kwargs(settings.kafka)
-    )
-    producer = make_producer(settings.kafka)
     redis = make_client(settings.redis)
-    tickets = _Tickets(RedisOps(redis, settings.redis), RedisKeys(settings.redis.key_prefix))
-    families = (False, True) if include_redriven else (False,)
-    await marks.start()
-    await consumer.start()
-    await producer.start()
     try:
-        wanted = sorted(reasons) if reasons is not None else None
-        main = {again: await marks.get(main_group(settings, redriven=again)) for again in families}
-        for again in families:
-            for reason in wanted or ():
-                await marks.get(reason_group(settings, reason, redriven=again))
-        starts = {
-            tp: min([await _start_offset(marks, settings, tp, wanted, again) for again in families])
-            for tp in tps
-        }
-        remaining = {tp for tp in tps if starts[tp] < ends[tp]}
-        consumer.assign(tps)
-        for tp in tps:
-            if starts[tp] >= 0:
-                consumer.seek(tp, starts[tp])
-            else:
-                await consumer.seek_to_beginning(tp)
-        while remaining and (limit is None or report.redriven < limit):
-            batch = await consumer.getmany(*remaining, timeout_ms=idle_timeout_ms, max_records=500)
-            if not batch:
-                log.warning(
-                    "redrive: no records before the end offsets seen at start; stopping",
-                    extra={"topic": dlq, "remaining": sorted(tp.partition for tp in remaining)},
-                )
-                break
-            positions: dict[TopicPartition, int] = {}
-            sending: list[Any] = []
-            for tp, records in batch.items():
-                for record in records:
-                    if record.offset >= ends[tp]:
-                        remaining.discard(tp)  # arrived after the start: the next run's
-                        break
-                    if limit is not None and report.redriven >= limit:
-                        break
-                    reason = _reason(record.headers)
-                    again = _header(record.headers, REDRIVE_HEADER) is not None
-                    if wanted is not None and reason not in wanted:
-                        report.skipped += 1
-                    elif again and not include_redriven:
-                        report.redriven_again += 1
-                    elif record.offset < max(
-                        main[again][tp],
-                        (await marks.get(reason_group(settings, reason, redriven=again)))[tp],
-                    ):
-                        report.already += 1
-                    else:
-                        sending.append(record)
-                        report.redriven += 1
-                        report.by_reason[reason] = report.by_reason.get(reason, 0) + 1
-                    positions[tp] = record.offset + 1
-                if positions.get(tp, -1) >= ends[tp]:
-                    remaining.discard(tp)
-            # Every ticket is written (and durable) before any record it admits exists.
-            await tickets.write(source_topic, sending)
-            futures = [await _send(producer, source_topic, record) for record in sending]
-            for fut in futures:
-                await fut  # acknowledged by the source topic before any mark moves
-            for again in families:
-                if wanted is None:
-                    await marks.advance(main_group(settings, redriven=again), positions)
-                else:
-                    for reason in wanted:
-                        group = reason_group(settings, reason, redriven=again)
-                        await marks.advance(group, positions)
+        if tps:
+            run = _Run(settings, source_topic, selection, include_redriven, report, redis)
+            await run.go(tps, ends, limit=limit, dry_run=dry_run, rate=rate, idle=idle_timeout_ms)
+        report.elapsed_s = time.monotonic() - began
+        if not dry_run:
+            await record_action(
+                redis,
+                settings.redis.key_prefix,
+                actor=actor or default_actor(),
+                action=ACTION,
+                filters=report.filters,
+                counts=report.counts(),
+                source=source,
+            )
     finally:
-        await producer.stop()
-        await consumer.stop()
-        await marks.close()
         await redis.aclose()
     return report
+
+
+class _Run:
+    """One redrive run: which records it takes, and which marks it may move.
+
+    A record is *covered* by the mark group of its family (first failure or failed
+    redrive) and, in a run by reason, of its reason. A group moves over every record it
+    covers that was taken, already redriven or already done; a record the filters left
+    (another dedupe key, partition, offset or time) stops it there, so a later run still
+    finds that record. Records taken past such a gap are remembered one by one in Redis
+    (``sent_key``) and skipped as ``already`` later.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        source_topic: str,
+        selection: DeadLetterFilter,
+        include_redriven: bool,
+        report: RedriveReport,
+        redis: Any,
+    ) -> None:
+        self.settings = settings
+        self.source_topic = source_topic
+        self.report = report
+        self.wanted = sorted(selection.reasons) if selection.reasons is not None else None
+        # Reasons and first-failure/redriven pick mark groups; the rest only narrows.
+        self.narrow = replace(selection, reasons=None, redriven=None)
+        self.families: tuple[bool, ...] = (
+            (True,)
+            if selection.redriven
+            else (False, True)
+            if include_redriven and selection.redriven is None
+            else (False,)
+        )
+        self.keys = RedisKeys(settings.redis.key_prefix)
+        self.ops = RedisOps(redis, settings.redis)
+        self.tickets = _Tickets(self.ops, self.keys)
+
+    def groups(self) -> list[str]:
+        """The mark groups this run may move."""
+        out = []
+        for again in self.families:
+            if self.wanted is None:
+                out.append(main_group(self.settings, redriven=again))
+            else:
+                out += [reason_group(self.settings, r, redriven=again) for r in self.wanted]
+        return out
+
+    def covering(self, reason: str, again: bool) -> str:
+        if self.wanted is None:
+            return main_group(self.settings, redriven=again)
+        return reason_group(self.settings, reason, redriven=again)
+
+    async def go(
+        self,
+        tps: list[TopicPartition],
+        ends: dict[TopicPartition, int],
+        *,
+        limit: int | None,
+        dry_run: bool,
+        rate: float | None,
+        idle: int,
+    ) -> None:
+        settings, report = self.settings, self.report
+        marks = _Marks(settings, tps)
+        consumer = AIOKafkaConsumer(
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            **connection_kwargs(settings.kafka),
+        )
+        producer = None if dry_run else make_producer(settings.kafka)
+        await marks.start()
+        await consumer.start()
+        if producer is not None:
+            await producer.start()
+        try:
+            main = {
+                again: await marks.get(main_group(settings, redriven=again))
+                for again in self.families
+            }
+            for group in self.groups():
+                await marks.get(group)
+            starts = {
+                tp: min(
+                    [
+                        await _start_offset(marks, settings, tp, self.wanted, again)
+                        for again in self.families
+                    ]
+                )
+                for tp in tps
+            }
+            sent = {
+                (tp, again): await self._sent(tp, again, starts[tp], ends[tp])
+                for tp in tps
+                for again in self.families
+            }
+            remaining = {tp for tp in tps if starts[tp] < ends[tp]}
+            consumer.assign(tps)
+            for tp in tps:
+                if starts[tp] >= 0:
+                    consumer.seek(tp, starts[tp])
+                else:
+                    await consumer.seek_to_beginning(tp)
+            blocked: dict[tuple[str, TopicPartition], int] = {}
+            pacer = _Pacer(rate)
+            while remaining and (limit is None or report.redriven < limit):
+                batch = await consumer.getmany(*remaining, timeout_ms=idle, max_records=500)
+                if not batch:
+                    log.warning(
+                        "redrive: no records before the end offsets seen at start; stopping",
+                        extra={
+                            "topic": tps[0].topic,
+                            "remaining": sorted(t.partition for t in remaining),
+                        },
+                    )
+                    break
+                positions: dict[TopicPartition, int] = {}
+                candidates: list[tuple[Any, DeadLetter]] = []
+                for tp, records in batch.items():
+                    for record in records:
+                        if record.offset >= ends[tp]:
+                            remaining.discard(tp)  # arrived after the start: the next run's
+                            break
+                        if limit is not None and report.redriven + len(candidates) >= limit:
+                            consumer.seek(tp, record.offset)  # not looked at: read it again
+                            break
+                        letter = DeadLetter.from_record(record)
+                        reason, again = letter.reason, letter.redrive_of is not None
+                        if self.wanted is not None and reason not in self.wanted:
+                            report.skipped += 1
+                        elif again not in self.families:
+                            if again:
+                                report.redriven_again += 1
+                            else:
+                                report.skipped += 1  # only failed redrives were asked for
+                        elif (
+                            record.offset
+                            < max(
+                                main[again][tp],
+                                (await marks.get(reason_group(settings, reason, redriven=again)))[
+                                    tp
+                                ],
+                            )
+                            or record.offset in sent[(tp, again)]
+                        ):
+                            report.already += 1
+                        elif not self.narrow.matches(letter):
+                            report.skipped += 1
+                            blocked.setdefault((self.covering(reason, again), tp), record.offset)
+                        else:
+                            candidates.append((record, letter))
+                        positions[tp] = record.offset + 1
+                    if positions.get(tp, -1) >= ends[tp]:
+                        remaining.discard(tp)
+                sending = await self._not_done(candidates)
+                for _record, letter in sending:
+                    report.redriven += 1
+                    report.by_reason[letter.reason] = report.by_reason.get(letter.reason, 0) + 1
+                if dry_run or producer is None:
+                    continue
+                await self._send_all(producer, [r for r, _ in sending], pacer)
+                for group in self.groups():
+                    await marks.advance(
+                        group,
+                        {
+                            tp: min(position, blocked.get((group, tp), position))
+                            for tp, position in positions.items()
+                        },
+                    )
+            if not dry_run:
+                await self._forget_below(tps, main)
+        finally:
+            if producer is not None:
+                await producer.stop()
+            await consumer.stop()
+            await marks.close()
+
+    async def _not_done(
+        self, candidates: list[tuple[Any, DeadLetter]]
+    ) -> list[tuple[Any, DeadLetter]]:
+        """The candidates whose dedupe key is not done: a done one is counted, never sent."""
+        named = [(i, c) for i, c in enumerate(candidates) if c[1].handler and c[1].dedupe_key]
+        if not named:
+            return candidates
+        idem = [self.keys.idempotency(c[1].handler, c[1].dedupe_key) for _, c in named]
+        values = await self.ops.call(lambda: self.ops.client.mget(idem))
+        done = {i for (i, _), v in zip(named, values, strict=True) if _is_done(v)}
+        self.report.already_done += len(done)
+        return [c for i, c in enumerate(candidates) if i not in done]
+
+    async def _send_all(self, producer: Any, records: list[Any], pacer: _Pacer) -> None:
+        """Tickets, sends (paced), acks, then remember each record as sent: per chunk."""
+        chunk = 500 if pacer.rate is None else max(1, min(500, int(pacer.rate)))
+        for i in range(0, len(records), chunk):
+            part = records[i : i + chunk]
+            # Every ticket is written (and durable) before any record it admits exists.
+            await self.tickets.write(self.source_topic, part)
+            futures = []
+            for record in part:
+                await pacer.wait()
+                futures.append(await _send(producer, self.source_topic, record))
+            for fut in futures:
+                await fut  # acknowledged by the source topic before it counts as sent
+            await self._remember(part)
+
+    async def _remember(self, records: list[Any]) -> None:
+        by_key: dict[str, dict[str, int]] = {}
+        for record in records:
+            again = _header(record.headers, REDRIVE_HEADER) is not None
+            key = sent_key(self.keys, record.topic, record.partition, again)
+            by_key.setdefault(key, {})[str(record.offset)] = record.offset
+
+        async def write() -> None:
+            async with self.ops.client.pipeline(transaction=False) as pipe:
+                for key, members in by_key.items():
+                    pipe.zadd(key, members)
+                await pipe.execute()
+
+        await self.ops.call(write, durable=True)
+
+    async def _sent(self, tp: TopicPartition, again: bool, start: int, end: int) -> set[int]:
+        key = sent_key(self.keys, tp.topic, tp.partition, again)
+        found = await self.ops.call(lambda: self.ops.client.zrangebyscore(key, max(start, 0), end))
+        return {int(m) for m in cast(list[Any], found)}
+
+    async def _forget_below(
+        self, tps: list[TopicPartition], main: dict[bool, dict[TopicPartition, int]]
+    ) -> None:
+        """Drop remembered offsets the family's main mark now covers (the set stays small)."""
+
+        async def prune() -> None:
+            async with self.ops.client.pipeline(transaction=False) as pipe:
+                for tp in tps:
+                    for again, mark in main.items():
+                        if mark[tp] > 0:
+                            key = sent_key(self.keys, tp.topic, tp.partition, again)
+                            pipe.zremrangebyscore(key, "-inf", f"({mark[tp]}")
+                await pipe.execute()
+
+        await self.ops.call(prune)
+
+
+def _is_done(marker: bytes | str | None) -> bool:
+    """A done-marker (``d|...``, see lua_claims.py): the key's effects were applied."""
+    if marker is None:
+        return False
+    return (marker if isinstance(marker, bytes) else marker.encode()).startswith(b"d|")
+
+
+def sent_key(keys: RedisKeys, dlq: str, partition: int, again: bool) -> str:
+    """Where a run remembers the dead letters it took past a record it left (a sorted set
+    of offsets per dead-letter partition and family), under the ``redrive`` namespace."""
+    digest = hashlib.sha256(f"{dlq}\0{partition}\0{int(again)}".encode()).hexdigest()[:40]
+    return f"{keys.prefix}:redrive:sent:{digest}"
+
+
+class _Pacer:
+    """Spaces sends ``1/rate`` seconds apart (no pacing without a rate)."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.rate = rate
+        self._next = time.monotonic()
+
+    async def wait(self) -> None:
+        if self.rate is None:
+            return
+        now = time.monotonic()
+        if self._next > now:
+            await asyncio.sleep(self._next - now)
+        self._next = max(self._next, now) + 1 / self.rate
 
 
 class _Tickets:
