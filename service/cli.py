@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -17,6 +16,14 @@ from service.engine import runtime
 from service.engine.errors import ConfigurationError
 from service.engine.observability import configure_logging
 from service.engine.settings import Settings, load_settings
+from service.ops.cli_group import dlq_redrive_command, offsets_app, status_command
+from service.ops.cli_records import (
+    audit_command,
+    dlq_list,
+    dlq_show,
+    retries_app,
+    trace_command,
+)
 
 # Never print local variables in a crash report: they hold unwrapped secrets (the Redis URL,
 # the SASL password in the aiokafka arguments). Older typer versions showed them by default.
@@ -31,6 +38,14 @@ dlq_app = typer.Typer(no_args_is_help=True, help="Dead-letter topic tools.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(dlq_app, name="dlq")
 app.command("new-handler")(new_handler_command)  # scaffold: service/dev/scaffold.py
+app.command("status")(status_command)  # service/ops/cli_group.py
+app.add_typer(offsets_app, name="offsets")
+dlq_app.command("redrive")(dlq_redrive_command)
+app.add_typer(retries_app, name="retries")  # service/ops/cli_records.py
+dlq_app.command("list")(dlq_list)
+dlq_app.command("show")(dlq_show)
+app.command("trace")(trace_command)
+app.command("audit")(audit_command)
 
 
 def _mount_pipeline() -> None:
@@ -221,46 +236,19 @@ def dev_status(state_dir: StateDir = None) -> None:
         raise typer.Exit(1)
 
 
-@dlq_app.command("redrive")
-def dlq_redrive(
-    topic: Annotated[str, typer.Option(help="The source topic whose dead letters to redrive.")],
-    reason: Annotated[
-        list[str] | None, typer.Option(help="Only these reasons (repeatable).")
-    ] = None,
-    limit: Annotated[int | None, typer.Option(min=1, help="At most this many.")] = None,
-    include_redriven: Annotated[
-        bool,
-        typer.Option(
-            "--include-redriven",
-            help="Also take dead letters of records that were themselves redriven.",
-        ),
-    ] = False,
-) -> None:
-    """Re-publish dead letters to their source topic (after fixing the cause).
-
-    With --reason, records of other reasons are left for a later redrive; nothing already
-    redriven is sent twice. Reads up to the end offsets seen at start. A record redriven
-    before that failed again is left unless --include-redriven (no loops).
-    """
-    from service.ops.redrive import redrive
+@app.command("console")
+def console_command() -> None:
+    """Serve the web console (WORKER_CONSOLE__HOST/PORT); read-only without a token."""
+    from service.console.server import serve
+    from service.engine.registry import Registry
 
     settings = _settings()
-    report = asyncio.run(
-        redrive(
-            settings,
-            topic,
-            reasons=set(reason) if reason else None,
-            limit=limit,
-            include_redriven=include_redriven,
-        )
-    )
-    console.print(
-        f"redriven {report.redriven} {dict(sorted(report.by_reason.items()))}, "
-        f"skipped (other reasons, left for a later run) {report.skipped}, "
-        f"already redriven earlier {report.already}, "
-        f"failed again after a redrive (left; --include-redriven) {report.redriven_again}",
-        highlight=False,
-    )
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        registry = Registry.from_settings(settings.topics)
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
+    serve(settings, registry)
 
 
 def main() -> None:  # pragma: no cover - console script shim
