@@ -3,7 +3,8 @@
 It writes what every handler needs so that adding a topic is filling in blanks, not
 copying the payments example by hand: ``service/handlers/NAME.py`` (a payload model,
 the ``@handler`` declaration with its dedupe key, a handler that queues its effect on
-``ctx.effects``), ``tests/unit/test_handler_NAME.py`` (passes as generated), and the
+``ctx.effects``), ``tests/unit/test_handler_NAME.py`` (passes as generated; its records
+go through the worker's path with ``service.testing.HandlerTestKit``), and the
 binding NAME -> TOPIC in ``service/project.py``'s ``TOPICS``, the default of
 ``WORKER_TOPICS``. That file is the project's own (rendered once by the template), so
 the binding survives ``cruft update``; docs/template.md explains.
@@ -253,21 +254,26 @@ async def handle_$name(
 ''')
 
 TEST_TEMPLATE = Template('''\
-"""Scaffolded tests: the handler is declared, bound to its topic, and queues its effect."""
+"""Scaffolded tests: the handler is declared and bound, and its records take the worker's path.
+
+``HandlerTestKit`` (service.testing) runs each record through the real record path (decode,
+claim, handler, effects written with the done-marker, dead letters, outcome events) on
+fakeredis and an in-memory Kafka producer: no servers. Add a test per business case.
+"""
 
 from __future__ import annotations
 
 import pytest
-from fakeredis import FakeAsyncRedis
 from pydantic import ValidationError
 
-from service import Context, Effects, project
+from service import project
 from service.engine.registry import Registry, discover
 from service.handlers.$name import (
     NAMESPACE,
     $model,
     handle_$name,
 )
+from service.testing import HandlerTestKit
 
 HANDLER = handle_$name
 MODEL = $model
@@ -287,39 +293,28 @@ def test_payload_model_and_dedupe_key() -> None:
         MODEL.model_validate({"event_id": ""})
 
 
-def context_for(event: $model) -> Context:
-    """The context the worker gives: effects limited to the handler's namespaces."""
-    return Context(
-        topic=TOPIC,
-        partition=0,
-        offset=41,
-        key=None,
-        headers=(),
-        timestamp_ms=0,
-        attempt=1,
-        dedupe_key=HANDLER.key_of(event),
-        effects=Effects(prefix="test", namespaces=HANDLER.namespaces),
-        redis=FakeAsyncRedis(),
-        key_prefix="test",
-    )
+async def test_effect_written_once_per_event() -> None:
+    async with HandlerTestKit(HANDLER) as kit:
+        first = await kit.send({"event_id": "evt-1"}, key="k1")
+        assert first.granted
+        source = f"{TOPIC}/0/{first.offset}"
+        assert await kit.effects(NAMESPACE, "evt-1") == {"source": source}
+        # The same event again (a redelivery): a duplicate, its effect not applied again.
+        again = await kit.send({"event_id": "evt-1"}, key="k1")
+        assert again.duplicate
+        assert await kit.effects(NAMESPACE, "evt-1") == {"source": source}
+        # An id holding ':' stays one key component in the handler's namespace.
+        assert (await kit.send({"event_id": "payments:=p1"})).granted
+        assert kit.key(NAMESPACE, "payments:=p1").endswith(f":{NAMESPACE}:payments%3A=p1")
+        assert await kit.effects(NAMESPACE, "payments:=p1") is not None
 
 
-async def test_effect_is_queued_not_written() -> None:
-    event = MODEL(event_id="evt-1")
-    ctx = context_for(event)
-    await HANDLER(event, ctx)
-    # Queued for the worker to apply with the done-marker; nothing written by the handler.
-    assert ctx.effects.commands == [
-        ("HSET", f"test:{NAMESPACE}:evt-1", "source", f"{TOPIC}/0/41"),
-    ]
-    assert await ctx.redis.dbsize() == 0
-
-
-async def test_an_id_cannot_leave_the_handler_namespace() -> None:
-    event = MODEL(event_id="payments:=p1")  # would be another handler's done-marker, unescaped
-    ctx = context_for(event)
-    await HANDLER(event, ctx)
-    assert ctx.effects.commands[0][1] == f"test:{NAMESPACE}:payments%3A=p1"
+async def test_invalid_payload_is_dead_lettered() -> None:
+    async with HandlerTestKit(HANDLER) as kit:
+        result = await kit.send({"event_id": ""}, key="k1")
+        assert result.dead_lettered and result.reason == "malformed"
+        assert kit.dead_letters == [result.dead_letter]
+        assert await kit.redis.keys(kit.key(NAMESPACE, "*")) == []  # nothing written
 ''')
 
 

@@ -7,6 +7,7 @@ folder), never into the project itself.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,34 @@ def test_new_handler_writes_module_test_and_binding(project: Path) -> None:
     result = run_in(project, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(done.test_module))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 passed" in result.stdout
+
+
+def test_generated_test_runs_records_through_the_kit_and_catches_a_broken_handler(
+    project: Path,
+) -> None:
+    """The generated test sends records through ``service.testing``'s kit (the worker's
+    path), so a handler whose effect lands elsewhere, or that takes an empty id, fails it."""
+    done = scaffold.new_handler(project, "fees", "billing.fees")
+    test_source = (project / done.test_module).read_text()
+    assert "from service.testing import HandlerTestKit" in test_source
+    assert "async with HandlerTestKit(HANDLER) as kit:" in test_source
+    module = project / done.handler_module
+    original = module.read_text()
+    breakages = {
+        # Every event's effect on one key: the event's own key never written.
+        "ctx.redis_key(NAMESPACE, event.event_id)": 'ctx.redis_key(NAMESPACE, "all")',
+        # An empty id accepted: an invalid record reaches the handler and is granted.
+        "Field(min_length=1, max_length=128)": "Field(max_length=128)",
+    }
+    for old, new in breakages.items():
+        assert old in original
+        module.write_text(original.replace(old, new))
+        result = run_in(
+            project, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(done.test_module)
+        )
+        assert result.returncode == 1, f"{old} -> {new}:\n{result.stdout}"
+        assert re.search(r"\d+ failed", result.stdout), result.stdout
+    module.write_text(original)
 
 
 def test_generated_code_is_lint_clean(project: Path) -> None:

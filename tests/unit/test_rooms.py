@@ -22,6 +22,7 @@ OUTSIDE_ENGINE = (
     "service.pipeline",
     "service.cli",
     "service.console",
+    "service.testing",
 )
 
 
