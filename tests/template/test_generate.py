@@ -236,7 +236,10 @@ def test_python_version_answer(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- their own tests pass
 
 
-@pytest.mark.parametrize("name", ["default_project", "orders_project", "refunds_project"])
+# Not the default project: test_default_generation_is_the_repository shows it is this
+# repository byte for byte, whose own suite is the one running now (a third copy of the
+# same unit tests cost CI 90 s).
+@pytest.mark.parametrize("name", ["orders_project", "refunds_project"])
 def test_generated_project_passes_its_own_tests(name: str, request: pytest.FixtureRequest) -> None:
     project: Path = request.getfixturevalue(name)
     result = run_project_tests(project, "-m", "not integration")
