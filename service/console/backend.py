@@ -22,6 +22,7 @@ from service.ops.action_log import Action, read_actions
 from service.ops.dead_letters import (
     DeadLetter,
     DeadLetterFilter,
+    DeadLetterTally,
     find_dead_letter,
     list_dead_letters,
 )
@@ -54,6 +55,9 @@ class Backend:
         self.settings = settings
         self.registry = registry
         self.timeout_s = timeout_s
+        # The overview refreshes every few seconds: read each dead-letter topic once, then
+        # only what arrived since.
+        self._dead_letter_tally = DeadLetterTally()
 
     @property
     def topics(self) -> list[str]:
@@ -68,7 +72,8 @@ class Backend:
 
     async def status(self) -> dict[str, Any]:
         found = await self._call(
-            "reading the group's status", status.collect_status(self.settings, self.registry)
+            "reading the group's status",
+            status.collect_status(self.settings, self.registry, tally=self._dead_letter_tally),
         )
         return found.to_json()
 

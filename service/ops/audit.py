@@ -94,27 +94,49 @@ async def group_offsets(kafka: KafkaSettings, group: str, topic: str) -> list[Pa
 
 async def read_all(kafka: KafkaSettings, topic: str, timeout_s: float = 30) -> list[Any]:
     """Every record currently in ``topic`` (up to each partition's high watermark)."""
+    records, _ = await read_from(kafka, topic, {}, timeout_s)
+    return records
+
+
+async def read_from(
+    kafka: KafkaSettings, topic: str, starts: dict[int, int], timeout_s: float = 30
+) -> tuple[list[Any], dict[int, int]]:
+    """The records of ``topic`` from ``starts[partition]`` (its beginning where absent or
+    no longer kept) up to each partition's high watermark now; and those high watermarks,
+    where the next read starts. A partition whose high watermark fell below its start (the
+    topic was recreated) is read from its beginning."""
     highs = await high_watermarks(kafka, topic)
+    plan: dict[TopicPartition, int] = {}
+    for partition, high in highs.items():
+        start = starts.get(partition, 0)
+        start = 0 if start > high else start
+        if start < high:
+            plan[TopicPartition(topic, partition)] = start
+    if not plan:  # nothing new: no consumer (one stopped before it fetched can raise)
+        return [], dict(highs)
     consumer = AIOKafkaConsumer(
         enable_auto_commit=False, auto_offset_reset="earliest", **connection_kwargs(kafka)
     )
     await consumer.start()
     try:
-        tps = [TopicPartition(topic, p) for p in highs]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        consumer.assign(list(plan))
+        for tp, start in plan.items():
+            if start > 0:
+                consumer.seek(tp, start)
+            else:
+                await consumer.seek_to_beginning(tp)
         records: list[Any] = []
-        remaining = {tp for tp in tps if highs[tp.partition] > 0}
+        remaining = set(plan)
         deadline = time.monotonic() + timeout_s
         while remaining and time.monotonic() < deadline:
             batch = await consumer.getmany(*remaining, timeout_ms=300, max_records=10_000)
             for tp, recs in batch.items():
-                records.extend(recs)
+                records.extend(r for r in recs if r.offset < highs[tp.partition])
                 if recs and recs[-1].offset + 1 >= highs[tp.partition]:
                     remaining.discard(tp)
         if remaining:
             raise TimeoutError(f"could not read {topic} to its end in {timeout_s} s")
-        return records
+        return records, dict(highs)
     finally:
         await consumer.stop()
 

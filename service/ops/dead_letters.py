@@ -9,13 +9,14 @@ shown" can never disagree.
 from __future__ import annotations
 
 import base64
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.records import REDRIVE_HEADER
 from service.engine.settings import Settings
-from service.ops.audit import read_all
+from service.ops.audit import read_all, read_from
 
 REASON_HEADER = "x-dlq-reason"
 
@@ -217,3 +218,31 @@ async def find_dead_letter(
         if letter.partition == partition and letter.offset == offset:
             return letter
     return None
+
+
+class DeadLetterTally:
+    """Dead letters per reason of each source topic, read incrementally.
+
+    A process that asks again and again (the console refreshing its overview) reads each
+    dead-letter topic once, then only what arrived since. Counts are of what was read
+    since this tally began: a dead letter the topic's retention deleted later is still
+    counted; a recreated topic is counted again from its beginning.
+    """
+
+    def __init__(self) -> None:
+        self._next: dict[str, dict[int, int]] = {}
+        self._counts: dict[str, Counter[str]] = {}
+
+    async def counts(self, settings: Settings, source_topic: str) -> Counter[str]:
+        """Reason -> count for ``source_topic``'s dead letters, up to their end now."""
+        starts = self._next.get(source_topic, {})
+        records, ends = await read_from(
+            settings.kafka, settings.dead_letter_topic(source_topic), starts
+        )
+        counts = self._counts.setdefault(source_topic, Counter())
+        if any(ends.get(p, 0) < offset for p, offset in starts.items()):
+            counts.clear()  # recreated: read_from went back to its beginning
+        for record in records:
+            counts[DeadLetter.from_record(record).reason] += 1
+        self._next[source_topic] = ends
+        return Counter(counts)

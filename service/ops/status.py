@@ -29,7 +29,7 @@ from service.engine.registry import Registry
 from service.engine.retries import RetryQueue
 from service.engine.settings import KafkaSettings, RedisSettings, Settings
 from service.ops.audit import high_watermarks
-from service.ops.dead_letters import list_dead_letters
+from service.ops.dead_letters import DeadLetterTally
 
 # The key chains are counted by SCAN, up to this many (the document says when it stopped).
 MAX_SCANNED = 100_000
@@ -242,8 +242,15 @@ async def committed_offsets(
     return {tp: (found[tp].offset if tp in found and found[tp].offset >= 0 else None) for tp in tps}
 
 
-async def collect_status(settings: Settings, registry: Registry) -> ServiceStatus:
-    """Read everything once. A part that cannot be read is named in ``errors``."""
+async def collect_status(
+    settings: Settings, registry: Registry, *, tally: DeadLetterTally | None = None
+) -> ServiceStatus:
+    """Read everything once. A part that cannot be read is named in ``errors``.
+
+    ``tally``: a caller that asks repeatedly (the console) keeps one, so each call reads
+    only the dead letters that arrived since the last.
+    """
+    tally = tally or DeadLetterTally()
     kafka = settings.kafka
     group_id = kafka.group_id
     errors: list[str] = []
@@ -290,8 +297,8 @@ async def collect_status(settings: Settings, registry: Registry) -> ServiceStatu
     dead: Counter[tuple[str, str]] = Counter()
     for topic in registry.topics:
         try:
-            for letter in await list_dead_letters(settings, topic):
-                dead[(topic, letter.reason)] += 1
+            for reason, count in (await tally.counts(settings, topic)).items():
+                dead[(topic, reason)] += count
         except Exception as exc:
             errors.append(f"dead letters of {topic}: {exc!r}")
     circuits = [
