@@ -286,6 +286,14 @@ class ConsoleSettings(BaseModel):
     # How often the partitions page refreshes itself, seconds.
     refresh_s: float = Field(default=5.0, ge=1, le=3600)
 
+    @field_validator("token", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """An empty variable (compose passing an unset one through) means read-only."""
+        if value == "" or (isinstance(value, SecretStr) and not value.get_secret_value()):
+            return None
+        return value
+
     @field_validator("token")
     @classmethod
     def _token_strong(cls, value: SecretStr | None) -> SecretStr | None:

@@ -241,3 +241,17 @@ def test_subprocess_env_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in settings_env(settings).items():
         monkeypatch.setenv(name, value)
     assert load_settings() == settings
+
+
+def test_console_token_empty_means_read_only_and_a_short_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compose passes an unset shell variable through as ''; that is no token, not a bad one."""
+    monkeypatch.setenv("WORKER_CONSOLE__TOKEN", "")
+    assert load_settings().console.token is None
+    monkeypatch.setenv("WORKER_CONSOLE__TOKEN", "short")
+    with pytest.raises(ConfigurationError, match="WORKER_CONSOLE__TOKEN"):
+        load_settings()
+    monkeypatch.setenv("WORKER_CONSOLE__TOKEN", "t" * 16)
+    token = load_settings().console.token
+    assert token is not None and token.get_secret_value() == "t" * 16
