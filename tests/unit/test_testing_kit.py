@@ -249,6 +249,7 @@ async def test_producer_refuses_a_record_with_neither_key_nor_value_like_aiokafk
     real = real_producer()
     with pytest.raises(AssertionError) as theirs:
         await real.send("t", value=None, key=None)
+    await real.stop()  # never started: closes its client (else "Unclosed AIOKafkaProducer")
     fake = InMemoryProducer()
     with pytest.raises(type(theirs.value)) as ours:
         await fake.send("t", value=None, key=None)
@@ -270,6 +271,7 @@ async def test_producer_refuses_oversize_records_as_aiokafka_measures_them() -> 
     with pytest.raises(MessageSizeTooLargeError):
         await fake.send("t", value=b"v" * (fits + 1), headers=headers)
     assert len(fake.sent) == 1
+    await real.stop()
 
 
 def _fits(real: Any, value: bytes, headers: list[tuple[str, bytes]]) -> bool:
