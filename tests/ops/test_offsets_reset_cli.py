@@ -3,10 +3,7 @@ that changes nothing, and real resets that move the committed offsets and are au
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,25 +16,9 @@ from service.ops import audit
 from service.ops.action_log import read_actions
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
-from tests.integration.procs import settings_env
+from tests.ops.cli import service_cli
 
 pytestmark = pytest.mark.timeout(180)
-
-
-async def _cli(settings: Settings, *args: str) -> tuple[int, str, str]:
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("WORKER_")},
-        **settings_env(settings),
-        "NO_COLOR": "1",
-        "COLUMNS": "200",
-    }
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", *args,
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def _committed(settings: Settings) -> dict[int, int | None]:
@@ -63,16 +44,18 @@ async def test_offsets_reset_refused_while_live_dry_run_changes_nothing_then_res
             return await _committed(settings) == highs
 
         await await_until(consumed, 60, interval=0.2, message="not consumed")
-        code, out, err = await _cli(settings, *reset, "--to", "earliest")
+        code, out, err = await service_cli(settings, *reset, "--to", "earliest")
         assert code == 1, (out, err)
         assert "refused" in err and unique_name in err and "Traceback" not in err, err
         # A dry run is allowed while live (it only reads), and says a reset would be refused.
-        code, out, err = await _cli(settings, *reset, "--to", "earliest", "--dry-run", "--json")
+        code, out, err = await service_cli(
+            settings, *reset, "--to", "earliest", "--dry-run", "--json"
+        )
         assert code == 0, err
         assert json.loads(out)["applied"] is False and "would be refused" in err
     assert await _committed(settings) == highs  # the refused reset moved nothing
 
-    code, out, err = await _cli(settings, *reset, "--to", "earliest", "--dry-run", "--json")
+    code, out, err = await service_cli(settings, *reset, "--to", "earliest", "--dry-run", "--json")
     assert code == 0, err
     plan = json.loads(out)
     assert (plan["group"], plan["group_state"], plan["applied"]) == (
@@ -87,7 +70,7 @@ async def test_offsets_reset_refused_while_live_dry_run_changes_nothing_then_res
     assert await _committed(settings) == highs  # dry run: nothing changed
 
     # One partition to an offset (clamped to the partition's end).
-    code, out, err = await _cli(
+    code, out, err = await service_cli(
         settings, *reset, "--to", "offset:2", "--partition", "0", "--actor", "zoe", "--json"
     )
     assert code == 0, err
@@ -95,12 +78,12 @@ async def test_offsets_reset_refused_while_live_dry_run_changes_nothing_then_res
     assert await _committed(settings) == {0: min(2, highs[0]), 1: highs[1]}
 
     # Everything to a time before any record: the beginning; the table for people.
-    code, out, err = await _cli(settings, *reset, "--to", "timestamp:1970-01-02T00:00:00Z")
+    code, out, err = await service_cli(settings, *reset, "--to", "timestamp:1970-01-02T00:00:00Z")
     assert code == 0, err
     assert "committed" in out
     assert await _committed(settings) == dict.fromkeys(highs, 0)
 
-    code, out, err = await _cli(settings, *reset, "--to", "yesterday")
+    code, out, err = await service_cli(settings, *reset, "--to", "yesterday")
     assert code == 2 and "expected earliest" in err and "Traceback" not in err, err
 
     client = aioredis.from_url(redis_server.url)

@@ -7,10 +7,7 @@ twice, even when a run's own bookkeeping was lost after the broker took its reco
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +25,7 @@ from service.ops.dead_letters import DeadLetter, DeadLetterFilter, list_dead_let
 from service.ops.redrive import redrive
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
-from tests.integration.procs import settings_env
+from tests.ops.cli import service_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -165,21 +162,6 @@ async def test_filtered_runs_leave_the_rest_redrivable_none_lost_none_twice(
     assert alice.source == "cli"
 
 
-async def _cli(settings: Settings, *args: str) -> tuple[int, str, str]:
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("WORKER_")},
-        **settings_env(settings),
-        "NO_COLOR": "1",
-    }
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", *args,
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
-
-
 async def test_cli_dry_run_then_paced_redrive_with_json_and_audit(
     kafka_broker: Broker,
     redis_server: RedisServer,
@@ -191,7 +173,7 @@ async def test_cli_dry_run_then_paced_redrive_with_json_and_audit(
     letters = await _dead_lettered(faulty, 4)
     fixed = faulty.model_copy(update={"fault_injection": False})
     async with running_worker(fixed):
-        code, out, err = await _cli(
+        code, out, err = await service_cli(
             fixed, "dlq", "redrive", "--topic", unique_name, "--dry-run", "--json"
         )
         assert code == 0, err
@@ -202,7 +184,7 @@ async def test_cli_dry_run_then_paced_redrive_with_json_and_audit(
         assert await _redriven_records(fixed) == []
 
         rate = 4.0
-        code, out, err = await _cli(
+        code, out, err = await service_cli(
             fixed, "dlq", "redrive", "--topic", unique_name, "--rate", str(rate),
             "--actor", "erin", "--json",
         )  # fmt: skip

@@ -7,10 +7,8 @@ retry by handler and reason, a dead letter by reason.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import sys
 from typing import Any
 
 import pytest
@@ -21,30 +19,14 @@ from service.dev.broker import Broker
 from service.dev.redis_server import RedisServer
 from service.engine.member_report import read_member_reports
 from service.engine.registry import Registry
-from service.engine.settings import Settings
 from service.engine.worker import Worker
 from service.ops import audit
 from service.ops.status import collect_status
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running
-from tests.integration.procs import settings_env
+from tests.ops.cli import service_cli
 
 pytestmark = pytest.mark.timeout(180)
-
-
-async def _cli(settings: Settings, *args: str) -> tuple[int, str, str]:
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("WORKER_")},
-        **settings_env(settings),
-        "NO_COLOR": "1",
-    }
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", *args,
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 def _records() -> list[sample.SampleRecord]:
@@ -95,11 +77,11 @@ async def test_status_json_reports_offsets_positions_retries_and_dead_letters(
                 )
 
             await await_until(settled, 60, interval=0.3, message="not settled")
-            code, out, err = await _cli(settings, "status", "--json")
+            code, out, err = await service_cli(settings, "status", "--json")
             assert code == 0, err
             doc = json.loads(out)
             # The human form renders too.
-            code, text, err = await _cli(settings, "status")
+            code, text, err = await service_cli(settings, "status")
             assert code == 0, err
             assert "partitions" in text and "dead letters" in text and "permanent" in text
 
