@@ -24,6 +24,7 @@ from service.ops.cli_records import (
     retries_app,
     trace_command,
 )
+from service.ops.db import db_app
 
 # Never print local variables in a crash report: they hold unwrapped secrets (the Redis URL,
 # the SASL password in the aiokafka arguments). Older typer versions showed them by default.
@@ -46,6 +47,7 @@ dlq_app.command("list")(dlq_list)
 dlq_app.command("show")(dlq_show)
 app.command("trace")(trace_command)
 app.command("audit")(audit_command)
+app.add_typer(db_app, name="db")  # service/ops/db.py: the PostgreSQL effects store's schema
 
 
 def _mount_pipeline() -> None:

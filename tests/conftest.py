@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from service.dev.broker import Broker
+from service.dev.postgres_server import PostgresServer
 from service.dev.redis_server import RedisServer
 from service.dev.tansu import TansuBroker
 from tests.helpers import on_ci
@@ -29,7 +30,15 @@ from tests.helpers import on_ci
 # Tests that use these fixtures talk to real servers and are marked `integration` automatically,
 # so `pytest -m "not integration"` stays fast and needs no binaries.
 SERVER_FIXTURES = frozenset(
-    {"kafka_broker", "tansu_broker", "redis_server", "redis_url", "redis_server_factory"}
+    {
+        "kafka_broker",
+        "tansu_broker",
+        "redis_server",
+        "redis_url",
+        "redis_server_factory",
+        "postgres_server",
+        "postgres_url",
+    }
 )
 INTEGRATION_DIR = Path(__file__).parent / "integration"
 
@@ -149,3 +158,33 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+@pytest.fixture
+def postgres_server(tmp_path: Path) -> Iterator[PostgresServer]:
+    """A fresh real PostgreSQL (the pgserver wheel's; fsync on) with its cluster in tmp_path."""
+    server = PostgresServer(tmp_path / "postgres")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """The server's URL, its database migrated (the inbox and service/migrations/)."""
+    import asyncio
+
+    import psycopg
+
+    from service.engine.schema import all_migrations, migrate
+
+    async def run() -> None:
+        async with await psycopg.AsyncConnection.connect(
+            postgres_server.url, autocommit=True
+        ) as conn:
+            await migrate(conn, all_migrations())
+
+    asyncio.run(run())
+    return postgres_server.url

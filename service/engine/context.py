@@ -13,12 +13,13 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from service.engine.errors import PermanentError
 from service.engine.keys import ENGINE_NAMESPACES, effect_key
 
 if TYPE_CHECKING:
+    from psycopg import AsyncConnection
     from redis.asyncio import Redis
 
 EffectArg = str | bytes | int | float
@@ -198,9 +199,13 @@ class Effects:
     commands: list[tuple[EffectArg, ...]] = field(default_factory=list)
     prefix: str | None = None  # with ``namespaces``: the only keys this handler may write
     namespaces: frozenset[str] = frozenset()
+    # Set for a handler whose effects live elsewhere (a postgres handler): why none is taken.
+    refusal: str = ""
 
     def command(self, *args: EffectArg) -> None:
         """Queue one single-key write command, e.g. ``command("HINCRBY", key, "n", 1)``."""
+        if self.refusal:
+            raise InvalidEffect(self.refusal)
         if len(args) < 2:
             raise InvalidEffect("an effect needs a command name and a key")
         if len(args) > MAX_EFFECT_ARGS:
@@ -300,6 +305,9 @@ class Context:
     effects: Effects
     redis: Redis  # for reads; writes that must be exactly-once go through ``effects``
     key_prefix: str
+    # A postgres handler's connection, inside the transaction that writes its inbox row
+    # (under a savepoint of this record's own); None for Redis-effects handlers.
+    db: AsyncConnection[Any] | None = None
 
     def redis_key(self, namespace: str, *parts: str) -> str:
         """A key in this service's ``namespace``, e.g. ``ctx.redis_key("ledger", "purchases")``.

@@ -141,7 +141,8 @@ class Decisions:
         elif d.key is not None and self._ordered.get(handler.name, False):
             job.chain = self._keys.retry_chain(d.topic, d.partition, d.key)
         idem = self._settings.idempotency
-        if idem.ttl_s is not None:
+        # A postgres handler's inbox rows are kept until pruned: no dedupe window to refuse.
+        if idem.ttl_s is not None and handler.store != "postgres":
             beyond = idem.window_refusal(d.timestamp_ms, now_ms())
             if beyond is not None:
                 # Its done-marker may have expired: granting it could grant a second time.
@@ -292,7 +293,19 @@ class Decisions:
         results = await self._idem.finish_many(requests)
         busy_ms = self._settings.retry.busy_delay_ms
         for job, (status, detail) in zip(done, results, strict=False):
-            if status is FinishStatus.OK:
+            if job.committed:
+                # Its effects and inbox row are committed in PostgreSQL, whatever Redis says:
+                # FINISH only marked the key done, dropped its retry item, released its chain.
+                job.fate = Fate.DUPLICATE if job.inbox_duplicate else Fate.SUCCEEDED
+                if job.inbox_duplicate:
+                    job.reason = FinishStatus.DONE.value
+                if status not in (FinishStatus.OK, FinishStatus.DONE):
+                    log.warning(
+                        "committed in PostgreSQL; Redis FINISH said %s",
+                        status.value,
+                        extra=log_fields(job),
+                    )
+            elif status is FinishStatus.OK:
                 job.fate = Fate.SUCCEEDED
             elif status in (FinishStatus.DONE, FinishStatus.DEAD):
                 job.fate, job.reason = Fate.DUPLICATE, status.value

@@ -59,6 +59,10 @@ class Job:
     # Its handler was called in this pass; it was admitted as its breaker's half-open probe.
     ran: bool = False
     probe: bool = False
+    # A postgres handler's record: its transaction committed (its inbox row is kept), and
+    # whether that row was an earlier delivery's (a duplicate) rather than this one's.
+    committed: bool = False
+    inbox_duplicate: bool = False
 
     @property
     def name(self) -> str:

@@ -42,11 +42,14 @@ from service.engine.decisions import Decisions
 from service.engine.gate import Gate, GaveUp
 from service.engine.handler_pool import HandlerPool, Slot
 from service.engine.idempotency import ExtendRequest, ExtendStatus, Idempotency
+from service.engine.inbox import InboxStore
 from service.engine.jobs import Fate, Job, key_waves, log_fields
 from service.engine.kafka_client import make_producer
 from service.engine.keys import RedisKeys
 from service.engine.metrics import Metrics
 from service.engine.policies import BreakerPolicy
+from service.engine.postgres_checks import until_checked
+from service.engine.postgres_wave import PostgresWaves
 from service.engine.publisher import Publisher
 from service.engine.records import Delivery, Outcome
 from service.engine.redaction import describe_error
@@ -68,6 +71,10 @@ INTERNAL_BACKOFF_MAX_S = 30.0
 # A lease stretched as a handler starts outlives its timeout by this much: the watchdog's
 # tick, a loaded event loop, and the finish or park that follows the handler.
 LEASE_MARGIN_MS = 1_000
+POSTGRES_EFFECTS_REFUSAL = (
+    "this handler keeps its effects in PostgreSQL (store='postgres'): write them with SQL on "
+    "ctx.db, in the transaction that also records the inbox row; ctx.effects takes nothing"
+)
 
 
 class Processor:
@@ -83,6 +90,7 @@ class Processor:
         redis: Redis,
         metrics: Metrics,
         breakers: Breakers | None = None,
+        inbox: InboxStore | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry
@@ -98,6 +106,18 @@ class Processor:
         # The circuit breakers in front of the handlers (none: every record is admitted).
         self.breakers = breakers or Breakers(registry, BreakerPolicy(enabled=False))
         self._gate = Gate(self.breakers, idempotency, settings.retry.busy_delay_ms)
+        # The postgres effects store's waves (None: no bound handler keeps effects there).
+        self._sql: PostgresWaves | None = None
+        if inbox is not None:
+            self._sql = PostgresWaves(
+                inbox,
+                self.decisions,
+                self.breakers,
+                context_of=self._context,
+                timeout_of=self._timeout_of,
+                renew_leases=self._renew_leases,
+                observe=lambda name, s: self._latency_of(name).observe(s),
+            )
 
     @classmethod
     def build(
@@ -110,6 +130,7 @@ class Processor:
         metrics: Metrics,
         stalls: Stalls | None = None,
         breakers: Breakers | None = None,
+        inbox: InboxStore | None = None,
     ) -> Processor:
         """The record path over an open Redis client and a started producer.
 
@@ -130,7 +151,15 @@ class Processor:
         if breakers is None:
             breakers = Breakers(registry, settings.breaker, metrics=metrics, stalls=stalls)
         return cls(
-            settings, registry, idempotency, retries, publisher, ops.client, metrics, breakers
+            settings,
+            registry,
+            idempotency,
+            retries,
+            publisher,
+            ops.client,
+            metrics,
+            breakers,
+            inbox,
         )
 
     async def process(self, delivery: Delivery) -> Outcome:
@@ -246,7 +275,13 @@ class Processor:
             while pending:
                 admitted, pending = await self._gate.admit(pending, give_up)
                 await self.decisions.claim(admitted)
-                await self._handle([j for j in admitted if j.fate is None])
+                live = [j for j in admitted if j.fate is None]
+                sql = [j for j in live if j.handler and j.handler.store == "postgres"]
+                if sql:
+                    live = [j for j in live if j.handler and j.handler.store != "postgres"]
+                await self._handle(live)
+                if sql:  # one transaction, committed before FINISH marks the keys done
+                    await self._postgres(sql)
                 await self.decisions.claim_failed(admitted)
                 await self.decisions.finish(admitted)
                 pending += await self._gate.held(admitted)
@@ -298,6 +333,16 @@ class Processor:
                 ],
                 shortest_timeout_s=min(timeouts),
             )
+
+    async def _postgres(self, jobs: list[Job]) -> None:
+        if self._sql is None:
+            from service.engine.errors import ConfigurationError
+
+            raise ConfigurationError(
+                f"handler {jobs[0].name!r} keeps its effects in PostgreSQL but the worker has "
+                "no PostgreSQL store (set WORKER_POSTGRES__URL)"
+            )
+        await self._sql.run(jobs)
 
     def _timeout_of(self, job: Job) -> float:
         assert job.handler is not None
@@ -386,6 +431,8 @@ class Processor:
         assert job.handler is not None
         # Scoped: the handler's effects may write only under its own namespaces.
         effects = job.effects = Effects([], self._key_prefix, job.handler.namespaces)
+        if job.handler.store == "postgres":
+            effects.refusal = POSTGRES_EFFECTS_REFUSAL
         return Context(  # positional: this runs once per record
             d.topic,
             d.partition,
@@ -423,9 +470,15 @@ async def open_processor(
     ops = RedisOps(client, settings.redis, stalls=stalls)
     producer = make_producer(settings.kafka)
     processor: Processor | None = None
+    inbox: InboxStore | None = None
     try:
         for warning in await ops.call(functools.partial(check_persistence, client, settings.redis)):
             log.warning(warning)
+        if registry.uses_postgres:
+            inbox = InboxStore(settings.postgres)
+            await inbox.open()
+            for warning in await until_checked(inbox, settings.postgres, asyncio.Event(), stalls):
+                log.warning(warning)
         await producer.start()
         processor = Processor.build(
             settings,
@@ -434,11 +487,14 @@ async def open_processor(
             producer=producer,
             metrics=metrics or Metrics(),
             stalls=stalls,
+            inbox=inbox,
         )
         yield processor
     finally:
         ops.stopping = True
         if processor is not None:
             await processor.aclose()
+        if inbox is not None:
+            await inbox.close()
         await producer.stop()
         await client.aclose()

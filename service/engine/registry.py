@@ -36,6 +36,9 @@ M = TypeVar("M", bound=BaseModel)
 # queues effects: a plain one runs inline, without a task, which is most of a fast path.
 HandlerFunc = Callable[[M, Context], Awaitable[None] | None]
 Classification = Literal["retry", "fail"]
+# Where a handler's exactly-once effects go: Redis writes queued on ``ctx.effects``, or its
+# own SQL on ``ctx.db`` inside the transaction that also writes its inbox row.
+Store = Literal["redis", "postgres"]
 # A namespace is one key component: what a key prefix may hold (no ':', no braces).
 NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
@@ -93,6 +96,7 @@ class Handler(Generic[M]):
     # record of its Kafka key (same partition) still waiting in the delay queue; "none"
     # lets it overtake. None follows WORKER_ORDERING ("none" there means "none").
     ordering: Literal["key", "none"] | None = None
+    store: Store = "redis"
     # Its name and ``writes``: the only ``{prefix}:<namespace>`` its effects may touch.
     namespaces: frozenset[str] = field(init=False, default=frozenset())
 
@@ -145,6 +149,7 @@ def handler(
     breaker: BreakerPolicy | Literal[False] | None = None,
     dependency: str | None = None,
     ordering: Literal["key", "none"] | None = None,
+    store: Store = "redis",
 ) -> Callable[[HandlerFunc[M]], Handler[M]]:
     """Declare a handler; the decorated function becomes a :class:`Handler`.
 
@@ -164,6 +169,12 @@ def handler(
     ``dependency`` names what the handler calls, so handlers sharing it share a breaker.
     ``ordering="none"`` lets a record overtake an earlier one of its Kafka key that waits
     in the delay queue (the default keeps their effects in offset order).
+
+    ``store="postgres"`` keeps the handler's effects in the service's PostgreSQL: it must be
+    ``async def``, it gets ``ctx.db`` (a connection inside an open transaction, under a
+    savepoint of its own) and does its own SQL there; the worker writes its inbox row in
+    the same transaction, so the effects and "this record is done" commit together
+    (docs/postgres.md). Its ``ctx.effects`` refuses every command.
     """
     writes = tuple(writes)
     _check_namespaces(name, writes)  # at declaration, before the function is even wrapped
@@ -181,12 +192,23 @@ def handler(
         )
     if ordering not in (None, "key", "none"):
         raise ConfigurationError(f"handler {name!r}: ordering= is 'key' or 'none'")
+    if store not in ("redis", "postgres"):
+        raise ConfigurationError(f"handler {name!r}: store= is 'redis' or 'postgres'")
+    if store == "postgres" and effects_only:
+        raise ConfigurationError(
+            f"handler {name!r}: effects_only= is for Redis effects; a postgres handler's "
+            "effects are its SQL on ctx.db"
+        )
     if isinstance(dedupe_key, str) and dedupe_key not in model.model_fields:
         raise ConfigurationError(
             f"handler {name!r}: dedupe_key {dedupe_key!r} is not a field of {model.__name__}"
         )
 
     def wrap(func: HandlerFunc[M]) -> Handler[M]:
+        if store == "postgres" and not inspect.iscoroutinefunction(func):
+            raise ConfigurationError(
+                f"handler {name!r}: a postgres handler must be 'async def' (it awaits ctx.db)"
+            )
         return Handler(
             name=name,
             model=model,
@@ -202,6 +224,7 @@ def handler(
             breaker=breaker,
             dependency=dependency,
             ordering=ordering,
+            store=store,
         )
 
     return wrap
@@ -255,3 +278,8 @@ class Registry:
 
     def items(self) -> list[tuple[str, Handler[Any]]]:
         return list(self._by_topic.items())
+
+    @property
+    def uses_postgres(self) -> bool:
+        """Whether a bound handler keeps its effects in PostgreSQL (the worker needs it)."""
+        return any(h.store == "postgres" for h in self._by_topic.values())

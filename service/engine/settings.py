@@ -307,6 +307,55 @@ class ConsoleSettings(BaseModel):
         return HttpSettings._host_literal(value)
 
 
+class PostgresSettings(BaseModel):
+    """The PostgreSQL effects store (``@handler(store="postgres")``; the ``postgres`` extra).
+
+    Unset (no URL) unless a bound handler keeps its effects there. The inbox table is made
+    by ``service db migrate`` (service/engine/sql/); the worker refuses to start without it.
+    """
+
+    # libpq URI or key=value string, e.g. postgresql://worker:secret@db:5432/payments.
+    url: SecretStr | None = None
+    # Connections kept open; a batch's wave holds one for its transaction.
+    pool_min: int = Field(default=1, ge=0, le=1000)
+    pool_max: int = Field(default=16, ge=1, le=1000)
+    # How long a wave waits for a connection (and a connection attempt) before the wave's
+    # records count as failed for a reason outside them (retried; the breaker sees it).
+    connect_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    # Refuse to start when a committed transaction could be lost in a crash (fsync=off,
+    # synchronous_commit=off): an inbox row would vanish and a grant be made twice.
+    require_durable_commit: bool = True
+    # The project's migrations, run after the engine's by ``service db migrate``; unset
+    # means the package's own service/migrations/ (the engine's inbox schema ships inside
+    # the package too, service/engine/sql/).
+    migrations_dir: str | None = None
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        if value == "" or (isinstance(value, SecretStr) and not value.get_secret_value()):
+            return None
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url_usable(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return value
+        raw = value.get_secret_value()
+        if raw.startswith(("postgresql://", "postgres://")):
+            return value
+        if "=" in raw and not raw.startswith(("redis", "http")):  # key=value conninfo
+            return value
+        raise ValueError("must be a postgresql:// URI or a libpq key=value string")
+
+    @model_validator(mode="after")
+    def _pool_sane(self) -> PostgresSettings:
+        if self.pool_min > self.pool_max:
+            raise ValueError("WORKER_POSTGRES__POOL_MIN must be <= WORKER_POSTGRES__POOL_MAX")
+        return self
+
+
 class Settings(BaseSettings):
     """The worker's whole configuration."""
 
@@ -329,6 +378,7 @@ class Settings(BaseSettings):
     dead_letter: DeadLetterSettings = DeadLetterSettings()
     http: HttpSettings = HttpSettings()
     console: ConsoleSettings = ConsoleSettings()
+    postgres: PostgresSettings = PostgresSettings()
 
     # Handler name -> the topic it consumes; the default is service/project.py's TOPICS, where
     # `service new-handler` binds new handlers.

@@ -24,6 +24,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.engine.breaker import Breakers
 from service.engine.group_check import GROUP_JOIN_REFUSED, check_session_timeout
+from service.engine.inbox import InboxStore
 from service.engine.intake import Intake
 from service.engine.kafka_client import make_consumer, make_producer
 from service.engine.keys import RedisKeys
@@ -31,6 +32,7 @@ from service.engine.member_report import INTERVAL_S, MemberReporter
 from service.engine.metrics import Metrics
 from service.engine.observability import HealthState, HttpServer
 from service.engine.offsets import OffsetTracker
+from service.engine.postgres_checks import until_checked
 from service.engine.processing import Processor
 from service.engine.records import Delivery
 from service.engine.redis_client import RedisOps, make_client
@@ -93,6 +95,7 @@ class Worker:
         self._producer: AIOKafkaProducer | None = None
         self._http: HttpServer | None = None
         self.scheduler: RetryScheduler | None = None
+        self.inbox: InboxStore | None = None  # the postgres effects store, when one is bound
         self.reporter: MemberReporter | None = None
         self.member_report_interval_s = INTERVAL_S  # what `service status` reads (tests: less)
 
@@ -155,6 +158,15 @@ class Worker:
         await self._unless_stopped(
             until_answered(self._producer.start, self._stop), "waiting for the Kafka producer"
         )
+        if self.registry.uses_postgres:
+            self.inbox = InboxStore(s.postgres)
+            await self.inbox.open()
+            checked = await self._unless_stopped(
+                until_checked(self.inbox, s.postgres, self._stop, self.stalls),
+                "waiting for PostgreSQL",
+            )
+            for warning in checked:
+                log.warning(warning)
         durability = until_answered(lambda: check_topic_durability(s), self._stop)
         for warning in await self._unless_stopped(durability, "checking the Kafka topics"):
             log.warning(warning)
@@ -166,6 +178,7 @@ class Worker:
             metrics=self.metrics,
             stalls=self.stalls,
             breakers=self.breakers,
+            inbox=self.inbox,
         )
         self.intake.held_topics = self.breakers.open_topics
         self.health.circuits = self.breakers.snapshot
@@ -397,6 +410,9 @@ class Worker:
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.stop()  # leaves the group
+        if self.inbox is not None:
+            with contextlib.suppress(Exception):
+                await self.inbox.close()
         if hasattr(self, "redis"):
             await self.redis.aclose()
         if self._http is not None:

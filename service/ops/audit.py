@@ -172,6 +172,21 @@ async def ledger_grants(redis_url: str, prefix: str) -> Counter[str]:
     return counts
 
 
+async def postgres_grants(postgres_url: str, table: str = "purchases") -> Counter[str]:
+    """How many rows each ledger key has in the postgres example's purchases table (the
+    payment id; ``<payment_id>.refund`` for a refund): exactly-once means all are 1."""
+    import psycopg
+
+    counts: Counter[str] = Counter()
+    async with await psycopg.AsyncConnection.connect(postgres_url) as conn:
+        cur = await conn.execute(
+            f"SELECT payment_id, kind, count(*) FROM {table} GROUP BY payment_id, kind"
+        )
+        for payment_id, kind, n in await cur.fetchall():
+            counts[payment_id if kind == "grant" else f"{payment_id}.{kind}"] += int(n)
+    return counts
+
+
 async def ledger_entries(
     redis_url: str, prefix: str
 ) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:

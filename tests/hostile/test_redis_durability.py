@@ -45,9 +45,7 @@ from tests.integration.harness import (
 Factory = Callable[..., RedisServer]
 
 
-def settings_for(
-    kafka: Broker, server: RedisServer, name: str, **redis_values: Any
-) -> Settings:
+def settings_for(kafka: Broker, server: RedisServer, name: str, **redis_values: Any) -> Settings:
     # The suite's one broker cannot give the dead-letter and outcome topics the replication
     # the durable modes check for at start: warn about it, test the Redis side.
     return make_settings(

@@ -20,8 +20,18 @@ from service.ops import audit
 from tests.helpers import await_until
 
 
-def make_settings(bootstrap: str, redis_url: str, name: str, **overrides: Any) -> Settings:
-    """Settings for one isolated run: its own topic, group and key prefix."""
+def make_settings(
+    bootstrap: str,
+    redis_url: str,
+    name: str,
+    *,
+    only_topics: dict[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Settings for one isolated run: its own topic, group and key prefix.
+
+    ``topics=`` adds bindings to the payments example's; ``only_topics=`` replaces them.
+    """
     values: dict[str, Any] = {
         "kafka": {
             "bootstrap_servers": bootstrap,
@@ -56,6 +66,8 @@ def make_settings(bootstrap: str, redis_url: str, name: str, **overrides: Any) -
             values[key] = {**values[key], **value}
         else:
             values[key] = value
+    if only_topics is not None:
+        values["topics"] = only_topics
     return Settings(**values)
 
 
@@ -109,11 +121,16 @@ async def create_topics_with_configs(
         await admin.close()
 
 
+def payments_topic(settings: Settings) -> str:
+    """The topic of the payments example: bound to the Redis handler or the postgres one."""
+    return settings.topics.get("payments") or settings.topics["purchases"]
+
+
 async def produce(settings: Settings, records: list[sample.SampleRecord]) -> None:
     producer = AIOKafkaProducer(linger_ms=5, **connection_kwargs(settings.kafka))
     await producer.start()
     try:
-        await sample.produce(producer, settings.topics["payments"], records)
+        await sample.produce(producer, payments_topic(settings), records)
     finally:
         await producer.stop()
 
@@ -157,8 +174,9 @@ class RunState:
         )
 
 
-async def observe(settings: Settings) -> RunState:
-    topic = settings.topics["payments"]
+async def observe(settings: Settings, postgres_url: str | None = None) -> RunState:
+    """The run as seen from outside; grants from the purchases table given ``postgres_url``."""
+    topic = payments_topic(settings)
     prefix = settings.redis.key_prefix
     url = settings.redis.url.get_secret_value()
     # The retry queue first: once it reads empty and every offset is committed, nothing can
@@ -166,7 +184,9 @@ async def observe(settings: Settings) -> RunState:
     # a retry dead-lettered between the reads would look settled without its dead letter.
     retry_depth = await audit.retry_queue_depth(url, prefix)
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
-    grants = await audit.ledger_grants(url, prefix)
+    grants = await (
+        audit.postgres_grants(postgres_url) if postgres_url else audit.ledger_grants(url, prefix)
+    )
     dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(topic))
     dead = {
         "/".join(
@@ -177,7 +197,11 @@ async def observe(settings: Settings) -> RunState:
     return RunState(offsets, dict(grants), dead, retry_depth)
 
 
-async def wait_settled(settings: Settings, timeout: float = 60) -> RunState:  # noqa: ASYNC109
+async def wait_settled(
+    settings: Settings,
+    timeout: float = 60,  # noqa: ASYNC109
+    postgres_url: str | None = None,
+) -> RunState:
     """Wait for two settled observations in a row that agree.
 
     One observation is a sequence of reads, and a retry can start and finish between
@@ -186,7 +210,7 @@ async def wait_settled(settings: Settings, timeout: float = 60) -> RunState:  # 
     last: list[RunState] = []
 
     async def check() -> bool:
-        state = await observe(settings)
+        state = await observe(settings, postgres_url)
         previous = last[0] if last else None
         last[:] = [state]
         return state.settled() and previous is not None and previous == state

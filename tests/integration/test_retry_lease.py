@@ -72,9 +72,7 @@ async def test_a_dead_workers_retry_runs_again_after_its_lease(
             first_failed_ms=started,
             last_error="RetryableError: dependency down",
         )
-        parked = await queue.park(
-            ParkRequest(delivery=delivery, delay_ms=0, idem_key="", token="")
-        )
+        parked = await queue.park(ParkRequest(delivery=delivery, delay_ms=0, idem_key="", token=""))
         assert parked is ParkStatus.PARKED
         (dead_run,) = await queue.claim_due(lease_ms=DEAD_LEASE_MS, limit=1)
         assert dead_run.retry_lease is not None

@@ -1,0 +1,193 @@
+"""The postgres effects store: one transaction per wave, a savepoint and an inbox row per record.
+
+A handler declared ``store="postgres"`` does its own SQL on ``ctx.db``. The worker opens one
+transaction for the postgres records of a wave (``InboxStore.begin``) and, per record,
+sets a savepoint, inserts the record's inbox row (handler, dedupe key, fingerprint,
+coordinates, attempt) and runs the handler. A handler failure rolls back to its savepoint
+alone; its wave-mates stay in. The wave commits once (one WAL flush for the batch) before
+the Redis FINISH marks the keys done, and the offsets complete only after both.
+
+The inbox row is the authority on "done": a crash after the commit and before FINISH
+leaves the Redis claim to expire, and the redelivery finds the row (a duplicate). An
+existing row with another fingerprint is a conflict, dead-lettered, its original untouched.
+Two deliveries racing past Redis (a zombie) meet at the table's primary key: the second
+waits for the first's transaction, then finds its row.
+
+psycopg is imported only when a postgres handler is bound (the ``postgres`` extra).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from service.engine.errors import ConfigurationError
+from service.engine.settings import PostgresSettings
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+    from psycopg_pool import AsyncConnectionPool
+
+log = logging.getLogger(__name__)
+
+INBOX = "kafka_inbox"
+SAVEPOINT = "record"
+_INSERT = (
+    f"INSERT INTO {INBOX} (handler, dedupe_key, fingerprint, topic, partition, record_offset, "
+    "attempt) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (handler, dedupe_key) DO NOTHING "
+    "RETURNING 1"
+)
+_EXISTING = f"SELECT fingerprint FROM {INBOX} WHERE handler = %s AND dedupe_key = %s"
+INSTALL_HINT = "pip install '.[postgres]'"
+
+
+class Verdict(enum.Enum):
+    """What the inbox says of a record as its savepoint opens."""
+
+    NEW = "new"  # its row is inserted (uncommitted): run the handler
+    DUPLICATE = "duplicate"  # committed before, same payload
+    CONFLICT = "conflict"  # committed before, another payload under the same dedupe key
+
+
+class StoreUnavailable(Exception):
+    """PostgreSQL did not answer (down, restarting, no connection free): not the record's fault."""
+
+
+def _driver() -> Any:
+    try:
+        import psycopg
+        import psycopg_pool
+    except ImportError:
+        raise ConfigurationError(
+            "a handler keeps its effects in PostgreSQL (store='postgres') but psycopg is not "
+            f"installed: {INSTALL_HINT}"
+        ) from None
+    return psycopg, psycopg_pool
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server or the connection failed, not the SQL."""
+    psycopg, psycopg_pool = _driver()
+    return isinstance(
+        exc, psycopg.OperationalError | psycopg_pool.PoolTimeout | StoreUnavailable
+    ) and not isinstance(exc, psycopg.errors.QueryCanceled)
+
+
+class WaveTransaction:
+    """The open transaction of one wave's postgres records, on one pooled connection."""
+
+    def __init__(self, conn: AsyncConnection[Any]) -> None:
+        self.conn = conn
+        self.broken: BaseException | None = None  # set once the connection failed
+        self.members = 0  # savepoints released into it: records whose rows it holds
+
+    async def enter(
+        self,
+        handler: str,
+        dedupe_key: str,
+        fingerprint: str,
+        coordinates: tuple[str, int, int],
+        attempt: int,
+    ) -> tuple[Verdict, str]:
+        """Open the record's savepoint and insert its inbox row; the verdict and the stored
+        fingerprint (for a conflict's message)."""
+        topic, partition, offset = coordinates
+        await self.conn.execute(f"SAVEPOINT {SAVEPOINT}")
+        cur = await self.conn.execute(
+            _INSERT, (handler, dedupe_key, fingerprint, topic, partition, offset, attempt)
+        )
+        if await cur.fetchone() is not None:
+            return Verdict.NEW, fingerprint
+        # Its row exists (committed: ON CONFLICT waited for any transaction writing it).
+        cur = await self.conn.execute(_EXISTING, (handler, dedupe_key))
+        row = await cur.fetchone()
+        stored = str(row[0]) if row else ""
+        await self.rollback()  # nothing of this record stays in the transaction
+        if stored == fingerprint:
+            return Verdict.DUPLICATE, stored
+        return Verdict.CONFLICT, stored
+
+    async def release(self) -> None:
+        """The record's handler succeeded: its savepoint's work joins the transaction."""
+        await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        self.members += 1
+
+    async def rollback(self) -> None:
+        """Undo the record's work (its inbox row included), keep its wave-mates'."""
+        await self.conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+        await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+
+
+class InboxStore:
+    """The connection pool, and one transaction per wave (``begin``)."""
+
+    def __init__(self, settings: PostgresSettings) -> None:
+        if settings.url is None:
+            raise ConfigurationError(
+                "a bound handler keeps its effects in PostgreSQL (store='postgres'): set "
+                "WORKER_POSTGRES__URL"
+            )
+        _, psycopg_pool = _driver()
+        self._settings = settings
+        self.pool: AsyncConnectionPool[Any] = psycopg_pool.AsyncConnectionPool(
+            settings.url.get_secret_value(),
+            min_size=settings.pool_min,
+            max_size=settings.pool_max,
+            timeout=settings.connect_timeout_s,
+            open=False,
+            kwargs={
+                "autocommit": False,
+                "connect_timeout": max(1, int(settings.connect_timeout_s)),
+            },
+            # A connection broken by a server restart is found before a wave gets it.
+            check=psycopg_pool.AsyncConnectionPool.check_connection,
+            name="inbox",
+        )
+        self.commits = 0
+        self.commit_seconds = 0.0
+
+    async def open(self) -> None:
+        """Open the pool without waiting for a connection (the start check connects)."""
+        await self.pool.open(wait=False)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    @asynccontextmanager
+    async def begin(self) -> AsyncIterator[WaveTransaction]:
+        """A transaction on a pooled connection; rolled back unless ``commit`` ran.
+
+        Raises StoreUnavailable when no connection can be had within the connect timeout.
+        """
+        psycopg, psycopg_pool = _driver()
+        try:
+            conn_cm = self.pool.connection()
+            conn = await conn_cm.__aenter__()
+        except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
+            raise StoreUnavailable(f"no PostgreSQL connection: {exc}") from exc
+        tx = WaveTransaction(conn)
+        try:
+            yield tx
+        finally:
+            # Roll back whatever was not committed (a failed wave); the pool drops a broken
+            # connection on its own.
+            try:
+                if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    await conn.rollback()
+            except Exception:
+                log.debug("rolling back a wave on a broken connection", exc_info=True)
+            try:
+                await conn_cm.__aexit__(None, None, None)
+            except Exception:  # returning a broken connection: the pool drops it
+                log.debug("returning a broken PostgreSQL connection", exc_info=True)
+
+    async def commit(self, tx: WaveTransaction) -> None:
+        """One commit (one WAL flush) for every record of the wave that succeeded."""
+        started = time.perf_counter()
+        await tx.conn.commit()
+        self.commits += 1
+        self.commit_seconds += time.perf_counter() - started

@@ -1,0 +1,160 @@
+"""A wave's postgres records through their handlers: one transaction, a savepoint each.
+
+Called by processing.py in place of the handler runners for handlers declared
+``store="postgres"``; the transaction itself is ``inbox.py``'s. Per record, in offset order
+on the wave's one connection: stretch its leases, open its savepoint with its inbox row,
+run the handler on ``ctx.db`` under its timeout, release the savepoint (or roll back to it
+on failure: the record's decision is made as for any handler, its wave-mates unharmed).
+Then one commit. Only a committed record goes on to FINISH as succeeded (or duplicate);
+when the connection or the commit fails, every record still waiting on it is a retryable
+failure (counted by its circuit breaker, so an outage opens the circuit and holds records
+instead of burning their retries), because nothing of theirs is known to be kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from service.engine.breaker import Breakers
+from service.engine.context import Context
+from service.engine.decisions import Decisions
+from service.engine.errors import RetryableError
+from service.engine.inbox import InboxStore, StoreUnavailable, Verdict, WaveTransaction
+from service.engine.inbox import is_connection_error as _is_connection_error
+from service.engine.jobs import Job
+from service.engine.redaction import describe_error
+
+log = logging.getLogger(__name__)
+
+
+class PostgresWaves:
+    """Runs the postgres handlers of a wave inside one transaction and commits it."""
+
+    def __init__(
+        self,
+        store: InboxStore,
+        decisions: Decisions,
+        breakers: Breakers,
+        *,
+        context_of: Callable[[Job], Context],
+        timeout_of: Callable[[Job], float],
+        renew_leases: Callable[[Job, float], Awaitable[bool]],
+        observe: Callable[[str, float], None],
+    ) -> None:
+        self._store = store
+        self._decisions = decisions
+        self._breakers = breakers
+        self._context_of = context_of
+        self._timeout_of = timeout_of
+        self._renew = renew_leases
+        self._observe = observe
+
+    async def run(self, jobs: list[Job]) -> None:
+        """Every job to a decision: committed (fate left for FINISH), or failed, or parked."""
+        waiting: list[Job] = []  # released into the transaction, not yet committed
+        try:
+            async with self._store.begin() as tx:
+                limit = max(self._timeout_of(j) for j in jobs)
+                await tx.conn.execute(
+                    f"SET LOCAL statement_timeout = {int(limit * 1000)}"  # a hung query ends
+                )
+                for job in jobs:
+                    if tx.broken is not None:
+                        break
+                    if await self._one(tx, job):
+                        waiting.append(job)
+                if tx.broken is not None:
+                    raise tx.broken
+                if waiting:
+                    await self._store.commit(tx)
+        except Exception as exc:
+            if not (isinstance(exc, StoreUnavailable) or _is_connection_error(exc)):
+                log.exception("postgres wave failed")
+            self._fail_all(jobs, exc)
+            return
+        for job in waiting:
+            job.committed = True
+            if (breaker := self._breakers.for_handler(job.name)) is not None:
+                breaker.record_success()
+
+    async def _one(self, tx: WaveTransaction, job: Job) -> bool:
+        """One record in its savepoint; True when its work (or its duplicate) awaits commit."""
+        assert job.handler is not None and job.payload is not None
+        limit_s = self._timeout_of(job)
+        if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
+            return False  # parked: its claim or retry lease was lost before it started
+        d = job.delivery
+        try:
+            verdict, stored = await tx.enter(
+                job.name,
+                job.dedupe_key or "",
+                job.fingerprint,
+                (d.topic, d.partition, d.offset),
+                d.attempt,
+            )
+        except Exception as exc:
+            tx.broken = exc
+            return False
+        if verdict is Verdict.DUPLICATE:
+            job.inbox_duplicate = True
+            return True  # FINISH still marks the key done and drops a retry item
+        if verdict is Verdict.CONFLICT:
+            # Its key's Redis marker must keep the committed payload's fingerprint (a claim
+            # found Redis empty, e.g. after a restart): the original's redelivery stays a
+            # duplicate there, and this payload a conflict.
+            job.fingerprint = stored
+            job.dead_letter(
+                "conflict",
+                f"dedupe key {job.dedupe_key!r} was already committed in PostgreSQL for a "
+                f"different payload (inbox fingerprint {stored[:16]}…)",
+            )
+            return False
+        ctx = self._context_of(job)
+        ctx.db = tx.conn
+        breaker = self._breakers.for_handler(job.name)
+        started = time.perf_counter()
+        job.ran = True
+        error: BaseException | None = None
+        try:
+            async with asyncio.timeout(limit_s):
+                result = job.handler.func(job.payload, ctx)
+                if result is not None:
+                    await result
+        except Exception as exc:
+            error = exc
+        finally:
+            self._observe(job.name, time.perf_counter() - started)
+        if error is None:
+            try:
+                await tx.release()
+                return True
+            except Exception as exc:  # e.g. the handler swallowed an SQL error: aborted
+                error = exc
+        try:
+            await tx.rollback()
+        except Exception as exc:
+            tx.broken = exc
+        if tx.broken is not None or _is_connection_error(error):
+            tx.broken = tx.broken or error
+            # Not the record's doing: retryable whatever the handler declares.
+            error = RetryableError(f"PostgreSQL failed: {describe_error(error)}")
+        if isinstance(error, TimeoutError):
+            self._decisions.handler_failed(
+                job, error, f"handler timed out after {limit_s:g} s", breaker=breaker
+            )
+        else:
+            self._decisions.handler_failed(job, error, breaker=breaker)
+        return False
+
+    def _fail_all(self, jobs: list[Job], exc: BaseException) -> None:
+        """The transaction is gone: every record it held (or would have) is retried."""
+        error = RetryableError(f"PostgreSQL failed: {describe_error(exc)}")
+        for job in jobs:
+            if job.fate is None:
+                job.inbox_duplicate = False
+                breaker: Any = self._breakers.for_handler(job.name)
+                self._decisions.handler_failed(job, error, breaker=breaker)

@@ -1,0 +1,194 @@
+"""The postgres effects store on real servers: broker, Redis and PostgreSQL (pgserver's).
+
+The example handler (service/handlers/purchases.py) grants into the purchases table inside
+the transaction that writes the record's inbox row; a wave of records shares one
+transaction, a savepoint each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import psycopg
+import pytest
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from pydantic import BaseModel
+
+from service import Context, PermanentError, handler
+from service.dev import sample
+from service.dev.broker import Broker
+from service.engine.kafka_client import connection_kwargs
+from service.engine.registry import Registry, discover
+from service.engine.settings import Settings
+from service.ops import audit
+from tests.integration.harness import (
+    assert_invariants,
+    make_settings,
+    prepare_topics,
+    produce,
+    running_worker,
+    wait_settled,
+)
+
+pytestmark = pytest.mark.asyncio
+
+
+def pg_settings(
+    broker: Broker, redis_url: str, postgres_url: str, name: str, **kw: Any
+) -> Settings:
+    return make_settings(
+        broker.bootstrap,
+        redis_url,
+        name,
+        only_topics={"purchases": name},
+        postgres={"url": postgres_url},
+        **kw,
+    )
+
+
+async def rows(postgres_url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    async with await psycopg.AsyncConnection.connect(postgres_url) as conn:
+        cur = await conn.execute(sql, args)  # type: ignore[arg-type]
+        return list(await cur.fetchall())
+
+
+async def test_payments_are_granted_once_each_with_their_inbox_rows(
+    kafka_broker: Broker, redis_url: str, postgres_url: str, unique_name: str
+) -> None:
+    settings = pg_settings(kafka_broker, redis_url, postgres_url, unique_name)
+    await prepare_topics(settings)
+    records = sample.generate(60, sample.Mix(duplicate=0.1, refund=0.1), seed=11)
+    await produce(settings, records)
+    async with running_worker(settings):
+        state = await wait_settled(settings, postgres_url=postgres_url)
+    assert_invariants(state, records)
+    inbox = await rows(postgres_url, "SELECT handler, dedupe_key, topic FROM kafka_inbox")
+    granted = {str(r.payment_id) for r in records if r.expect_grant}
+    assert {key for _, key, _ in inbox} == granted
+    assert {(h, t) for h, _, t in inbox} == {("purchases", unique_name)}
+
+
+class Order(BaseModel):
+    order_id: str
+    fail: bool = False
+
+
+@handler("orders", model=Order, dedupe_key="order_id", store="postgres")
+async def write_then_maybe_fail(order: Order, ctx: Context) -> None:
+    """Writes its row, then fails when told to: its savepoint must take the row back."""
+    assert ctx.db is not None
+    await ctx.db.execute(
+        "INSERT INTO purchases (payment_id, kind, user_id, product_id, amount_minor, currency,"
+        " source) VALUES (%s, 'grant', 'u', 'p', 1, 'EUR', 'test')",
+        (order.order_id,),
+    )
+    if order.fail:
+        raise PermanentError("this order is refused after its row was written")
+
+
+async def test_a_failing_record_rolls_back_alone_and_its_batch_mates_commit(
+    kafka_broker: Broker, redis_url: str, postgres_url: str, unique_name: str
+) -> None:
+    settings = make_settings(
+        kafka_broker.bootstrap,
+        redis_url,
+        unique_name,
+        only_topics={"orders": unique_name},
+        postgres={"url": postgres_url},
+    )
+    await prepare_topics(settings, partitions=1)
+    orders = [Order(order_id=f"o{i}", fail=i % 5 == 2) for i in range(40)]
+    producer = AIOKafkaProducer(**connection_kwargs(settings.kafka))
+    await producer.start()
+    try:
+        for o in orders:  # one partition, produced before the worker starts: one batch
+            await producer.send(unique_name, o.model_dump_json().encode(), key=o.order_id.encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+    registry = Registry([write_then_maybe_fail], settings.topics)
+    async with running_worker(settings, registry=registry) as worker:
+        dlq = settings.dead_letter_topic(unique_name)
+
+        async def done() -> bool:
+            offsets = await audit.group_offsets(
+                settings.kafka, settings.kafka.group_id, unique_name
+            )
+            return all(p.committed == p.high_watermark for p in offsets)
+
+        from tests.helpers import await_until
+
+        await await_until(done, 60, message="offsets committed")
+        assert worker.inbox is not None
+        commits = worker.inbox.commits
+    written = {pid for (pid,) in await rows(postgres_url, "SELECT payment_id FROM purchases")}
+    assert written == {o.order_id for o in orders if not o.fail}
+    inboxed = {k for (k,) in await rows(postgres_url, "SELECT dedupe_key FROM kafka_inbox")}
+    assert inboxed == written
+    dead = await audit.read_all(settings.kafka, dlq)
+    assert sorted(audit.header(r, "x-dlq-reason") or "" for r in dead) == ["permanent"] * 8
+    # The 32 survivors did not each take a transaction: a wave commits once.
+    assert commits < len(written) / 4, f"{commits} commits for {len(written)} records"
+
+
+async def test_a_conflicting_redelivery_is_dead_lettered_and_the_original_row_untouched(
+    kafka_broker: Broker, redis_url: str, postgres_url: str, unique_name: str
+) -> None:
+    settings = pg_settings(kafka_broker, redis_url, postgres_url, unique_name)
+    await prepare_topics(settings, partitions=1)
+    first = {
+        "payment_id": "pay-1",
+        "user_id": "u1",
+        "product_id": "p1",
+        "amount_minor": 500,
+        "currency": "EUR",
+    }
+    other = {**first, "amount_minor": 999_999}
+    producer = AIOKafkaProducer(**connection_kwargs(settings.kafka))
+    await producer.start()
+    try:
+        await producer.send_and_wait(unique_name, json.dumps(first).encode(), key=b"u1")
+        async with running_worker(settings):
+            from tests.helpers import await_until
+
+            async def granted() -> bool:
+                return bool(await rows(postgres_url, "SELECT 1 FROM purchases"))
+
+            await await_until(granted, 30, message="first payment granted")
+            # Redis forgets (as after a restart without AOF): only the inbox can tell now.
+            client = aioredis.from_url(redis_url)
+            await client.flushall()
+            await client.aclose()
+            await producer.send_and_wait(unique_name, json.dumps(other).encode(), key=b"u1")
+            await producer.send_and_wait(unique_name, json.dumps(first).encode(), key=b"u1")
+            dlq = settings.dead_letter_topic(unique_name)
+
+            async def dead_lettered() -> bool:
+                return len(await audit.read_all(settings.kafka, dlq)) == 1
+
+            await await_until(dead_lettered, 30, message="conflict dead-lettered")
+            state = await wait_settled(settings, postgres_url=postgres_url)
+    finally:
+        await producer.stop()
+    (dead,) = await audit.read_all(settings.kafka, dlq)
+    assert audit.header(dead, "x-dlq-reason") == "conflict"
+    assert await rows(postgres_url, "SELECT payment_id, amount_minor FROM purchases") == [
+        ("pay-1", 500)
+    ]
+    assert state.grants == {"pay-1": 1}
+
+
+async def test_the_worker_refuses_a_database_without_the_inbox_migration(
+    kafka_broker: Broker, redis_url: str, postgres_server: Any, unique_name: str
+) -> None:
+    from service.engine.errors import ConfigurationError
+    from service.engine.worker import Worker
+
+    settings = pg_settings(kafka_broker, redis_url, postgres_server.url, unique_name)
+    await prepare_topics(settings)
+    worker = Worker(settings, Registry(discover(), settings.topics))
+    with pytest.raises(ConfigurationError, match="service db migrate"):
+        await asyncio.wait_for(worker.run(), 60)
