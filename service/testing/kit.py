@@ -23,6 +23,9 @@ What differs from a running worker, on purpose:
   variables or ``.env``: a test must not pass or fail by the shell it runs in.
 - A Redis refusal or a topic Kafka refuses (a stall in the worker, retried until an
   operator fixes it) ends the call with ``KitStalled`` instead of retrying forever.
+- A postgres handler (``store="postgres"``) needs a real, migrated database: pass
+  ``postgres_url=``; there is no stand-in for PostgreSQL (its transactions, savepoints and
+  unique index are what is under test).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from service import project
 from service.engine.breaker import Breakers
 from service.engine.errors import ConfigurationError
 from service.engine.idempotency import Idempotency
+from service.engine.inbox import InboxStore
 from service.engine.keys import RedisKeys, effect_key
 from service.engine.metrics import Metrics
 from service.engine.policies import BreakerPolicy
@@ -127,6 +131,7 @@ class HandlerTestKit:
         topic: str | None = None,
         partitions: int = 1,
         breaker: bool = False,
+        postgres_url: str | None = None,
         **settings: Any,
     ) -> None:
         if isinstance(target, str):
@@ -139,6 +144,13 @@ class HandlerTestKit:
             self.handler = target
         self.topic = topic or project.TOPICS.get(self.handler.name) or self.handler.name
         topics = {self.handler.name: self.topic}
+        if self.handler.store == "postgres":
+            if postgres_url is None:
+                raise ValueError(
+                    f"handler {self.handler.name!r} keeps its effects in PostgreSQL: pass "
+                    "postgres_url= (a migrated database; `service db migrate`)"
+                )
+            settings["postgres"] = {**settings.get("postgres", {}), "url": postgres_url}
         try:
             self.settings: Settings = _KitSettings(topics=topics, **settings)
         except ValidationError as exc:
@@ -163,6 +175,8 @@ class HandlerTestKit:
         self._ops = RedisOps(self.redis, self.settings.redis, stalls=self._stalls)
         self._queue = _RecordingQueue(self._ops, self.keys)
         self.registry = Registry([self.handler], topics)
+        self.inbox = InboxStore(self.settings.postgres) if self.registry.uses_postgres else None
+        self._inbox_open = False
         # Processor.build's wiring, with the recording queue in place of a plain one.
         self.processor = Processor(
             self.settings,
@@ -183,6 +197,7 @@ class HandlerTestKit:
             self.redis,
             Metrics(),
             self._breakers(breaker),
+            self.inbox,
         )
         self._stalls.processor, self._stalls.ops = self.processor, self._ops
         self.results: list[Result] = []  # every run's result, in order
@@ -205,6 +220,8 @@ class HandlerTestKit:
 
     async def aclose(self) -> None:
         await self.processor.aclose()
+        if self.inbox is not None and self._inbox_open:
+            await self.inbox.close()
         await self.redis.aclose()
 
     # --- sending records ---
@@ -319,6 +336,9 @@ class HandlerTestKit:
     async def _run(self, deliveries: list[Delivery]) -> list[Result]:
         if self._stalls.first is not None:
             raise self._stalls.first
+        if self.inbox is not None and not self._inbox_open:
+            await self.inbox.open()
+            self._inbox_open = True
         events_before = len(self.producer.to(self.outcomes_topic))
         dead_before = len(self.dead_letters)
         self._queue.delays_ms.clear()

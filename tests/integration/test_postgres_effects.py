@@ -192,3 +192,54 @@ async def test_the_worker_refuses_a_database_without_the_inbox_migration(
     worker = Worker(settings, Registry(discover(), settings.topics))
     with pytest.raises(ConfigurationError, match="service db migrate"):
         await asyncio.wait_for(worker.run(), 60)
+
+
+class Flaky(BaseModel):
+    order_id: str
+    failures: int = 0  # how many runs fail before one succeeds
+
+
+@handler("flaky_orders", model=Flaky, dedupe_key="order_id", store="postgres")
+async def write_after_failures(order: Flaky, ctx: Context) -> None:
+    """Writes a row each run, then fails while runs remain to fail: only the last may stay."""
+    assert ctx.db is not None
+    await ctx.db.execute(
+        "INSERT INTO purchases (payment_id, kind, user_id, product_id, amount_minor, currency,"
+        " source) VALUES (%s, 'grant', 'u', 'p', 1, 'EUR', %s)",
+        (order.order_id, str(ctx.attempt)),
+    )
+    if ctx.attempt <= order.failures:
+        from service import RetryableError
+
+        raise RetryableError(f"run {ctx.attempt} fails on purpose")
+
+
+async def test_the_handler_test_kit_runs_a_postgres_handler_on_a_real_database(
+    postgres_url: str,
+) -> None:
+    from service.handlers.purchases import grant_purchase
+    from service.testing import HandlerTestKit
+
+    payment = {
+        "payment_id": "kit-1",
+        "user_id": "u",
+        "product_id": "p",
+        "amount_minor": 100,
+        "currency": "EUR",
+    }
+    async with HandlerTestKit(grant_purchase, postgres_url=postgres_url) as kit:
+        assert (await kit.send(payment, key="u")).granted
+        assert (await kit.send(payment, key="u")).duplicate
+        conflict = await kit.send({**payment, "amount_minor": 7}, key="u")
+        assert conflict.reason == "conflict"
+    async with HandlerTestKit(
+        write_after_failures, postgres_url=postgres_url, retry={"jitter": 0}
+    ) as kit:
+        parked = await kit.send({"order_id": "f-1", "failures": 2})
+        assert parked.parked
+        assert (await kit.retry(parked)).parked
+        assert (await kit.run_due_retries(advance_s=60))[0].granted
+    assert await rows(postgres_url, "SELECT payment_id, source FROM purchases ORDER BY id") == [
+        ("kit-1", "purchases/0/0"),
+        ("f-1", "3"),
+    ]  # the failed runs' rows rolled back
