@@ -53,6 +53,10 @@ class Verdict(enum.Enum):
     CONFLICT = "conflict"  # committed before, another payload under the same dedupe key
 
 
+class HandlerLeftTransactionAborted(Exception):
+    """A postgres handler swallowed an SQL error: retryable like any undeclared error."""
+
+
 class StoreUnavailable(Exception):
     """PostgreSQL did not answer (down, restarting, no connection free): not the record's fault."""
 
@@ -80,10 +84,15 @@ def is_connection_error(exc: BaseException) -> bool:
 class WaveTransaction:
     """The open transaction of one wave's postgres records, on one pooled connection."""
 
-    def __init__(self, conn: AsyncConnection[Any]) -> None:
+    def __init__(self, conn: AsyncConnection[Any], pipelined: bool = True) -> None:
         self.conn = conn
         self.broken: BaseException | None = None  # set once the connection failed
         self.members = 0  # savepoints released into it: records whose rows it holds
+        # The last record's RELEASE, sent with the next record's SAVEPOINT and INSERT in
+        # one round trip (a RELEASE on a transaction that is not aborted cannot fail; COMMIT
+        # releases it anyway). libpq's pipeline mode where available.
+        self._release_pending = False
+        self._pipelined = pipelined
 
     async def enter(
         self,
@@ -96,10 +105,19 @@ class WaveTransaction:
         """Open the record's savepoint and insert its inbox row; the verdict and the stored
         fingerprint (for a conflict's message)."""
         topic, partition, offset = coordinates
-        await self.conn.execute(f"SAVEPOINT {SAVEPOINT}")
-        cur = await self.conn.execute(
-            _INSERT, (handler, dedupe_key, fingerprint, topic, partition, offset, attempt)
-        )
+        params = (handler, dedupe_key, fingerprint, topic, partition, offset, attempt)
+        if self._pipelined:
+            async with self.conn.pipeline():
+                if self._release_pending:
+                    await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+                await self.conn.execute(f"SAVEPOINT {SAVEPOINT}")
+                cur = await self.conn.execute(_INSERT, params)
+        else:
+            if self._release_pending:
+                await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+            await self.conn.execute(f"SAVEPOINT {SAVEPOINT}")
+            cur = await self.conn.execute(_INSERT, params)
+        self._release_pending = False
         if await cur.fetchone() is not None:
             return Verdict.NEW, fingerprint
         # Its row exists (committed: ON CONFLICT waited for any transaction writing it).
@@ -112,14 +130,24 @@ class WaveTransaction:
         return Verdict.CONFLICT, stored
 
     async def release(self) -> None:
-        """The record's handler succeeded: its savepoint's work joins the transaction."""
-        await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        """The record's handler succeeded: its savepoint's work joins the transaction.
+
+        Raises when the handler left the transaction aborted (it caught an SQL error and
+        returned): then its work cannot be kept, and it is rolled back like a failure.
+        """
+        psycopg, _ = _driver()
+        if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+            raise HandlerLeftTransactionAborted(
+                "the handler returned after an SQL error it caught: the transaction was "
+                "aborted, so its work cannot be kept (let the error propagate)"
+            )
+        self._release_pending = True  # sent with the next record's savepoint, or COMMIT
         self.members += 1
 
     async def rollback(self) -> None:
         """Undo the record's work (its inbox row included), keep its wave-mates'."""
-        await self.conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-        await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        # One simple query, one round trip (no parameters, so both statements go at once).
+        await self.conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 class InboxStore:
@@ -169,7 +197,7 @@ class InboxStore:
             conn = await conn_cm.__aenter__()
         except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
             raise StoreUnavailable(f"no PostgreSQL connection: {exc}") from exc
-        tx = WaveTransaction(conn)
+        tx = WaveTransaction(conn, pipelined=psycopg.Pipeline.is_supported())
         try:
             yield tx
         finally:

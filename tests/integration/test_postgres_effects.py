@@ -8,6 +8,7 @@ transaction, a savepoint each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -243,3 +244,31 @@ async def test_the_handler_test_kit_runs_a_postgres_handler_on_a_real_database(
         ("kit-1", "purchases/0/0"),
         ("f-1", "3"),
     ]  # the failed runs' rows rolled back
+
+
+@handler("swallowing", model=Flaky, dedupe_key="order_id", store="postgres")
+async def swallow_sql_error(order: Flaky, ctx: Context) -> None:
+    """Writes a row, then catches an SQL error and returns as if all went well."""
+    assert ctx.db is not None
+    await ctx.db.execute(
+        "INSERT INTO purchases (payment_id, kind, user_id, product_id, amount_minor, currency,"
+        " source) VALUES (%s, 'grant', 'u', 'p', 1, 'EUR', 'x')",
+        (order.order_id,),
+    )
+    with contextlib.suppress(psycopg.errors.UndefinedColumn):
+        await ctx.db.execute("SELECT no_such_column FROM purchases")
+
+
+async def test_a_handler_that_swallows_an_sql_error_is_rolled_back_not_granted(
+    postgres_url: str,
+) -> None:
+    from service.testing import HandlerTestKit
+
+    async with HandlerTestKit(swallow_sql_error, postgres_url=postgres_url) as kit:
+        result = await kit.send({"order_id": "s-1"})
+        assert result.parked, result
+        assert "SQL error it caught" in (result.reason or "")
+        # The next transaction on the pool is clean: another such record ends the same way.
+        assert (await kit.send({"order_id": "s-2"})).parked
+    assert await rows(postgres_url, "SELECT payment_id FROM purchases") == []
+    assert await rows(postgres_url, "SELECT dedupe_key FROM kafka_inbox") == []
