@@ -6,8 +6,15 @@ failures without touching the handler's code:
     transient:K   raise RetryableError on attempts 1..K, then run normally
     permanent     raise PermanentError
     hang          never return (the handler timeout turns it into a retry)
+    hang:K        hang on attempts 1..K only, then run normally (a slow first run: a crash
+                  test's moment when the handler is surely in flight)
     down-until:T  raise RetryableError while this host's clock is before T (Unix ms): the
                   handler's dependency is down until then, whatever the attempt
+    crash-after-commit
+                  (postgres handlers) the worker SIGKILLs itself once the wave holding the
+                  record committed and before the Redis FINISH: the crash window the inbox
+                  row closes (the redelivery must end a duplicate); a delivery found a
+                  duplicate in the inbox does not crash again
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from service.engine.errors import PermanentError, RetryableError
 HEADER = "x-fault"
 # Logged when an injected hang begins, so a test can act while the handler is running.
 HANG_STARTED = "fault injection: handler hangs until its timeout"
+CRASH_AFTER_COMMIT = "crash-after-commit"
+# Logged just before that SIGKILL, so a test knows the commit happened.
+CRASHING_AFTER_COMMIT = "fault injection: SIGKILL after the PostgreSQL commit, before FINISH"
 
 
 def inject(ctx: Context) -> bool:
@@ -40,4 +50,6 @@ def inject(ctx: Context) -> bool:
             )
     elif spec == "permanent":
         raise PermanentError("injected permanent failure")
+    if spec.startswith("hang:"):
+        return ctx.attempt <= int(spec.split(":", 1)[1] or 0)
     return spec == "hang"

@@ -21,11 +21,11 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from service.engine.errors import ConfigurationError
+from service.engine.errors import ConfigurationError, PermanentError
 from service.engine.settings import PostgresSettings
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ _INSERT = (
 )
 _EXISTING = f"SELECT fingerprint FROM {INBOX} WHERE handler = %s AND dedupe_key = %s"
 INSTALL_HINT = "pip install '.[postgres]'"
+STALL = "postgres"  # the stall's cause while PostgreSQL does not answer
 
 
 class Verdict(enum.Enum):
@@ -51,6 +52,42 @@ class Verdict(enum.Enum):
     NEW = "new"  # its row is inserted (uncommitted): run the handler
     DUPLICATE = "duplicate"  # committed before, same payload
     CONFLICT = "conflict"  # committed before, another payload under the same dedupe key
+
+
+class TransactionControlRefused(PermanentError):
+    """A postgres handler called ``ctx.db.commit()`` or ``rollback()``: the wave's
+    transaction is the worker's (committing it would split a record's inbox row from the
+    rest of its effects). A bug in the handler, never worth a retry."""
+
+
+def _connection_class() -> Any:
+    """psycopg's AsyncConnection, refusing commit and rollback while a handler runs."""
+    global _WAVE_CONNECTION
+    if _WAVE_CONNECTION is None:
+        psycopg, _ = _driver()
+
+        class WaveConnection(psycopg.AsyncConnection):  # type: ignore[misc,name-defined]
+            handler_running = False
+
+            async def commit(self) -> None:
+                if self.handler_running:
+                    raise TransactionControlRefused(_REFUSED.format("commit"))
+                await super().commit()
+
+            async def rollback(self) -> None:
+                if self.handler_running:
+                    raise TransactionControlRefused(_REFUSED.format("rollback"))
+                await super().rollback()
+
+        _WAVE_CONNECTION = WaveConnection
+    return _WAVE_CONNECTION
+
+
+_WAVE_CONNECTION: Any = None
+_REFUSED = (
+    "ctx.db.{}() is the worker's: a postgres handler runs inside the wave's transaction "
+    "(use `async with ctx.db.transaction():` for a savepoint of your own)"
+)
 
 
 class HandlerLeftTransactionAborted(Exception):
@@ -129,6 +166,15 @@ class WaveTransaction:
             return Verdict.DUPLICATE, stored
         return Verdict.CONFLICT, stored
 
+    @contextmanager
+    def handler_running(self) -> Iterator[None]:
+        """While the handler runs, ``ctx.db.commit()`` and ``rollback()`` are refused."""
+        self.conn.handler_running = True  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            self.conn.handler_running = False  # type: ignore[attr-defined]
+
     async def release(self) -> None:
         """The record's handler succeeded: its savepoint's work joins the transaction.
 
@@ -167,6 +213,7 @@ class InboxStore:
             max_size=settings.pool_max,
             timeout=settings.connect_timeout_s,
             open=False,
+            connection_class=_connection_class(),
             kwargs={
                 "autocommit": False,
                 "connect_timeout": max(1, int(settings.connect_timeout_s)),

@@ -38,6 +38,18 @@ class Metrics:
         self.redis_errors = Counter(
             "worker_redis_errors", "Redis calls that failed and were retried", registry=r
         )
+        self.postgres_transactions = Counter(
+            "worker_postgres_transactions",
+            "Wave transactions of the postgres effects store, by result (committed, failed)",
+            ["result"],
+            registry=r,
+        )
+        self.postgres_commit_seconds = Histogram(
+            "worker_postgres_commit_seconds",
+            "COMMIT of a wave's transaction (one WAL flush for its records)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=r,
+        )
         labels = ["topic", "partition"]
         self.committed_offset = Gauge(
             "worker_partition_committed_offset", "Last committed offset", labels, registry=r

@@ -16,14 +16,12 @@ from typing import Any
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
 from service.engine.errors import ConfigurationError
-from service.engine.inbox import InboxStore, is_connection_error
+from service.engine.inbox import STALL, InboxStore, is_connection_error
 from service.engine.schema import missing_migrations
 from service.engine.settings import PostgresSettings
 from service.engine.stalls import Stalls
 
 log = logging.getLogger(__name__)
-STALL = "postgres"  # the stall's cause while the server does not answer
-
 _UNSAFE = {
     "fsync": "off",
     "synchronous_commit": "off",

@@ -9,26 +9,38 @@ Then one commit. Only a committed record goes on to FINISH as succeeded (or dupl
 when the connection or the commit fails, every record still waiting on it is a retryable
 failure (counted by its circuit breaker, so an outage opens the circuit and holds records
 instead of burning their retries), because nothing of theirs is known to be kept.
+
+With ``fault_injection`` on, the ``x-fault`` header (faults.py) works here as for any
+handler, inside the record's savepoint (a hang holds the wave's transaction open for the
+handler timeout), and ``crash-after-commit`` SIGKILLs the worker between the commit and
+FINISH: the chaos tests' way into that window.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from service.engine import faults
 from service.engine.breaker import Breakers
 from service.engine.context import Context
 from service.engine.decisions import Decisions
 from service.engine.errors import RetryableError
-from service.engine.inbox import InboxStore, StoreUnavailable, Verdict, WaveTransaction
+from service.engine.inbox import STALL, InboxStore, StoreUnavailable, Verdict, WaveTransaction
 from service.engine.inbox import is_connection_error as _is_connection_error
-from service.engine.jobs import Job
+from service.engine.jobs import Job, log_fields
+from service.engine.metrics import Metrics
 from service.engine.redaction import describe_error
+from service.engine.stalls import Stalls
 
 log = logging.getLogger(__name__)
+# PGPROC_MAX_CACHED_SUBXIDS: the subtransactions a backend's snapshot entry holds.
+MAX_RECORDS_PER_TRANSACTION = 64
 
 
 class PostgresWaves:
@@ -44,6 +56,9 @@ class PostgresWaves:
         timeout_of: Callable[[Job], float],
         renew_leases: Callable[[Job, float], Awaitable[bool]],
         observe: Callable[[str, float], None],
+        fault_injection: bool = False,
+        metrics: Metrics | None = None,
+        stalls: Stalls | None = None,
     ) -> None:
         self._store = store
         self._decisions = decisions
@@ -52,9 +67,22 @@ class PostgresWaves:
         self._timeout_of = timeout_of
         self._renew = renew_leases
         self._observe = observe
+        self._inject = fault_injection
+        self._metrics = metrics or Metrics()
+        self._stalls = stalls
 
     async def run(self, jobs: list[Job]) -> None:
-        """Every job to a decision: committed (fate left for FINISH), or failed, or parked."""
+        """Every job to a decision: committed (fate left for FINISH), or failed, or parked.
+
+        At most ``MAX_RECORDS_PER_TRANSACTION`` records share a transaction: each record's
+        savepoint that writes is a subtransaction with an xid of its own, and past 64 of
+        them PostgreSQL's per-backend subxid cache overflows, making every other session's
+        snapshots consult pg_subtrans while the transaction is open.
+        """
+        for start in range(0, len(jobs), MAX_RECORDS_PER_TRANSACTION):
+            await self._run_transaction(jobs[start : start + MAX_RECORDS_PER_TRANSACTION])
+
+    async def _run_transaction(self, jobs: list[Job]) -> None:
         waiting: list[Job] = []  # released into the transaction, not yet committed
         try:
             async with self._store.begin() as tx:
@@ -70,16 +98,25 @@ class PostgresWaves:
                 if tx.broken is not None:
                     raise tx.broken
                 if waiting:
+                    started = time.perf_counter()
                     await self._store.commit(tx)
+                    self._metrics.postgres_commit_seconds.observe(time.perf_counter() - started)
+                    if self._inject:
+                        _crash_after_commit(waiting)
         except Exception as exc:
-            if not (isinstance(exc, StoreUnavailable) or _is_connection_error(exc)):
+            self._metrics.postgres_transactions.labels("failed").inc()
+            if isinstance(exc, StoreUnavailable) or _is_connection_error(exc):
+                if self._stalls is not None:  # loud: readiness, worker_stalled, one log line
+                    self._stalls.report(STALL, f"PostgreSQL failed: {describe_error(exc)}")
+            else:
                 log.exception("postgres wave failed")
             self._fail_all(jobs, exc)
             return
+        self._metrics.postgres_transactions.labels("committed").inc()
+        if self._stalls is not None:
+            self._stalls.clear(STALL)
         for job in waiting:
             job.committed = True
-            if (breaker := self._breakers.for_handler(job.name)) is not None:
-                breaker.record_success()
 
     async def _one(self, tx: WaveTransaction, job: Job) -> bool:
         """One record in its savepoint; True when its work (or its duplicate) awaits commit."""
@@ -120,10 +157,14 @@ class PostgresWaves:
         job.ran = True
         error: BaseException | None = None
         try:
-            async with asyncio.timeout(limit_s):
-                result = job.handler.func(job.payload, ctx)
-                if result is not None:
-                    await result
+            with tx.handler_running():
+                async with asyncio.timeout(limit_s):
+                    if self._inject and faults.inject(ctx):
+                        log.warning(faults.HANG_STARTED, extra=log_fields(job))
+                        await asyncio.Event().wait()
+                    result = job.handler.func(job.payload, ctx)
+                    if result is not None:
+                        await result
         except Exception as exc:
             error = exc
         finally:
@@ -131,6 +172,11 @@ class PostgresWaves:
         if error is None:
             try:
                 await tx.release()
+                # Counted now, as its wave-mates' failures are: counting successes only at
+                # COMMIT would show the breaker a wave's failures alone (a commit that fails
+                # later counts every record of the wave as failed, _fail_all).
+                if breaker is not None:
+                    breaker.record_success()
                 return True
             except Exception as exc:  # e.g. the handler swallowed an SQL error: aborted
                 error = exc
@@ -158,3 +204,15 @@ class PostgresWaves:
                 job.inbox_duplicate = False
                 breaker: Any = self._breakers.for_handler(job.name)
                 self._decisions.handler_failed(job, error, breaker=breaker)
+
+
+def _crash_after_commit(committed: list[Job]) -> None:
+    """Fault injection: die like a SIGKILL between the commit and FINISH (tests only)."""
+    for job in committed:
+        if job.inbox_duplicate:
+            continue  # the redelivery of a crashed record: it must now finish
+        if (faults.HEADER, faults.CRASH_AFTER_COMMIT.encode()) in job.delivery.headers:
+            log.warning(faults.CRASHING_AFTER_COMMIT, extra=log_fields(job))
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -91,6 +91,7 @@ class Processor:
         metrics: Metrics,
         breakers: Breakers | None = None,
         inbox: InboxStore | None = None,
+        stalls: Stalls | None = None,
     ) -> None:
         self._settings = settings
         self._registry = registry
@@ -117,6 +118,9 @@ class Processor:
                 timeout_of=self._timeout_of,
                 renew_leases=self._renew_leases,
                 observe=lambda name, s: self._latency_of(name).observe(s),
+                fault_injection=settings.fault_injection,
+                metrics=metrics,
+                stalls=stalls,
             )
 
     @classmethod
@@ -160,6 +164,7 @@ class Processor:
             metrics,
             breakers,
             inbox,
+            stalls,
         )
 
     async def process(self, delivery: Delivery) -> Outcome:

@@ -272,3 +272,82 @@ async def test_a_handler_that_swallows_an_sql_error_is_rolled_back_not_granted(
         assert (await kit.send({"order_id": "s-2"})).parked
     assert await rows(postgres_url, "SELECT payment_id FROM purchases") == []
     assert await rows(postgres_url, "SELECT dedupe_key FROM kafka_inbox") == []
+
+
+class Bumpy(BaseModel):
+    order_id: str
+    fail_first: bool = False
+
+
+@handler("bumpy_orders", model=Bumpy, dedupe_key="order_id", store="postgres")
+async def fail_first_run(order: Bumpy, ctx: Context) -> None:
+    """A quarter of the orders fail their first run: an ordinary transient rate, no outage."""
+    assert ctx.db is not None
+    if order.fail_first and ctx.attempt == 1:
+        from service import RetryableError
+
+        raise RetryableError("first run fails")
+    await ctx.db.execute("SELECT 1")
+
+
+async def test_breaker_sees_a_waves_successes_not_only_its_failures(
+    kafka_broker: Broker, redis_url: str, postgres_url: str, unique_name: str
+) -> None:
+    """Successes counted only at COMMIT showed the breaker a wave's failures alone: 10 of 40
+    failing once opened the circuit (a ratio of 1.0 over min_calls) instead of 0.25."""
+    settings = make_settings(
+        kafka_broker.bootstrap,
+        redis_url,
+        unique_name,
+        only_topics={"bumpy_orders": unique_name},
+        postgres={"url": postgres_url},
+        breaker={"enabled": True, "min_calls": 10, "failure_ratio": 0.5, "window_s": 60},
+    )
+    await prepare_topics(settings, partitions=1)
+    orders = [Bumpy(order_id=f"b{i}", fail_first=i % 4 == 0) for i in range(40)]
+    producer = AIOKafkaProducer(**connection_kwargs(settings.kafka))
+    await producer.start()
+    try:
+        for o in orders:  # before the worker starts: one batch, one wave
+            await producer.send(unique_name, o.model_dump_json().encode(), key=o.order_id.encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+    registry = Registry([fail_first_run], settings.topics)
+    async with running_worker(settings, registry=registry) as worker:
+        from tests.helpers import await_until
+
+        async def all_inboxed() -> bool:
+            return len(await rows(postgres_url, "SELECT 1 FROM kafka_inbox")) == len(orders)
+
+        await await_until(all_inboxed, 60, message="every order committed")
+        opened = worker.metrics.registry.get_sample_value(
+            "worker_circuit_transitions_total", {"circuit": "bumpy_orders", "to": "open"}
+        )
+    assert not opened, f"the circuit opened {opened} times for a 25% transient rate"
+
+
+@handler("committing", model=Flaky, dedupe_key="order_id", store="postgres")
+async def commit_midway(order: Flaky, ctx: Context) -> None:
+    """Writes a row, commits the worker's transaction, then writes another."""
+    assert ctx.db is not None
+    insert = (
+        "INSERT INTO purchases (payment_id, kind, user_id, product_id, amount_minor, currency,"
+        " source) VALUES (%s, 'grant', 'u', 'p', 1, 'EUR', 'x')"
+    )
+    await ctx.db.execute(insert, (order.order_id,))
+    await ctx.db.commit()
+    await ctx.db.execute(insert, (order.order_id + "-after",))
+
+
+async def test_a_handler_cannot_commit_the_waves_transaction(postgres_url: str) -> None:
+    """A commit inside the handler would keep the inbox row and the first write without the
+    second: its effects split, and every redelivery a duplicate. It is refused instead."""
+    from service.testing import HandlerTestKit
+
+    async with HandlerTestKit(commit_midway, postgres_url=postgres_url) as kit:
+        result = await kit.send({"order_id": "c-1"})
+    assert result.reason == "permanent", result
+    assert "ctx.db.commit() is the worker's" in (result.error or "")
+    assert await rows(postgres_url, "SELECT payment_id FROM purchases") == []
+    assert await rows(postgres_url, "SELECT dedupe_key FROM kafka_inbox") == []
