@@ -34,7 +34,10 @@ app = typer.Typer(
     help=__doc__,
     pretty_exceptions_show_locals=False,
 )
-dev_app = typer.Typer(no_args_is_help=True, help="The embedded broker and Redis for development.")
+dev_app = typer.Typer(
+    no_args_is_help=True,
+    help="The embedded broker and Redis (and PostgreSQL, if needed) for development.",
+)
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead-letter topic tools.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(dlq_app, name="dlq")
@@ -169,10 +172,15 @@ def demo(
     """Start the dev stack, produce sample payments, run the worker with a live view.
 
     On exit it stops the broker and Redis it started, unless --keep; a stack that
-    `service dev up` started is left running.
+    `service dev up` started is left running. With the example bound to its postgres
+    handler (WORKER_TOPICS='{"purchases": "payments"}'), PostgreSQL runs too and holds
+    the grants.
     """
     from service.dev.demo import run_demo
+    from service.dev.demo_grants import demo_example
     from service.dev.servers import DevStackError
+
+    example = demo_example(_settings().topics)
 
     configure_logging("ERROR", "console")  # the live view tells the story; errors still show
     try:
@@ -184,6 +192,7 @@ def demo(
                 console=console,
                 keep=keep,
                 broker=broker,
+                example=example,
             )
         )
     except DevStackError as exc:
@@ -192,27 +201,48 @@ def demo(
 
 
 @dev_app.command("up")
-def dev_up(state_dir: StateDir = None, broker: BrokerChoice = "tansu") -> None:
-    """Start the broker and Redis (or report the running ones)."""
+def dev_up(
+    state_dir: StateDir = None,
+    broker: BrokerChoice = "tansu",
+    postgres: Annotated[
+        bool | None,
+        typer.Option(
+            "--postgres/--no-postgres",
+            help="Also start the embedded PostgreSQL (default: when a bound handler keeps "
+            'its effects there, e.g. WORKER_TOPICS=\'{"purchases": "payments"}\').',
+        ),
+    ] = None,
+) -> None:
+    """Start the broker and Redis, and PostgreSQL if needed (or report the running ones)."""
     from service.dev.servers import DevStackError
-    from service.dev.stack import DevStack
+    from service.dev.stack import DevStack, bound_to_postgres
 
+    if postgres is None:
+        try:
+            postgres = bound_to_postgres(_settings().topics)
+        except ConfigurationError as exc:
+            raise _refuse(exc) from None
     try:
-        info = DevStack.up(state_dir, broker=broker)
+        info = DevStack.up(state_dir, broker=broker, postgres=postgres)
     except DevStackError as exc:
         raise _dev_failed(exc) from None
     console.print(f"Broker:          {info.broker_name}", highlight=False)
     console.print(f"Kafka bootstrap: {info.bootstrap}\nRedis URL:       {info.redis_url}")
+    if info.postgres_url:
+        console.print(f"PostgreSQL URL:  {info.postgres_url}", highlight=False)
     console.print(f"export WORKER_KAFKA__BOOTSTRAP_SERVERS={info.bootstrap}", highlight=False)
     console.print(f"export WORKER_REDIS__URL={info.redis_url}", highlight=False)
+    if info.postgres_url:
+        console.print(f"export WORKER_POSTGRES__URL={info.postgres_url}", highlight=False)
+        console.print("then `service db migrate` creates the inbox and purchases tables")
 
 
 @dev_app.command("down")
 def dev_down(
     state_dir: StateDir = None,
-    purge: Annotated[bool, typer.Option(help="Also delete Redis's data.")] = False,
+    purge: Annotated[bool, typer.Option(help="Also delete Redis's and PostgreSQL's data.")] = False,
 ) -> None:
-    """Stop the broker and Redis."""
+    """Stop the broker, Redis and PostgreSQL (if the stack has it)."""
     from service.dev.stack import DevStack
 
     stopped = DevStack.down(state_dir, purge=purge)
@@ -234,6 +264,11 @@ def dev_status(state_dir: StateDir = None) -> None:
         f"({info.broker_name}, pid {info.broker_pid})"
     )
     console.print(f"Redis {info.redis_url} {mark[info.redis_healthy]} (pid {info.redis_pid})")
+    if info.postgres_url:
+        console.print(
+            f"PostgreSQL {info.postgres_url} {mark[info.postgres_healthy]} "
+            f"(pid {info.postgres_pid})"
+        )
     if not info.healthy:
         raise typer.Exit(1)
 

@@ -9,6 +9,10 @@ dependency is back. Prints a summary once everything has settled, then keeps run
 Ctrl-C. On the way out it stops the servers it started (unless `--keep`) and leaves ones
 that `service dev up` started, saying which and how to stop them: a newcomer must not find
 stray servers later.
+
+With the example bound to its postgres handler (``WORKER_TOPICS='{"purchases": "payments"}'``
+or service/project.py), the stack also runs the embedded PostgreSQL, the demo migrates it
+(`service db migrate`) and reads the grants from the purchases table (demo_grants.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ from rich.text import Text
 
 from service.dev import sample
 from service.dev.broker import create_topics
+from service.dev.demo_grants import (
+    REDIS_EXAMPLE,
+    Grants,
+    PostgresGrants,
+    RedisGrants,
+    migrate,
+    uses_postgres,
+)
 from service.dev.servers import free_port
 from service.dev.stack import DEFAULT_BROKER, STOP_HINT, DevStack, DevStackInfo
 from service.engine.kafka_client import connection_kwargs
@@ -36,6 +48,7 @@ from service.engine.settings import Settings
 from service.engine.worker import Worker
 from service.ops import audit
 
+TOPIC = "payments"  # the demo's topic, whichever example handler is bound to it
 OUTCOMES = ("succeeded", "retry_scheduled", "dead_lettered", "duplicate")
 KINDS = ("ok", "transient", "permanent", "malformed", "duplicate", "refund")
 CIRCUIT_STATES = {0: "closed", 1: "half-open", 2: "open"}
@@ -46,11 +59,20 @@ OUTAGE_S = 8.0
 OUTAGE_DEADLINE_S = 90.0
 
 
-def demo_settings(bootstrap: str, redis_url: str, topic: str, http_port: int) -> Settings:
+def demo_settings(
+    bootstrap: str,
+    redis_url: str,
+    topic: str,
+    http_port: int,
+    *,
+    example: str = REDIS_EXAMPLE,
+    postgres_url: str | None = None,
+) -> Settings:
     return Settings(
         kafka={"bootstrap_servers": bootstrap, "group_id": "payments-demo"},
         redis={"url": redis_url, "key_prefix": "demo"},
-        topics={"payments": topic},
+        topics={example: topic},
+        postgres={"url": postgres_url},
         # Snappy backoff so the sample settles in seconds; no attempt cap (as in production,
         # an age limit ends retries), so an outage cannot spend them before the breaker opens.
         retry={"base_delay_ms": 300, "max_delay_ms": 3000, "max_attempts": None, "max_age_s": 600},
@@ -67,11 +89,10 @@ def demo_settings(bootstrap: str, redis_url: str, topic: str, http_port: int) ->
 
 def _counts(worker: Worker) -> dict[str, int]:
     registry = worker.metrics.registry
+    h = worker.registry.for_topic(TOPIC)  # the example bound to the demo's topic
+    labels = {"handler": h.name if h is not None else REDIS_EXAMPLE}
     return {
-        o: int(
-            registry.get_sample_value("worker_records_total", {"handler": "payments", "outcome": o})
-            or 0
-        )
+        o: int(registry.get_sample_value("worker_records_total", {**labels, "outcome": o}) or 0)
         for o in OUTCOMES
     }
 
@@ -114,11 +135,9 @@ class _RefundWatch:
     def done(self) -> bool:
         return len(self.history) >= 2
 
-    async def update(self, settings: Settings) -> None:
+    async def update(self, grants: Grants) -> None:
         if not self.done:
-            self.history = await audit.ledger_history(
-                settings.redis.url.get_secret_value(), settings.redis.key_prefix, self.payment_id
-            )
+            self.history = await grants.history(self.payment_id)
 
     def line(self) -> Text:
         order = " -> ".join(self.history) or "nothing yet"
@@ -139,7 +158,7 @@ def _progress(
     table = Table.grid(padding=(0, 2))
     table.add_row(*(f"[bold]{o}[/] {counts[o]}" for o in OUTCOMES))
     parts: list[Table | Text] = [table]
-    circuit = _circuit(worker, "payments")
+    circuit = _circuit(worker, TOPIC)
     parts.append(Text(f"circuit {circuit}: {_Circuit.read(worker, circuit).state}"))
     if state is not None:
         parts.append(_offsets_table(state))
@@ -169,7 +188,7 @@ class _Snapshot:
 
 
 async def _snapshot(settings: Settings) -> _Snapshot:
-    topic = settings.topics["payments"]
+    topic = TOPIC
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
     depth = await audit.retry_queue_depth(
         settings.redis.url.get_secret_value(), settings.redis.key_prefix
@@ -185,14 +204,18 @@ async def run_demo(
     console: Console,
     keep: bool = False,
     broker: str = DEFAULT_BROKER,
+    example: str = REDIS_EXAMPLE,
 ) -> int:
+    """`example` names the handler the demo binds to its topic (demo_grants.demo_example)."""
     name = "Apache Kafka, 1 node" if broker == "kafka" else "the embedded broker, Tansu"
-    console.print(f"[bold]1/5[/] starting {name} and Redis (AOF always)...")
+    postgres = uses_postgres(example)
+    servers = "Redis (AOF always) and PostgreSQL (fsync on)" if postgres else "Redis (AOF always)"
+    console.print(f"[bold]1/5[/] starting {name}, {servers}...")
     # Not in a thread: a Ctrl-C now cancels at the first await below, inside the `try`.
-    info = DevStack.up(state_dir, broker=broker)
+    info = DevStack.up(state_dir, broker=broker, postgres=postgres)
     console.print(f"    Kafka {info.bootstrap}   Redis {info.redis_url}   state {info.state_dir}")
     try:
-        return await _demo(info, records, exit_when_done, console)
+        return await _demo(info, records, exit_when_done, console, example)
     finally:
         _leave_stack(info, keep, console)
 
@@ -200,10 +223,16 @@ async def run_demo(
 def _leave_stack(info: DevStackInfo, keep: bool, console: Console) -> None:
     """Stop what this demo started (unless asked to keep it); say what keeps running."""
     servers = f"the broker ({info.bootstrap}) and Redis ({info.redis_url})"
+    if info.postgres_url:
+        servers = (
+            f"the broker ({info.bootstrap}), Redis ({info.redis_url}) "
+            f"and PostgreSQL ({info.postgres_url})"
+        )
     if not info.started:
+        joined = " (PostgreSQL joined them for this demo)" if info.postgres_started else ""
         console.print(
-            f"{servers.capitalize()} were already running (`make dev-up`) and keep running; "
-            f"stop them with `{STOP_HINT}`."
+            f"{servers.capitalize()} were already running (`make dev-up`){joined} and keep "
+            f"running; stop them with `{STOP_HINT}`."
         )
     elif keep:
         console.print(
@@ -217,9 +246,25 @@ def _leave_stack(info: DevStackInfo, keep: bool, console: Console) -> None:
         )
 
 
-async def _demo(info: DevStackInfo, records: int, exit_when_done: bool, console: Console) -> int:
-    topic = "payments"
-    settings = demo_settings(info.bootstrap, info.redis_url, topic, free_port())
+async def _demo(
+    info: DevStackInfo, records: int, exit_when_done: bool, console: Console, example: str
+) -> int:
+    topic = TOPIC
+    settings = demo_settings(
+        info.bootstrap,
+        info.redis_url,
+        topic,
+        free_port(),
+        example=example,
+        postgres_url=info.postgres_url,
+    )
+    grants: Grants = RedisGrants(info.redis_url, settings.redis.key_prefix)
+    if info.postgres_url is not None:
+        applied = await migrate(settings.postgres)
+        done = f"applied {', '.join(applied)}" if applied else "already up to date"
+        console.print(f"    PostgreSQL {info.postgres_url}   service db migrate: {done}")
+        console.print(f"    export WORKER_POSTGRES__URL={info.postgres_url}", highlight=False)
+        grants = PostgresGrants(info.postgres_url)
     await create_topics(
         info.bootstrap,
         {topic: 6, settings.dead_letter_topic(topic): 1, settings.outcomes_topic() or "": 1},
@@ -251,7 +296,7 @@ async def _demo(info: DevStackInfo, records: int, exit_when_done: bool, console:
             if worker.health.started:
                 snapshot = await _snapshot(settings)
                 if refund is not None:
-                    await refund.update(settings)
+                    await refund.update(grants)
             live.update(_progress(worker, len(batch), snapshot, refund))
             if (
                 snapshot is not None
@@ -268,13 +313,13 @@ async def _demo(info: DevStackInfo, records: int, exit_when_done: bool, console:
         f"[bold]4/5[/] the grant dependency goes down for {OUTAGE_S:g} s under "
         f"{OUTAGE_PAYMENTS} more payments (x-fault: down-until)"
     )
-    outage = await _outage(settings, worker, task, console, run_id)
+    outage = await _outage(settings, worker, task, console, run_id, grants)
     if task.done():
         task.result()
         return 1
 
     console.print("[bold]5/5[/] summary")
-    console.print(await _summary(settings, batch, worker, refund, outage))
+    console.print(await _summary(settings, batch, worker, refund, outage, grants))
     console.print(outage.line())
     if exit_when_done:
         worker.request_stop()
@@ -325,10 +370,15 @@ class _Outage:
 
 
 async def _outage(
-    settings: Settings, worker: Worker, task: asyncio.Task[None], console: Console, run_id: str
+    settings: Settings,
+    worker: Worker,
+    task: asyncio.Task[None],
+    console: Console,
+    run_id: str,
+    grants: Grants,
 ) -> _Outage:
     """Payments whose dependency is down for a while: the breaker should hold, not give up."""
-    topic = settings.topics["payments"]
+    topic = TOPIC
     circuit = _circuit(worker, topic)
     # On a busy service an outage fails every run, so the failure ratio climbs at once; the
     # sample's successes are still in the breaker's window and would outvote the first
@@ -355,7 +405,6 @@ async def _outage(
     counts_before = _counts(worker)
     result = _Outage([str(r.payment_id) for r in records])
     await _produce(settings, topic, records)
-    url, prefix = settings.redis.url.get_secret_value(), settings.redis.key_prefix
     view = _outage_view(result, None, down_until_ms)
     with Live(view, console=console, refresh_per_second=4) as live:
         while not task.done() and time.monotonic() - result.started < OUTAGE_DEADLINE_S:
@@ -367,8 +416,8 @@ async def _outage(
             counts = _counts(worker)
             result.dead_lettered = counts["dead_lettered"] - counts_before["dead_lettered"]
             result.parked = counts["retry_scheduled"] - counts_before["retry_scheduled"]
-            grants = await audit.ledger_grants(url, prefix)
-            result.granted = sum(1 for p in result.payments if grants.get(p) == 1)
+            entries = await grants.counts()
+            result.granted = sum(1 for p in result.payments if entries.get(p) == 1)
             snapshot = await _snapshot(settings)
             live.update(_outage_view(result, snapshot, down_until_ms, now))
             back = time.time() * 1000 >= down_until_ms
@@ -420,13 +469,13 @@ async def _summary(
     worker: Worker,
     refund: _RefundWatch | None,
     outage: _Outage,
+    grants: Grants,
 ) -> Table:
-    url = settings.redis.url.get_secret_value()
-    grants = await audit.ledger_grants(url, settings.redis.key_prefix)
+    entries = await grants.counts()
     ours = {r.payment_id for r in batch if r.payment_id} | set(outage.payments)
-    granted = {k: v for k, v in grants.items() if k in ours}
+    granted = {k: v for k, v in entries.items() if k in ours}
     refunds = sum(v for k, v in granted.items() if k.endswith(sample.REFUND_SUFFIX))
-    dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic("payments"))
+    dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(TOPIC))
     reasons: dict[str, int] = {}
     for record in dlq:
         reason = audit.header(record, "x-dlq-reason") or "?"
@@ -434,6 +483,7 @@ async def _summary(
     counts = _counts(worker)
     snapshot = await _snapshot(settings)
     table = Table(title="payments demo", show_header=False)
+    table.add_row("grants live in", Text(grants.where))  # Text: ":ledger:" is no emoji
     table.add_row("ledger entries of this run (grants and refunds)", str(sum(granted.values())))
     table.add_row("of them refunds (entitlement revoked)", str(refunds))
     table.add_row("payments granted more than once", str(sum(1 for v in granted.values() if v > 1)))

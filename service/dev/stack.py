@@ -1,4 +1,5 @@
-"""`service dev up|down|status`: a broker and a Redis that outlive the command that started them.
+"""`service dev up|down|status`: a broker and a Redis (and, for a project whose example keeps
+its effects in PostgreSQL, an embedded PostgreSQL) that outlive the command that started them.
 
 Unlike the suite's servers (`service.dev.servers`, which die with their owner), these are
 detached on purpose and found again through `<state_dir>/state.json`. `down` signals only a
@@ -13,6 +14,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from service.dev.postgres_server import PostgresServer
 from service.dev.redis_server import RedisServer
 from service.dev.servers import (
     DEFAULT_START_TIMEOUT_S,
@@ -61,6 +64,13 @@ class DevStackInfo:
     # True when this `up` started the servers, False when it found them already running.
     started: bool = False
     broker: str = DEFAULT_BROKER  # one of BROKERS
+    # The embedded PostgreSQL, when the stack has one (None: it has not).
+    postgres_url: str | None = None
+    postgres_pid: int | None = None
+    postgres_healthy: bool = False
+    postgres_log: Path | None = None
+    # True when this `up` started PostgreSQL (also when it joined a running broker and Redis).
+    postgres_started: bool = False
 
     @property
     def broker_name(self) -> str:
@@ -68,7 +78,8 @@ class DevStackInfo:
 
     @property
     def healthy(self) -> bool:
-        return self.broker_healthy and self.redis_healthy
+        postgres_ok = self.postgres_url is None or self.postgres_healthy
+        return self.broker_healthy and self.redis_healthy and postgres_ok
 
 
 @dataclass(frozen=True)
@@ -105,13 +116,29 @@ class _ServerRecord:
             return None
 
 
+@dataclass(frozen=True)
+class _State:
+    """state.json: the servers of one stack and which broker runs."""
+
+    broker: _ServerRecord
+    redis: _ServerRecord
+    kind: str = DEFAULT_BROKER
+    postgres: _ServerRecord | None = None
+
+    @property
+    def records(self) -> tuple[_ServerRecord, ...]:
+        return (self.broker, self.redis) + ((self.postgres,) if self.postgres else ())
+
+
 class DevStack:
     """A broker (Tansu, or Apache Kafka with `broker="kafka"`) and a Redis server under one
-    state directory (default `./.devstack`).
+    state directory (default `./.devstack`), and an embedded PostgreSQL when asked for.
 
-    Redis keeps its AOF in `<state_dir>/redis`, so retry queues survive `down`/`up`; the broker
-    starts empty every time (Tansu is memory-only; Kafka's data directory is formatted anew).
-    state.json records which broker runs, so `down` and `status` need not be told.
+    Redis keeps its AOF in `<state_dir>/redis` and PostgreSQL its cluster in
+    `<state_dir>/postgres`, so retry queues, grants and applied migrations survive
+    `down`/`up`; the broker starts empty every time (Tansu is memory-only; Kafka's data
+    directory is formatted anew). state.json records which broker runs and whether
+    PostgreSQL does, so `down` and `status` need not be told.
     """
 
     @staticmethod
@@ -127,45 +154,58 @@ class DevStack:
         redis_port: int | None = None,
         timeout: float = DEFAULT_START_TIMEOUT_S,
         broker: str = DEFAULT_BROKER,
+        postgres: bool = False,
     ) -> DevStackInfo:
-        """Start both servers detached, or return the running stack if it is already healthy.
+        """Start the servers detached, or return the running stack if it is already healthy.
 
         A healthy stack running another broker than `broker` is an error, not a silent swap.
+        `postgres` adds the embedded PostgreSQL, to a running stack too (its broker and Redis
+        untouched); a stack that has one keeps it whatever `postgres` says.
         """
         if broker not in BROKERS:
             raise DevStackError(f"--broker must be one of {', '.join(BROKERS)}, not {broker!r}")
         state_dir = cls._resolve(state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
+        postgres_port: int | None = None
         with _state_lock(state_dir):
             existing = cls._read_state(state_dir)
             if existing is not None:
-                info = cls._info(state_dir, *existing)
-                if info.healthy and info.broker != broker:
+                info = cls._info(state_dir, existing)
+                if info.broker_healthy and info.redis_healthy and info.broker != broker:
                     raise DevStackError(
                         f"a dev stack with {info.broker_name} is running in {state_dir}; "
                         f"stop it first (`{STOP_HINT}`) to start one with --broker {broker}"
                     )
-                if info.healthy:
-                    return info
+                postgres = postgres or existing.postgres is not None
+                if info.broker_healthy and info.redis_healthy:
+                    if not postgres or info.postgres_healthy:
+                        return info
+                    return cls._add_postgres(state_dir, existing, timeout)
                 # Half-dead stack: clear it, and come back on the same ports if still free.
-                cls._stop_records(existing[:2], DEFAULT_STOP_TIMEOUT_S)
-                broker_port = broker_port or _reusable(existing[0].port)
-                redis_port = redis_port or _reusable(existing[1].port)
+                cls._stop_records(existing, DEFAULT_STOP_TIMEOUT_S)
+                broker_port = broker_port or _reusable(existing.broker.port)
+                redis_port = redis_port or _reusable(existing.redis.port)
+                if existing.postgres is not None:
+                    postgres_port = _reusable(existing.postgres.port)
             (state_dir / STATE_FILE_NAME).unlink(missing_ok=True)
 
             server = _broker_server(broker, state_dir, broker_port or free_port(), timeout)
             redis_server = RedisServer(
                 state_dir / "redis", redis_port or free_port(), start_timeout=timeout
             )
-            broker_record = _start_detached(server, server.start_timeout)
+            started: list[_ServerRecord] = []
             try:
-                redis_record = _start_detached(redis_server, timeout)
+                started.append(_start_detached(server, server.start_timeout))
+                started.append(_start_detached(redis_server, timeout))
+                if postgres:
+                    started.append(_start_postgres(state_dir, postgres_port, timeout))
             except BaseException:
-                cls._stop_records((broker_record,), DEFAULT_STOP_TIMEOUT_S)
+                cls._stop_records(tuple(started), DEFAULT_STOP_TIMEOUT_S)  # none is PostgreSQL
                 raise
-            records = (broker_record, redis_record)
-            cls._write_state(state_dir, records, broker)
-            return replace(cls._info(state_dir, *records, broker), started=True)
+            state = _State(started[0], started[1], broker, started[2] if postgres else None)
+            cls._write_state(state_dir, state)
+            info = cls._info(state_dir, state)
+            return replace(info, started=True, postgres_started=postgres)
 
     @classmethod
     def down(
@@ -175,28 +215,28 @@ class DevStack:
         timeout: float = DEFAULT_STOP_TIMEOUT_S,
         purge: bool = False,
     ) -> bool:
-        """Stop both servers and forget them; True if a stack was recorded.
+        """Stop every server and forget them; True if a stack was recorded.
 
-        `purge` also deletes the state directory, including Redis's data.
+        `purge` also deletes the state directory, including Redis's and PostgreSQL's data.
         """
         state_dir = cls._resolve(state_dir)
         if not state_dir.exists():
             return False
         with _state_lock(state_dir):
-            records = cls._read_state(state_dir)
-            if records is not None:
-                cls._stop_records(records[:2], timeout)
+            state = cls._read_state(state_dir)
+            if state is not None:
+                cls._stop_records(state, timeout)
             (state_dir / STATE_FILE_NAME).unlink(missing_ok=True)
         if purge:
             shutil.rmtree(state_dir, ignore_errors=True)
-        return records is not None
+        return state is not None
 
     @classmethod
     def status(cls, state_dir: Path | None = None) -> DevStackInfo | None:
         """The recorded stack with live health checks, or None if none is recorded."""
         state_dir = cls._resolve(state_dir)
-        records = cls._read_state(state_dir)
-        return None if records is None else cls._info(state_dir, *records)
+        state = cls._read_state(state_dir)
+        return None if state is None else cls._info(state_dir, state)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -204,13 +244,30 @@ class DevStack:
     def _resolve(cls, state_dir: Path | None) -> Path:
         return (state_dir or cls.default_state_dir()).resolve()
 
+    @classmethod
+    def _add_postgres(cls, state_dir: Path, state: _State, timeout: float) -> DevStackInfo:
+        """PostgreSQL joins a healthy broker and Redis (a dead one is replaced, same port)."""
+        port = None
+        if state.postgres is not None:
+            cls._stop_records((state.postgres,), DEFAULT_STOP_TIMEOUT_S)
+            port = _reusable(state.postgres.port)
+        state = replace(state, postgres=_start_postgres(state_dir, port, timeout))
+        cls._write_state(state_dir, state)
+        return replace(cls._info(state_dir, state), postgres_started=True)
+
     @staticmethod
-    def _read_state(state_dir: Path) -> tuple[_ServerRecord, _ServerRecord, str] | None:
-        """(broker, redis, which broker); a state file from before `broker_kind` is Tansu."""
+    def _read_state(state_dir: Path) -> _State | None:
+        """The recorded stack; a state file from before `broker_kind` is Tansu's."""
         try:
             raw = json.loads((state_dir / STATE_FILE_NAME).read_text())
             kind = str(raw.get("broker_kind", DEFAULT_BROKER))
-            return _ServerRecord.load(raw["broker"]), _ServerRecord.load(raw["redis"]), kind
+            postgres = raw.get("postgres")
+            return _State(
+                _ServerRecord.load(raw["broker"]),
+                _ServerRecord.load(raw["redis"]),
+                kind,
+                _ServerRecord.load(postgres) if postgres is not None else None,
+            )
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -220,39 +277,43 @@ class DevStack:
             ) from error
 
     @staticmethod
-    def _write_state(
-        state_dir: Path, records: tuple[_ServerRecord, _ServerRecord], kind: str
-    ) -> None:
-        broker, redis_record = records
-        state = {
+    def _write_state(state_dir: Path, state: _State) -> None:
+        broker, redis_record = state.broker, state.redis
+        document: dict[str, object] = {
             "version": 2,
-            "broker_kind": kind,
+            "broker_kind": state.kind,
             "bootstrap": f"{LOOPBACK}:{broker.port}",
             "redis_url": f"redis://{LOOPBACK}:{redis_record.port}/0",
             "broker": asdict(broker),
             "redis": asdict(redis_record),
         }
+        if state.postgres is not None:
+            document["postgres_url"] = _postgres_url(state.postgres.port)
+            document["postgres"] = asdict(state.postgres)
         tmp = state_dir / f".{STATE_FILE_NAME}.tmp"
-        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.write_text(json.dumps(document, indent=2) + "\n")
         os.replace(tmp, state_dir / STATE_FILE_NAME)
 
     @staticmethod
-    def _stop_records(records: tuple[_ServerRecord, ...], timeout: float) -> None:
+    def _stop_records(records: _State | tuple[_ServerRecord, ...], timeout: float) -> None:
+        if isinstance(records, _State):
+            if records.postgres is not None:
+                # SIGINT is PostgreSQL's fast shutdown; SIGTERM would wait for every client.
+                process = records.postgres.process()
+                if process is not None:
+                    _terminate(process, timeout, signal.SIGINT)
+            records = (records.broker, records.redis)
         for record in records:
             process = record.process()
             if process is not None:
                 _terminate(process, timeout)
 
     @staticmethod
-    def _info(
-        state_dir: Path,
-        broker: _ServerRecord,
-        redis_record: _ServerRecord,
-        kind: str = DEFAULT_BROKER,
-    ) -> DevStackInfo:
+    def _info(state_dir: Path, state: _State) -> DevStackInfo:
+        broker, redis_record, kind = state.broker, state.redis, state.kind
         binary = Path(redis_record.binary)
         redis_server = RedisServer(state_dir / "redis", redis_record.port, binary=binary)
-        return DevStackInfo(
+        info = DevStackInfo(
             state_dir=state_dir,
             bootstrap=f"{LOOPBACK}:{broker.port}",
             redis_url=f"redis://{LOOPBACK}:{redis_record.port}/0",
@@ -265,6 +326,42 @@ class DevStack:
             redis_log=Path(redis_record.log),
             broker=kind,
         )
+        pg = state.postgres
+        if pg is None:
+            return info
+        server = _postgres_server(state_dir, pg.port, bin_dir=Path(pg.binary).parent)
+        return replace(
+            info,
+            postgres_url=_postgres_url(pg.port),
+            postgres_pid=pg.pid,
+            postgres_healthy=pg.process() is not None and server.probe_pid(pg.pid),
+            postgres_log=Path(pg.log),
+        )
+
+
+def bound_to_postgres(topics: dict[str, str]) -> bool:
+    """Whether these bindings need the embedded PostgreSQL (a handler with store="postgres")."""
+    from service.engine.registry import Registry
+
+    return Registry.from_settings(topics).uses_postgres
+
+
+def _postgres_url(port: int) -> str:
+    return f"postgresql://postgres@{LOOPBACK}:{port}/postgres"
+
+
+def _postgres_server(
+    state_dir: Path,
+    port: int,
+    timeout: float = DEFAULT_START_TIMEOUT_S,
+    bin_dir: Path | None = None,
+) -> PostgresServer:
+    return PostgresServer(state_dir / "postgres", port, bin_dir=bin_dir, start_timeout=timeout)
+
+
+def _start_postgres(state_dir: Path, port: int | None, timeout: float) -> _ServerRecord:
+    server = _postgres_server(state_dir, port or free_port(), timeout)
+    return _start_detached(server, timeout)
 
 
 def _broker_server(kind: str, state_dir: Path, port: int, timeout: float) -> ManagedServer:
@@ -294,6 +391,8 @@ def _broker_answers(kind: str, port: int) -> bool:
 def _start_detached(server: ManagedServer, timeout: float) -> _ServerRecord:
     """Start `server` in its own session with no tie to this process; return once it answers."""
     argv = server.command()
+    # posix_spawn searches no PATH: a wrapper such as setpriv (PostgreSQL as root) by path.
+    program = argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0]) or argv[0]
     log_fd = os.open(server.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     devnull_fd = os.open(os.devnull, os.O_RDONLY)
     previous_cwd = os.getcwd()
@@ -301,7 +400,7 @@ def _start_detached(server: ManagedServer, timeout: float) -> _ServerRecord:
         os.chdir(server.work_dir)  # posix_spawn has no cwd parameter before Python 3.13
         # No Popen: nothing warns "subprocess still running" when this process moves on.
         pid = os.posix_spawn(
-            argv[0],
+            program,
             argv,
             server.env(),
             file_actions=[
@@ -321,7 +420,9 @@ def _start_detached(server: ManagedServer, timeout: float) -> _ServerRecord:
     )
     deadline = time.monotonic() + timeout
     while not server.probe_pid(pid):
-        reason = None if record.process() is not None else "process exited before it was ready"
+        # Alive, not `record.process()`: a wrapper may not have exec'd the server binary yet.
+        alive = process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        reason = None if alive else "process exited before it was ready"
         if reason is None and time.monotonic() >= deadline:
             reason = f"not ready after {timeout:.1f}s"
         if reason is not None:
@@ -333,10 +434,12 @@ def _start_detached(server: ManagedServer, timeout: float) -> _ServerRecord:
     return record
 
 
-def _terminate(process: psutil.Process, timeout: float) -> None:
-    """SIGTERM, SIGKILL after `timeout`; psutil refuses a pid that now names another process."""
+def _terminate(
+    process: psutil.Process, timeout: float, sig: signal.Signals = signal.SIGTERM
+) -> None:
+    """`sig`, SIGKILL after `timeout`; psutil refuses a pid that now names another process."""
     with contextlib.suppress(psutil.NoSuchProcess):
-        process.terminate()
+        process.send_signal(sig)
         try:
             process.wait(timeout)
         except psutil.TimeoutExpired:
@@ -345,7 +448,10 @@ def _terminate(process: psutil.Process, timeout: float) -> None:
 
 
 def _reusable(port: int) -> int | None:
+    """`port` if nothing listens on it. SO_REUSEADDR as the servers set it: connections of
+    a killed server left in TIME_WAIT do not keep its successor off the port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((LOOPBACK, port))
         except OSError:

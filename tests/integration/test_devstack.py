@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
+import psycopg
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -303,6 +304,80 @@ def test_devstack_down_ignores_a_recycled_pid(state_dir: Path) -> None:
         if pid_exists(info.broker_pid):
             os.kill(info.broker_pid, signal.SIGKILL)
             os.waitpid(info.broker_pid, 0)
+
+
+def test_devstack_postgres_joins_restarts_and_stops_with_the_stack(state_dir: Path) -> None:
+    """`dev up` for a postgres project: PostgreSQL joins a running stack (broker and Redis
+    untouched), is healed on its port after a crash, keeps its data across down/up."""
+    plain = DevStack.up(state_dir)
+    assert plain.postgres_url is None and plain.healthy
+
+    info = DevStack.up(state_dir, postgres=True)
+    assert info.postgres_started and not info.started
+    assert (info.broker_pid, info.redis_pid) == (plain.broker_pid, plain.redis_pid)
+    assert info.healthy and info.postgres_url is not None and info.postgres_pid is not None
+    state = json.loads((state_dir / "state.json").read_text())
+    assert state["postgres"]["pid"] == info.postgres_pid
+    assert state["postgres_url"] == info.postgres_url
+    with psycopg.connect(info.postgres_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE kept (v text); INSERT INTO kept VALUES ('yes')")
+        assert conn.execute("SHOW fsync").fetchone() == ("on",)
+
+    again = DevStack.up(state_dir)  # recorded: kept, whatever `postgres` says
+    assert again.postgres_pid == info.postgres_pid and not again.postgres_started
+
+    os.kill(info.postgres_pid, signal.SIGKILL)
+    wait_until(
+        lambda: (s := DevStack.status(state_dir)) is not None and not s.healthy,
+        timeout=10,
+        message="status() still reports a SIGKILLed PostgreSQL as healthy",
+    )
+    healed = DevStack.up(state_dir)
+    assert healed.healthy and healed.postgres_pid != info.postgres_pid
+    assert healed.postgres_url == info.postgres_url
+    assert healed.broker_pid == info.broker_pid
+
+    assert DevStack.down(state_dir) is True
+    assert healed.postgres_pid is not None and not pid_exists(healed.postgres_pid)
+    assert servers_under(state_dir) == []
+
+    back = DevStack.up(state_dir, postgres=True)
+    assert back.postgres_url is not None
+    with psycopg.connect(back.postgres_url) as conn:
+        assert conn.execute("SELECT v FROM kept").fetchall() == [("yes",)]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_dev_up_starts_postgres_when_the_bindings_need_it(state_dir: Path) -> None:
+    """`service dev up|status|down` on the CLI: PostgreSQL only for a postgres binding."""
+    plain = run_cli("dev", "up", "--state-dir", str(state_dir))
+    assert plain.returncode == 0, plain.stderr
+    assert "POSTGRES" not in plain.stdout, plain.stdout
+
+    purchases = {"WORKER_TOPICS": '{"purchases": "payments"}'}
+    up = run_cli("dev", "up", "--state-dir", str(state_dir), env=purchases)
+    assert up.returncode == 0, up.stderr
+    exported = re.search(r"export WORKER_POSTGRES__URL=(\S+)", up.stdout)
+    assert exported is not None, up.stdout
+    with psycopg.connect(exported[1]) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+    status = run_cli("dev", "status", "--state-dir", str(state_dir))
+    assert status.returncode == 0, status.stdout
+    assert f"PostgreSQL {exported[1]} up" in status.stdout, status.stdout
+
+    down = run_cli("dev", "down", "--state-dir", str(state_dir))
+    assert down.returncode == 0 and "stopped" in down.stdout, down.stdout
+    assert servers_under(state_dir) == []
 
 
 def test_servers_as_context_managers_stop_on_exit(tmp_path: Path) -> None:
