@@ -7,7 +7,8 @@
 #
 # Configuration comes only from WORKER_* environment variables (docs/contracts.md);
 # nothing is baked into the image but the health/metrics bind address (below). The default command is `service run`; pass
-# `retry-scheduler` as the command to run only the retry scheduler.
+# `retry-scheduler` as the command to run only the retry scheduler, `db migrate` to apply
+# the PostgreSQL effects store's migrations (compose's `migrate`, the k8s migration Job).
 #
 # Both stages use the same pinned base so the virtualenv built in the first one
 # (which records the interpreter path /usr/local/bin/python3) works in the second.
@@ -32,17 +33,21 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 
 # Build the project's wheel (hatchling runs in pip's isolated build environment and
-# does not end up in /opt/venv), then install it with its runtime dependencies only:
-# no extras, so nothing from the `dev` or `devstack` groups reaches the image.
+# does not end up in /opt/venv), then install it with its runtime dependencies and the
+# `postgres` extra only (psycopg 3 with its own libpq, binary wheel: no apt packages), so
+# one image runs a project whose handlers keep their effects in PostgreSQL and
+# `service db migrate`; psycopg is imported only when such a handler is bound. Nothing from
+# the `dev` or `devstack` groups reaches the image. The engine's and the project's SQL
+# migrations travel inside the wheel (service/engine/sql/, service/migrations/).
 RUN pip wheel --no-deps --wheel-dir /wheels . \
- && pip install /wheels/payments_worker-*.whl \
+ && pip install "$(ls /wheels/payments_worker-*.whl)[postgres]" \
  && pip check
 
 ############################ runtime ############################
 FROM python:3.11.14-slim-bookworm AS runtime
 
 LABEL org.opencontainers.image.title="payments-worker" \
-      org.opencontainers.image.description="Reliable Kafka consumer: idempotent handlers, Redis retries, dead letters" \
+      org.opencontainers.image.description="Reliable Kafka consumer: idempotent handlers, Redis retries, dead letters, PostgreSQL effects" \
       org.opencontainers.image.licenses="Apache-2.0"
 
 # The worker's own default bind is loopback (a process on a laptop publishes nothing); in a

@@ -83,11 +83,14 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "worker_circuit_state": ("gauge", frozenset({"circuit"})),
     "worker_circuit_transitions_total": ("counter", frozenset({"circuit", "to"})),
     "worker_circuit_held_records": ("gauge", frozenset({"circuit"})),
+    "worker_postgres_transactions_total": ("counter", frozenset({"result"})),
+    "worker_postgres_commit_seconds": ("histogram", frozenset()),
 }
 # Closed label value sets (checked where a query matches a literal value).
 LABEL_VALUES = {
     "outcome": {"succeeded", "retry_scheduled", "dead_lettered", "duplicate"},
     "state": {"due", "inflight", "waiting"},
+    "result": {"committed", "failed"},
     "reason": {
         "malformed",
         "too_large",
