@@ -1,11 +1,12 @@
 """The postgres effects store: one transaction per wave, a savepoint and an inbox row per record.
 
 A handler declared ``store="postgres"`` does its own SQL on ``ctx.db``. The worker opens one
-transaction for the postgres records of a wave (``InboxStore.begin``) and, per record,
-sets a savepoint, inserts the record's inbox row (handler, dedupe key, fingerprint,
-coordinates, attempt) and runs the handler. A handler failure rolls back to its savepoint
-alone; its wave-mates stay in. The wave commits once (one WAL flush for the batch) before
-the Redis FINISH marks the keys done, and the offsets complete only after both.
+transaction for the postgres records of a wave (``InboxStore.begin``), inserts their inbox
+rows (handler, dedupe key, fingerprint, coordinates, attempt) in one statement and, per
+record, sets a savepoint and runs the handler. A handler failure rolls back to its savepoint
+and deletes its inbox row; its wave-mates stay in. The wave commits once (one WAL flush for
+the batch) before the Redis FINISH marks the keys done, and the offsets complete only after
+both.
 
 The inbox row is the authority on "done": a crash after the commit and before FINISH
 leaves the Redis claim to expire, and the redelivery finds the row (a duplicate). An
@@ -23,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from service.engine.errors import ConfigurationError, PermanentError
@@ -36,12 +38,17 @@ log = logging.getLogger(__name__)
 
 INBOX = "kafka_inbox"
 SAVEPOINT = "record"
-_INSERT = (
+_INSERT_MANY = (
     f"INSERT INTO {INBOX} (handler, dedupe_key, fingerprint, topic, partition, record_offset, "
-    "attempt) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (handler, dedupe_key) DO NOTHING "
-    "RETURNING 1"
+    "attempt) SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::int[], "
+    "%s::bigint[], %s::int[]) ON CONFLICT (handler, dedupe_key) DO NOTHING "
+    "RETURNING handler, dedupe_key"
 )
-_EXISTING = f"SELECT fingerprint FROM {INBOX} WHERE handler = %s AND dedupe_key = %s"
+_EXISTING_MANY = (
+    f"SELECT i.handler, i.dedupe_key, i.fingerprint FROM {INBOX} i "
+    "JOIN unnest(%s::text[], %s::text[]) AS w(handler, dedupe_key) USING (handler, dedupe_key)"
+)
+_DELETE = f"DELETE FROM {INBOX} WHERE handler = %s AND dedupe_key = %s"
 INSTALL_HINT = "pip install '.[postgres]'"
 STALL = "postgres"  # the stall's cause while PostgreSQL does not answer
 
@@ -118,53 +125,67 @@ def is_connection_error(exc: BaseException) -> bool:
     ) and not isinstance(exc, psycopg.errors.QueryCanceled)
 
 
-class WaveTransaction:
-    """The open transaction of one wave's postgres records, on one pooled connection."""
+@dataclass(frozen=True, slots=True)
+class InboxRow:
+    """One record's inbox row, as the wave inserts it."""
 
-    def __init__(self, conn: AsyncConnection[Any], pipelined: bool = True) -> None:
+    handler: str
+    dedupe_key: str
+    fingerprint: str
+    topic: str
+    partition: int
+    offset: int
+    attempt: int
+
+
+class WaveTransaction:
+    """The open transaction of one wave's postgres records, on one pooled connection.
+
+    Round trips per record are what a wave costs (psycopg's CPU per ``execute`` dominates,
+    docs/performance.md), so: one INSERT of every inbox row of the wave (``insert_rows``),
+    then per record one simple query (the last record's RELEASE and this one's SAVEPOINT)
+    before its handler. A record that fails is rolled back to its savepoint and its inbox
+    row deleted (the row was inserted before its savepoint), in one more round trip.
+    """
+
+    def __init__(self, conn: AsyncConnection[Any]) -> None:
         self.conn = conn
         self.broken: BaseException | None = None  # set once the connection failed
         self.members = 0  # savepoints released into it: records whose rows it holds
-        # The last record's RELEASE, sent with the next record's SAVEPOINT and INSERT in
-        # one round trip (a RELEASE on a transaction that is not aborted cannot fail; COMMIT
-        # releases it anyway). libpq's pipeline mode where available.
+        # The last record's RELEASE, sent with the next record's SAVEPOINT (a RELEASE on a
+        # transaction that is not aborted cannot fail; COMMIT releases it anyway).
         self._release_pending = False
-        self._pipelined = pipelined
 
-    async def enter(
-        self,
-        handler: str,
-        dedupe_key: str,
-        fingerprint: str,
-        coordinates: tuple[str, int, int],
-        attempt: int,
-    ) -> tuple[Verdict, str]:
-        """Open the record's savepoint and insert its inbox row; the verdict and the stored
-        fingerprint (for a conflict's message)."""
-        topic, partition, offset = coordinates
-        params = (handler, dedupe_key, fingerprint, topic, partition, offset, attempt)
-        if self._pipelined:
-            async with self.conn.pipeline():
-                if self._release_pending:
-                    await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
-                await self.conn.execute(f"SAVEPOINT {SAVEPOINT}")
-                cur = await self.conn.execute(_INSERT, params)
+    async def insert_rows(self, rows: list[InboxRow]) -> dict[tuple[str, str], tuple[Verdict, str]]:
+        """Insert the wave's inbox rows; per (handler, dedupe key) the verdict and the stored
+        fingerprint. An existing row is committed: ON CONFLICT waits for any transaction
+        writing the same key, and the claims keep one delivery per key in a wave."""
+        if not rows:
+            return {}
+        cur = await self.conn.execute(_INSERT_MANY, _columns(rows))
+        verdicts: dict[tuple[str, str], tuple[Verdict, str]] = {
+            (str(h), str(k)): (Verdict.NEW, "") for h, k in await cur.fetchall()
+        }
+        missing = [r for r in rows if (r.handler, r.dedupe_key) not in verdicts]
+        if missing:
+            cur = await self.conn.execute(
+                _EXISTING_MANY,
+                ([r.handler for r in missing], [r.dedupe_key for r in missing]),
+            )
+            stored = {(str(h), str(k)): str(fp) for h, k, fp in await cur.fetchall()}
+            for r in missing:
+                fp = stored.get((r.handler, r.dedupe_key), "")
+                verdict = Verdict.DUPLICATE if fp == r.fingerprint else Verdict.CONFLICT
+                verdicts[(r.handler, r.dedupe_key)] = (verdict, fp)
+        return verdicts
+
+    async def enter(self) -> None:
+        """Open the record's savepoint (releasing the last record's), one round trip."""
+        if self._release_pending:
+            await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}; SAVEPOINT {SAVEPOINT}")
         else:
-            if self._release_pending:
-                await self.conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
             await self.conn.execute(f"SAVEPOINT {SAVEPOINT}")
-            cur = await self.conn.execute(_INSERT, params)
         self._release_pending = False
-        if await cur.fetchone() is not None:
-            return Verdict.NEW, fingerprint
-        # Its row exists (committed: ON CONFLICT waited for any transaction writing it).
-        cur = await self.conn.execute(_EXISTING, (handler, dedupe_key))
-        row = await cur.fetchone()
-        stored = str(row[0]) if row else ""
-        await self.rollback()  # nothing of this record stays in the transaction
-        if stored == fingerprint:
-            return Verdict.DUPLICATE, stored
-        return Verdict.CONFLICT, stored
 
     @contextmanager
     def handler_running(self) -> Iterator[None]:
@@ -190,10 +211,27 @@ class WaveTransaction:
         self._release_pending = True  # sent with the next record's savepoint, or COMMIT
         self.members += 1
 
-    async def rollback(self) -> None:
-        """Undo the record's work (its inbox row included), keep its wave-mates'."""
-        # One simple query, one round trip (no parameters, so both statements go at once).
+    async def rollback(self, row: InboxRow) -> None:
+        """Undo the record's work and its inbox row; its wave-mates' stay."""
+        # One simple query (no parameters, so both statements go at once).
         await self.conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}; RELEASE SAVEPOINT {SAVEPOINT}")
+        await self.forget(row)
+
+    async def forget(self, row: InboxRow) -> None:
+        """Delete a row this transaction inserted for a record that will not run now."""
+        await self.conn.execute(_DELETE, (row.handler, row.dedupe_key))
+
+
+def _columns(rows: list[InboxRow]) -> tuple[list[Any], ...]:
+    return (
+        [r.handler for r in rows],
+        [r.dedupe_key for r in rows],
+        [r.fingerprint for r in rows],
+        [r.topic for r in rows],
+        [r.partition for r in rows],
+        [r.offset for r in rows],
+        [r.attempt for r in rows],
+    )
 
 
 class InboxStore:
@@ -244,7 +282,7 @@ class InboxStore:
             conn = await conn_cm.__aenter__()
         except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
             raise StoreUnavailable(f"no PostgreSQL connection: {exc}") from exc
-        tx = WaveTransaction(conn, pipelined=psycopg.Pipeline.is_supported())
+        tx = WaveTransaction(conn)
         try:
             yield tx
         finally:

@@ -1,10 +1,12 @@
 """A wave's postgres records through their handlers: one transaction, a savepoint each.
 
 Called by processing.py in place of the handler runners for handlers declared
-``store="postgres"``; the transaction itself is ``inbox.py``'s. Per record, in offset order
-on the wave's one connection: stretch its leases, open its savepoint with its inbox row,
-run the handler on ``ctx.db`` under its timeout, release the savepoint (or roll back to it
-on failure: the record's decision is made as for any handler, its wave-mates unharmed).
+``store="postgres"``; the transaction itself is ``inbox.py``'s. First the inbox rows of the
+whole wave in one INSERT (an existing row: a duplicate, or a conflict). Then per record, in
+offset order on the wave's one connection: stretch its leases, open its savepoint, run the
+handler on ``ctx.db`` under its timeout, release the savepoint (or roll back to it and delete
+its inbox row on failure: the record's decision is made as for any handler, its wave-mates
+unharmed).
 Then one commit. Only a committed record goes on to FINISH as succeeded (or duplicate);
 when the connection or the commit fails, every record still waiting on it is a retryable
 failure (counted by its circuit breaker, so an outage opens the circuit and holds records
@@ -31,7 +33,14 @@ from service.engine.breaker import Breakers
 from service.engine.context import Context
 from service.engine.decisions import Decisions
 from service.engine.errors import RetryableError
-from service.engine.inbox import STALL, InboxStore, StoreUnavailable, Verdict, WaveTransaction
+from service.engine.inbox import (
+    STALL,
+    InboxRow,
+    InboxStore,
+    StoreUnavailable,
+    Verdict,
+    WaveTransaction,
+)
 from service.engine.inbox import is_connection_error as _is_connection_error
 from service.engine.jobs import Job, log_fields
 from service.engine.metrics import Metrics
@@ -90,10 +99,14 @@ class PostgresWaves:
                 await tx.conn.execute(
                     f"SET LOCAL statement_timeout = {int(limit * 1000)}"  # a hung query ends
                 )
+                rows = {id(job): _row(job) for job in jobs}
+                verdicts = await tx.insert_rows(list(rows.values()))
                 for job in jobs:
                     if tx.broken is not None:
                         break
-                    if await self._one(tx, job):
+                    row = rows[id(job)]
+                    verdict, stored = verdicts[(row.handler, row.dedupe_key)]
+                    if await self._one(tx, job, row, verdict, stored):
                         waiting.append(job)
                 if tx.broken is not None:
                     raise tx.broken
@@ -118,24 +131,12 @@ class PostgresWaves:
         for job in waiting:
             job.committed = True
 
-    async def _one(self, tx: WaveTransaction, job: Job) -> bool:
+    async def _one(
+        self, tx: WaveTransaction, job: Job, row: InboxRow, verdict: Verdict, stored: str
+    ) -> bool:
         """One record in its savepoint; True when its work (or its duplicate) awaits commit."""
         assert job.handler is not None and job.payload is not None
         limit_s = self._timeout_of(job)
-        if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
-            return False  # parked: its claim or retry lease was lost before it started
-        d = job.delivery
-        try:
-            verdict, stored = await tx.enter(
-                job.name,
-                job.dedupe_key or "",
-                job.fingerprint,
-                (d.topic, d.partition, d.offset),
-                d.attempt,
-            )
-        except Exception as exc:
-            tx.broken = exc
-            return False
         if verdict is Verdict.DUPLICATE:
             job.inbox_duplicate = True
             return True  # FINISH still marks the key done and drops a retry item
@@ -149,6 +150,14 @@ class PostgresWaves:
                 f"dedupe key {job.dedupe_key!r} was already committed in PostgreSQL for a "
                 f"different payload (inbox fingerprint {stored[:16]}…)",
             )
+            return False
+        try:
+            if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
+                await tx.forget(row)  # parked: its claim or retry lease was lost meanwhile
+                return False
+            await tx.enter()
+        except Exception as exc:
+            tx.broken = exc
             return False
         ctx = self._context_of(job)
         ctx.db = tx.conn
@@ -181,7 +190,7 @@ class PostgresWaves:
             except Exception as exc:  # e.g. the handler swallowed an SQL error: aborted
                 error = exc
         try:
-            await tx.rollback()
+            await tx.rollback(row)
         except Exception as exc:
             tx.broken = exc
         if tx.broken is not None or _is_connection_error(error):
@@ -204,6 +213,13 @@ class PostgresWaves:
                 job.inbox_duplicate = False
                 breaker: Any = self._breakers.for_handler(job.name)
                 self._decisions.handler_failed(job, error, breaker=breaker)
+
+
+def _row(job: Job) -> InboxRow:
+    d = job.delivery
+    return InboxRow(
+        job.name, job.dedupe_key or "", job.fingerprint, d.topic, d.partition, d.offset, d.attempt
+    )
 
 
 def _crash_after_commit(committed: list[Job]) -> None:
