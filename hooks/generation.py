@@ -45,6 +45,10 @@ OPTIONAL_TESTS = {
 # The worked example every project keeps (make run, the integration tests use it).
 EXAMPLE_HANDLER = "payments"
 EXAMPLE_MODEL = "PaymentSucceeded"
+# The same example keeping its grants in PostgreSQL (service/handlers/purchases.py: same
+# model, same dedupe key); the answer effects_store=postgres binds it instead.
+POSTGRES_EXAMPLE = "purchases"
+EXAMPLES = {"redis": EXAMPLE_HANDLER, "postgres": POSTGRES_EXAMPLE}
 # deploy/README.md's test record for a scaffolded first handler: its model's one required
 # field (service/dev/scaffold.py); tests/template/test_own_names.py runs it through it.
 SCAFFOLD_SAMPLE_ID = "evt_1"
@@ -66,6 +70,7 @@ class Answers:
     python: str
     include_k8s: bool
     include_pipeline: bool
+    effects_store: str = "redis"
     first_handler: str = EXAMPLE_HANDLER
     first_model: str = EXAMPLE_MODEL
     topics: tuple[tuple[str, str], ...] = ((EXAMPLE_HANDLER, "payments"),)
@@ -81,7 +86,13 @@ class Answers:
             python=context["python_version"],
             include_k8s=context["include_k8s"] == "yes",
             include_pipeline=context["include_pipeline"] == "yes",
+            effects_store=context["effects_store"],
         )
+
+    @property
+    def example(self) -> str:
+        """The example handler this project binds where it binds one."""
+        return EXAMPLES[self.effects_store]
 
     @property
     def wheel(self) -> str:
@@ -92,6 +103,27 @@ class Answers:
     def topics_json(self) -> str:
         """WORKER_TOPICS as the deploy files spell it."""
         return json.dumps(dict(self.topics))
+
+    @property
+    def base_topics_json(self) -> str:
+        """WORKER_TOPICS of the base deploy files, which need no database: the example on
+        its Redis twin (``payments``), every other binding as service/project.py has it."""
+        return self._topics_with_example(EXAMPLE_HANDLER)
+
+    @property
+    def postgres_topics_json(self) -> str:
+        """WORKER_TOPICS of the deploy files' postgres overlays: the example on its
+        PostgreSQL twin (``purchases``), every other binding as it is."""
+        return self._topics_with_example(POSTGRES_EXAMPLE)
+
+    def _topics_with_example(self, example: str) -> str:
+        twins = set(EXAMPLES.values())
+        return json.dumps({example if n in twins else n: t for n, t in self.topics})
+
+    @property
+    def deploy_first_handler(self) -> str:
+        """The first topic's handler in the base deploy files (the example's Redis twin)."""
+        return EXAMPLE_HANDLER if self.first_handler in EXAMPLES.values() else self.first_handler
 
     @property
     def python_regex(self) -> str:
@@ -165,8 +197,12 @@ def _topics_json(a: Answers, old: str) -> str:
     return a.topics_json
 
 
-def _first_handler(a: Answers, old: str) -> str:
-    return a.first_handler
+def _base_topics_json(a: Answers, old: str) -> str:
+    return a.base_topics_json
+
+
+def _postgres_topics_json(a: Answers, old: str) -> str:
+    return a.postgres_topics_json
 
 
 def _first_model(a: Answers, old: str) -> str:
@@ -175,16 +211,20 @@ def _first_model(a: Answers, old: str) -> str:
 
 def _sample_record(a: Answers, old: str) -> str:
     """A record the first topic's handler accepts, as ``key|value`` for the console producer."""
-    if a.first_handler == EXAMPLE_HANDLER:
+    if a.deploy_first_handler == EXAMPLE_HANDLER:
         return old
     return f"{SCAFFOLD_SAMPLE_ID}|{json.dumps({'event_id': SCAFFOLD_SAMPLE_ID})}"
 
 
 def _sample_effect(a: Answers, old: str) -> str:
     """The redis-cli command that shows the sample record's effect: the key its handler writes."""
-    if a.first_handler == EXAMPLE_HANDLER:
+    if a.deploy_first_handler == EXAMPLE_HANDLER:
         return f"XRANGE {a.prefix}:ledger:purchases - +"
     return f"HGETALL {a.prefix}:{a.first_handler}:{SCAFFOLD_SAMPLE_ID}"
+
+
+def _deploy_first_handler(a: Answers, old: str) -> str:
+    return a.deploy_first_handler
 
 
 def _part_of(a: Answers, old: str) -> str:
@@ -218,6 +258,7 @@ NAME_TOKEN = _token(NAME)
 NAME_ANYWHERE = r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?![A-Za-z0-9_])"
 OUTCOMES = r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?=\.outcomes\b)"
 TOPICS_LITERAL = r"(?P<old>\{\"payments\": \"payments\"\})"
+POSTGRES_TOPICS_LITERAL = r"(?P<old>\{\"purchases\": \"payments\"\})"
 
 # Where sites overlap the first one listed wins: the specific ones come before the
 # generic project name at the end.
@@ -246,7 +287,7 @@ SITES: tuple[Site, ...] = (
     # deploy/README.md's test record: produced to the first topic, so it is one that
     # topic's handler accepts, and the effect shown is the one that handler writes.
     Site(DEPLOY_README, r"payload model: `(?P<old>PaymentSucceeded)`", _first_model, True),
-    Site(DEPLOY_README, r"`service/handlers/(?P<old>payments)\.py`", _first_handler, True),
+    Site(DEPLOY_README, r"`service/handlers/(?P<old>payments)\.py`", _deploy_first_handler, True),
     Site(DEPLOY_README, r"^(?P<old>pay_1\|\{\"payment_id\".*)$", _sample_record, True),
     Site(
         DEPLOY_README, r"redis-cli (?P<old>XRANGE \S+:ledger:purchases - \+)", _sample_effect, True
@@ -256,7 +297,10 @@ SITES: tuple[Site, ...] = (
     Site(PIPELINE, r"key_prefix: str = \"(?P<old>payments-worker)\"", _prefix),
     Site(PIPELINE, r"KEY_PREFIX\"[^\]]*\]\s*=\s*\"(?P<old>payments-worker)\"", _prefix),
     # The topic bindings and the first topic.
-    Site(YAML, r"WORKER_TOPICS:\s*'" + TOPICS_LITERAL + "'", _topics_json, required=True),
+    # The base deploy files run the example on Redis, the postgres overlays (compose,
+    # deploy/k8s/postgres) on PostgreSQL, whichever twin service/project.py binds.
+    Site(YAML, r"WORKER_TOPICS:\s*'" + TOPICS_LITERAL + "'", _base_topics_json, required=True),
+    Site(YAML, r"WORKER_TOPICS:\s*'" + POSTGRES_TOPICS_LITERAL + "'", _postgres_topics_json, True),
     Site(DOCS, r"WORKER_TOPICS \|[^|\n]*\| " + TOPICS_LITERAL, _topics_json),
     Site(TESTS, r"topics == " + TOPICS_LITERAL, _topics_json),
     Site(COMPOSE, r"create (?P<old>payments)(?= \d| *\n)", _topic, required=True),
@@ -266,7 +310,7 @@ SITES: tuple[Site, ...] = (
     Site(DEPLOY, r"`(?P<old>payments)(?=(\.dlq)?`)", _topic),
     Site(DEPLOY, r"--topic (?P<old>payments)(?![\w.-])", _topic),
     Site(TESTS, r"PAYMENTS_TOPIC = \"(?P<old>payments)\"", _topic),
-    Site(TESTS, r"topics == \{\"(?P<old>payments)\": PAYMENTS_TOPIC\}", _first_handler),
+    Site(TESTS, r"topics == \{\"(?P<old>payments)\": PAYMENTS_TOPIC\}", _deploy_first_handler),
     # A Maven project that fetches development servers' jars (its name, wherever it lives).
     Site(POMS, r"<groupId>local\.(?P<old>payments-worker)</groupId>", _slug),
     # Everything else that names the project: Kubernetes names, labels, compose, Grafana.
@@ -327,12 +371,12 @@ def bind_first_topic(project: Path, answers: Answers) -> Answers:
     if answers.topic != DEFAULTS.topic:
         name = scaffold.handler_name_for_topic(answers.topic)
         if name == EXAMPLE_HANDLER:  # e.g. `Payments`: the example is the right handler
-            scaffold.bind(project, name, answers.topic)
+            scaffold.bind(project, answers.example, answers.topic)
         else:
             scaffold.new_handler(project, name, answers.topic)
     bindings: dict[str, str] = scaffold.read_bindings(project)
     first = next(n for n, t in bindings.items() if t == answers.topic)
-    model = EXAMPLE_MODEL if first == EXAMPLE_HANDLER else scaffold.model_name(first)
+    model = EXAMPLE_MODEL if first in EXAMPLES.values() else scaffold.model_name(first)
     return dataclasses.replace(
         answers, first_handler=first, first_model=model, topics=tuple(bindings.items())
     )

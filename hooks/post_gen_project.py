@@ -27,6 +27,7 @@ CONTEXT_JSON = r"""{{ {
     "python_version": cookiecutter.python_version,
     "include_k8s": cookiecutter.include_k8s,
     "include_pipeline": cookiecutter.include_pipeline,
+    "effects_store": cookiecutter.effects_store,
     "_repo_dir": cookiecutter.get("_repo_dir", "") | string,
     "_template": cookiecutter.get("_template", "") | string,
     "_commit": cookiecutter.get("_commit", "") | string,

@@ -33,6 +33,7 @@ ANSWERS_JSON = r"""{{ {
     "python_version": cookiecutter.python_version,
     "include_k8s": cookiecutter.include_k8s,
     "include_pipeline": cookiecutter.include_pipeline,
+    "effects_store": cookiecutter.effects_store,
 } | tojson }}"""
 # The answers as they were given, before cookiecutter rendered them (cookiecutter's own
 # copy, `_cookiecutter`; cruft passes none, and then only the rendered answers are checked).
@@ -138,6 +139,16 @@ def _yes_no(value: str) -> str | None:
     return None if value in {"yes", "no"} else f"{value!r}: answer yes or no"
 
 
+# Where the example keeps its grants: the handler "payments" (Redis) or "purchases" (PostgreSQL).
+EFFECTS_STORES = ("redis", "postgres")
+
+
+def _effects_store(value: str) -> str | None:
+    if value in EFFECTS_STORES:
+        return None
+    return f"{value!r}: answer {' or '.join(EFFECTS_STORES)} (where the example keeps its grants)"
+
+
 CHECKS: dict[str, Callable[[str], str | None]] = {
     "project_name": _text(100, empty_ok=False),
     "project_slug": _slug,
@@ -150,6 +161,7 @@ CHECKS: dict[str, Callable[[str], str | None]] = {
     "python_version": _python,
     "include_k8s": _yes_no,
     "include_pipeline": _yes_no,
+    "effects_store": _effects_store,
 }
 
 

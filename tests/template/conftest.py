@@ -9,7 +9,8 @@ import pytest
 from tests.template.support import generate
 
 # A new team's answers: spaces and capitals in the name, a slug with dashes, another topic
-# and group, and no Kubernetes manifests.
+# and group, no Kubernetes manifests, and the example's grants in PostgreSQL (bound to no
+# topic here: `make run` binds it for the demo).
 ORDERS = {
     "project_name": "Order Events Service",
     "project_slug": "order-events",
@@ -19,12 +20,15 @@ ORDERS = {
     "redis_key_prefix": "orders",
     "image_name": "ghcr.io/acme/order-events",
     "include_k8s": "no",
+    "effects_store": "postgres",
 }
-# The slug derived from the name, a topic whose handler name differs from it, a group id
-# that YAML would read as a number, and no Spark pipeline.
+# The slug derived from the name, a topic whose handler name is the example's although it
+# differs from it (so service/project.py binds the example to it: with effects_store=postgres
+# the handler "purchases"), a group id that YAML would read as a number, and no Spark pipeline.
 REFUNDS = {
     "project_name": "Refund Desk",
-    "first_topic": "Payments.Refunds-v2",
+    "first_topic": "Payments",
+    "effects_store": "postgres",
     "consumer_group": "2024",
     "redis_key_prefix": "rd",
     "image_name": "registry.example.org/team/refund-desk",

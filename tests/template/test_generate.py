@@ -190,24 +190,82 @@ def test_non_default_answers_are_applied(orders_project: Path) -> None:
     assert """WORKER_TOPICS: '{"orders_created": "orders.created"}'""" in compose
     assert "create orders.created 6" in compose and "create orders.created.dlq 1" in compose
     assert "create order-events.consumers.outcomes 6" in compose
+    # Both compose files keep the team's bindings (no example is bound to rebind).
+    overlay = (project / "deploy" / "docker-compose.postgres.yml").read_text()
+    assert overlay.count("""WORKER_TOPICS: '{"orders_created": "orders.created"}'""") == 2
     dockerfile = (project / "Dockerfile").read_text()
     assert "/wheels/order_events-*.whl" in dockerfile
     assert (project / "deploy/grafana/provisioning/dashboards/order-events.yml").is_file()
+
+
+def run_recipe(project: Path) -> list[str]:
+    return _make_targets((project / "Makefile").read_text())["run"][1:]
+
+
+def test_postgres_answer_without_the_example_topic(orders_project: Path) -> None:
+    """effects_store=postgres, first topic its own: the example stays unbound, and
+    `make run` binds its postgres twin for the demo, which then starts PostgreSQL."""
+    (recipe,) = run_recipe(orders_project)
+    binding = re.fullmatch(r"\tWORKER_TOPICS='(\{.*\})' \$\(BIN\)/service demo", recipe)
+    assert binding, recipe
+    chosen = project_python(
+        orders_project,
+        "-c",
+        "import json, sys; from service.dev.demo_grants import demo_example, uses_postgres; "
+        "e = demo_example(json.loads(sys.argv[1])); print(e, uses_postgres(e))",
+        binding[1],
+    )
+    assert chosen.returncode == 0, chosen.stderr
+    assert chosen.stdout.split() == ["purchases", "True"]
+    readme = (orders_project / "README.md").read_text()
+    assert "embedded broker, Redis and PostgreSQL" in readme
+    assert 'store="postgres"' in readme and "service db migrate" in readme
+
+
+def test_postgres_answer_changes_only_the_binding(default_project: Path, tmp_path: Path) -> None:
+    """Default answers but effects_store=postgres: service/project.py binds the example as
+    "purchases", and only the files naming the project's default bindings differ from the
+    repository; the deploy files run the Redis twin, their postgres overlays "purchases"."""
+    project = generate(tmp_path / "out", {"effects_store": "postgres"})
+    shared = shared_repository_files()
+    assert project_files(project, *generation.SHARED) == shared
+    differing = {f for f in shared if (ROOT / f).read_bytes() != (project / f).read_bytes()}
+    assert differing == {"service/project.py", "docs/contracts.md"}  # WORKER_TOPICS' default
+    contracts = (project / "docs" / "contracts.md").read_text()
+    assert '| WORKER_TOPICS | JSON object handler name -> topic | {"purchases": "payments"} |' in (
+        contracts
+    )
+    bound = project_python(
+        project, "-c", "from service.engine.settings import Settings; print(Settings().topics)"
+    )
+    assert bound.stdout.strip() == str({"purchases": "payments"}), bound.stderr
+    # make run needs no override here: service/project.py binds the example.
+    assert run_recipe(project) == run_recipe(default_project) == ["\t$(BIN)/service demo"]
+    assert "Redis and PostgreSQL" in (project / "README.md").read_text()
+    assert "PostgreSQL" not in (default_project / "README.md").read_text()
 
 
 def test_k8s_and_yaml_quoting(refunds_project: Path) -> None:
     project = refunds_project
     assert project.name == "refund-desk"  # derived from "Refund Desk"
     assert not leftovers(project, "service", "deploy", "Dockerfile", "pyproject.toml")
-    bindings = 'WORKER_TOPICS: \'{"payments_refunds_v2": "Payments.Refunds-v2"}\''
+    # The example on its Redis twin in the base ConfigMap, on its postgres twin (bound by
+    # service/project.py: effects_store=postgres) in the postgres component's.
+    bindings = 'WORKER_TOPICS: \'{"payments": "Payments"}\''
     configmap = (project / "deploy" / "k8s" / "configmap.yaml").read_text()
     assert bindings in configmap and 'WORKER_KAFKA__GROUP_ID: "2024"' in configmap
+    postgres = (project / "deploy/k8s/postgres/configmap-topics.yaml").read_text()
+    assert 'WORKER_TOPICS: \'{"purchases": "Payments"}\'' in postgres
+    bound = project_python(
+        project, "-c", "from service.engine.settings import Settings; print(Settings().topics)"
+    )
+    assert bound.stdout.strip() == str({"purchases": "Payments"}), bound.stderr
     # An unquoted YAML scalar that would read as a number gets quoted.
     assert 'WORKER_KAFKA__GROUP_ID: "2024"' in (project / "deploy/docker-compose.yml").read_text()
     deployment = (project / "deploy" / "k8s" / "deployment.yaml").read_text()
     assert "image: registry.example.org/team/refund-desk:0.1.0" in deployment
     keda = (project / "deploy" / "k8s" / "keda-scaledobject.yaml").read_text()
-    assert 'topic: "Payments.Refunds-v2"' in keda and 'consumerGroup: "2024"' in keda
+    assert 'topic: "Payments"' in keda and 'consumerGroup: "2024"' in keda
     assert "part-of: refund-desk" in (project / "deploy" / "k8s" / "namespace.yaml").read_text()
 
 
@@ -249,12 +307,18 @@ def test_generated_project_passes_its_own_tests(name: str, request: pytest.Fixtu
 
 @pytest.mark.integration
 def test_generated_project_runs_the_worker_end_to_end(orders_project: Path, tmp_path: Path) -> None:
-    """The integration smoke test, in a non-default project: real broker, real Redis."""
+    """The integration smoke test, in a non-default project (effects_store=postgres): real
+    broker, real Redis; and its postgres example's tests on a real PostgreSQL."""
     project = tmp_path / orders_project.name
     shutil.copytree(orders_project, project)  # the run writes state; keep the shared one clean
-    result = run_project_tests(project, "tests/integration/test_worker_run.py")
+    postgres_tests = project / "tests" / "integration" / "test_postgres_effects.py"
+    expected = len(re.findall(r"^async def test_|^def test_", postgres_tests.read_text(), re.M))
+    assert expected >= 4
+    result = run_project_tests(
+        project, "tests/integration/test_worker_run.py", str(postgres_tests.relative_to(project))
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "1 passed" in result.stdout
+    assert f"{1 + expected} passed" in result.stdout
 
 
 def test_scaffolded_handler_passes_in_a_generated_project(

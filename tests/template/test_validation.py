@@ -3,7 +3,10 @@ generation leaves nothing behind."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.engine import naming
-from tests.template.support import HOOKS, ROOT, load_module, repository_files, run_cookiecutter
+from tests.template.support import (
+    HOOKS,
+    ROOT,
+    clean_env,
+    cookiecutter_config,
+    load_module,
+    repository_files,
+    run_cookiecutter,
+)
 
 pre_gen = load_module(HOOKS / "pre_gen_project.py", "template_pre_gen")
 
@@ -27,6 +38,7 @@ VALID = {
     "python_version": "3.11",
     "include_k8s": "yes",
     "include_pipeline": "no",
+    "effects_store": "redis",
 }
 
 INVALID = [
@@ -59,6 +71,9 @@ INVALID = [
     ("project_name", " "),
     ("description", "two\nlines"),
     ("include_k8s", "maybe"),
+    ("effects_store", "mysql"),
+    ("effects_store", "Postgres"),
+    ("effects_store", ""),
 ]
 
 
@@ -82,6 +97,7 @@ def test_validation_names_the_field(field: str, value: str) -> None:
         ("image_name", "localhost:5000/order-events"),
         ("image_name", "registry.internal:5000/team/sub/order_events__x"),
         ("author", ""),
+        ("effects_store", "postgres"),
         ("project_name", "Ünïcode Service ✓"),
     ],
 )
@@ -154,4 +170,26 @@ def test_failed_post_generation_leaves_nothing(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "no longer contain these answer sites" in result.stderr
     assert "Dockerfile" in result.stderr and "wheels" in result.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_unknown_effects_store_is_refused_by_the_hook(tmp_path: Path) -> None:
+    """cookiecutter checks a choice only when it applies `key=value`; a replay file (or a
+    hand-edited .cruft.json) reaches the hook with any value, and the hook refuses it."""
+    replay = tmp_path / "replay" / "answers.json"
+    replay.parent.mkdir()
+    replay.write_text(json.dumps({"cookiecutter": {**VALID, "effects_store": "mysql"}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", str(ROOT), "--replay-file", str(replay)],
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=clean_env(COOKIECUTTER_CONFIG=str(cookiecutter_config(tmp_path))),
+    )
+    assert result.returncode != 0
+    assert "error: effects_store: 'mysql': answer redis or postgres" in result.stderr
     assert list(out.iterdir()) == []

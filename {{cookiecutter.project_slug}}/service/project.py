@@ -16,7 +16,9 @@ CONSUMER_GROUP = "{{ cookiecutter.consumer_group }}"
 REDIS_KEY_PREFIX = "{{ cookiecutter.redis_key_prefix }}"
 # Handler name -> the topic it consumes (WORKER_TOPICS replaces the whole mapping).
 TOPICS: dict[str, str] = {
-{%- if cookiecutter.first_topic == "payments" %}
+{%- if cookiecutter.first_topic == "payments" and cookiecutter.effects_store == "postgres" %}
+    "purchases": "payments",
+{%- elif cookiecutter.first_topic == "payments" %}
     "payments": "payments",
 {%- endif %}
 }
