@@ -114,6 +114,37 @@ def _key_fields(settings: Settings, declared: list[str]) -> dict[str, DedupeFiel
     return fields
 
 
+_GRANTS = ("auto", "redis", "postgres", "both")
+
+
+def _grant_stores(
+    settings: Settings, topics: list[str], wanted: str
+) -> tuple[str, tuple[str, ...]]:
+    """(store to read grants from, topics whose handlers keep them in PostgreSQL).
+
+    `auto` asks the handlers bound to the topics (`@handler(store=...)`): the Redis ledger
+    for redis handlers, the grants table for postgres ones, both for a mix.
+    """
+    from service.engine.errors import ConfigurationError
+    from service.engine.registry import Registry
+
+    if wanted not in _GRANTS:
+        raise typer.BadParameter(f"--grants must be one of {', '.join(_GRANTS)}, not {wanted!r}")
+    try:
+        registry = Registry.from_settings(settings.topics)
+    except ConfigurationError as exc:
+        err.print(f"[red]{exc}[/]", highlight=False)
+        raise typer.Exit(2) from None
+    on_postgres = tuple(
+        t for t in topics if (h := registry.for_topic(t)) is not None and h.store == "postgres"
+    )
+    if wanted != "auto":
+        return wanted, on_postgres if wanted == "both" else tuple(topics)
+    if not on_postgres:
+        return "redis", ()
+    return ("postgres" if len(on_postgres) == len(topics) else "both"), on_postgres
+
+
 def _kafka_options(settings: Settings) -> dict[str, str]:
     """The worker's Kafka security settings, as `kafka_py` options."""
     k = settings.kafka
@@ -186,7 +217,10 @@ def reconcile(
     ] = None,
     no_ledger: Annotated[
         bool,
-        typer.Option("--no-ledger", help="Do not read the ledger even if Redis is configured."),
+        typer.Option(
+            "--no-ledger",
+            help="Read no grants (Redis ledger or PostgreSQL table) even if configured.",
+        ),
     ] = False,
     ledger_stream: Annotated[
         str | None,
@@ -202,6 +236,27 @@ def reconcile(
             help="Topic whose grants the ledger records (repeatable). Default: every topic.",
         ),
     ] = None,
+    grants: Annotated[
+        str,
+        typer.Option(
+            envvar="PIPELINE_GRANTS",
+            help="Where the grants are: redis (the ledger stream), postgres (the grants table "
+            "and the inbox), both, or auto: the store of the handlers bound to the topics.",
+        ),
+    ] = "auto",
+    postgres_url: Annotated[
+        str | None,
+        typer.Option(
+            help="PostgreSQL holding the grants table and the inbox; skipped if unreachable. "
+            "Default: WORKER_POSTGRES__URL."
+        ),
+    ] = None,
+    grants_table: Annotated[
+        str,
+        typer.Option(
+            help="The postgres handlers' grants table (id, source, granted_at).",
+        ),
+    ] = "purchases",
     key_prefix: Annotated[
         str | None,
         typer.Option(
@@ -233,14 +288,16 @@ def reconcile(
         bool, typer.Option("--json", help="Print the report as JSON instead of tables.")
     ] = False,
 ) -> None:
-    """Reconcile source, outcomes, dead letters and ledger; exit 1 if anything is lost or
-    granted twice."""
+    """Reconcile source, outcomes, dead letters and grants (Redis ledger or PostgreSQL table);
+    exit 1 if anything is lost or granted twice."""
     from service.engine.errors import ConfigurationError
     from service.pipeline.reconcile import ReconcileConfig, print_report, run_reconcile
     from service.pipeline.spark import parse_conf
 
     settings = _worker_settings()
     topics = topic or list(settings.topics.values())
+    store, on_postgres = _grant_stores(settings, topics, grants)
+    configured_pg = settings.postgres.url.get_secret_value() if settings.postgres.url else None
     try:
         spark_conf = parse_conf(conf or [])
     except ValueError as exc:
@@ -258,6 +315,10 @@ def reconcile(
         key_prefix=key_prefix or settings.redis.key_prefix,
         ledger_key=ledger_stream,
         ledger_topics=tuple(ledger_topic) if ledger_topic else None,
+        grants="none" if no_ledger else store,
+        postgres_url=postgres_url or configured_pg,
+        grants_table=grants_table,
+        postgres_topics=on_postgres,
         stuck_after=parse_duration(stuck_after),
         as_of_ms=_as_of(as_of),
         grace_ms=int(parse_duration(grace).total_seconds() * 1000),
@@ -267,15 +328,15 @@ def reconcile(
     )
     try:  # before Spark starts: a topic no handler is bound to cannot be joined
         rc.key_fields()
+        rc.check_grants()
     except ConfigurationError as exc:
         err.print(f"[red]{exc}[/]", highlight=False)
         raise typer.Exit(2) from None
-    from pyspark.sql import SparkSession
-
     # Inside a process that already runs Spark (a notebook, the tests) reuse its session and
     # leave it running; --master then has no effect.
-    owned = SparkSession.getActiveSession() is None
-    spark = _session(master, spark_conf, f"{SERVICE_NAME}-reconcile", source)
+    running = _running_session()
+    owned = running is None
+    spark = running or _session(master, spark_conf, f"{SERVICE_NAME}-reconcile", source)
     try:
         report = run_reconcile(spark, rc)
         if chart is not None:
@@ -295,6 +356,22 @@ def reconcile(
         if chart is not None:
             Console().print(f"chart: {chart}")
     raise typer.Exit(report.exit_code)
+
+
+def _running_session() -> SparkSession | None:
+    """The session of a SparkContext this process already runs, else None.
+
+    Not just `getActiveSession()`: that is per JVM thread, and a caller whose session was
+    made active in another thread got None, so the command made "its own" session (the
+    running one, from getOrCreate) and stopped it when done, under its caller's feet.
+    """
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None or SparkContext._active_spark_context is None:
+        return active
+    return SparkSession.builder.getOrCreate()
 
 
 def _session(master: str | None, conf: dict[str, str], app_name: str, source: str) -> SparkSession:
@@ -439,11 +516,9 @@ def replay(
         err.print(f"[red]{exc}[/]", highlight=False)
         raise typer.Exit(2) from None
 
-    from pyspark.sql import SparkSession
-
     # Inside a process that already runs Spark (a notebook, the tests) use its session as it
     # is and leave it running; --master and --conf then have no effect.
-    active = SparkSession.getActiveSession()
+    active = _running_session()
     owned = active is None
     spark = active or _session(master, spark_conf, f"{SERVICE_NAME}-replay", _check_source(source))
     try:

@@ -3,14 +3,16 @@
 The worker's own metrics cannot answer that question: a record it never saw, or a grant it
 made twice, is by definition invisible to it. This job re-derives the truth from what the
 worker wrote (docs/contracts.md): the source topic(s), the outcomes topic, the dead-letter
-topic(s) and, when Redis is reachable, the ledger stream. Per payment (its dedupe key: the
-field that the handler bound to the topic names, read from the source record's JSON and from
-the ledger entry; for a handler that computes its key, the key the outcome events and dead
-letters carry for the record's coordinates) it decides one final state:
+topic(s) and, where readable, the grants: the Redis ledger stream, or for handlers of the
+PostgreSQL effects store the grants table with its inbox (postgres_grants.py). Per payment
+(its dedupe key: the field that the handler bound to the topic names, read from the source
+record's JSON and from the ledger entry; for a handler that computes its key, the key the
+outcome events and dead letters carry for the record's coordinates) it decides one final
+state:
 
 | state | meaning |
 | --- | --- |
-| granted | a ledger entry; without a ledger, a `succeeded` (or only a `duplicate`) outcome |
+| granted | a ledger entry (grant row); without one, a `succeeded` (or only a `duplicate`) outcome |
 | dead_lettered | a dead-letter record or `dead_lettered` outcome, and no grant |
 | retrying | `retry_scheduled` outcomes and nothing terminal yet (`stuck` when too long) |
 | pending | no outcome yet, but younger than the grace period (only with `grace_ms` > 0) |
@@ -22,8 +24,14 @@ readable it is the source of truth: a `succeeded` outcome with no ledger entry b
 are "malformed" entities named `@topic/partition/offset` and are matched to dead letters and
 outcomes by those source coordinates.
 
+Where the grants are (`ReconcileConfig.grants`): `redis`, the ledger stream; `postgres`, the
+grants table (the example's `purchases`) keyed by the inbox rows written with it; `both`
+for a service with handlers of each store, each store covering its own topics. Either way
+the grants become the same ledger rows, so the report is the same; the PostgreSQL store adds
+its inbox cross-checks (grant rows no inbox row vouches for, inbox rows without a grant).
+
 The heavy lifting is Spark DataFrame work (parse, groupBy, full outer joins); the driver only
-reads the ledger (a Redis stream, the grant log) and collects the small summary.
+reads the grant log (a Redis stream or a table) and collects the small summary.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from service.pipeline.kafka_reader import (
     offsets_to_json,
     resolve_ranges,
 )
+from service.pipeline.postgres_grants import PostgresGrants, read_postgres_grants
 from service.pipeline.source import DEFAULT_SOURCE, KAFKA_SCHEMA, read_topic
 
 if TYPE_CHECKING:
@@ -73,6 +82,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATES = ("granted", "dead_lettered", "retrying", "pending", "lost")
+GRANT_STORES = ("redis", "postgres", "both", "none")
 # The outcome fields reconcile reads (handler and worker are ignored: fewer fields, less parsing).
 OUTCOME_SCHEMA = (
     "event string, dedupe_key string, topic string, partition int, offset long, attempt int, "
@@ -144,7 +154,16 @@ class ReconcileConfig:
     empty (every `succeeded` then is a lost grant); the default one missing means "no ledger"
     (a service whose handlers keep none), logged as a warning."""
     ledger_topics: tuple[str, ...] | None = None
-    """Topics whose grants the ledger records; None means all of them."""
+    """Topics whose grants the ledger records; None means every topic a store read covers."""
+    grants: str = "redis"
+    """Where grants are read from: redis (the ledger stream), postgres (`grants_table` and
+    the inbox), both (postgres for `postgres_topics`, Redis for the others) or none."""
+    postgres_url: str | None = None
+    grants_table: str = "purchases"
+    """The postgres handlers' grants table: `id`, `source` (topic/partition/offset),
+    `granted_at`; the example's `purchases` (service/migrations/0001_purchases.sql)."""
+    postgres_topics: tuple[str, ...] | None = None
+    """Topics whose handlers keep their grants in PostgreSQL; None means all of them."""
     stuck_after: timedelta = timedelta(minutes=15)
     as_of_ms: int | None = None
     """Reference time for `stuck` and `pending`; None = the newest outcome's finished_at."""
@@ -163,6 +182,18 @@ class ReconcileConfig:
     @property
     def ledger_stream(self) -> str:
         return self.ledger_key or f"{self.key_prefix}:ledger:purchases"
+
+    def check_grants(self) -> None:
+        """A clear error for a grants store that cannot be read as configured."""
+        if self.grants not in GRANT_STORES:
+            raise ConfigurationError(
+                f"grants must be one of {', '.join(GRANT_STORES)}, not {self.grants!r}"
+            )
+        if self.grants in ("postgres", "both") and not self.postgres_url:
+            raise ConfigurationError(
+                "grants from PostgreSQL need its URL: set WORKER_POSTGRES__URL or pass "
+                "--postgres-url (or --grants redis)"
+            )
 
     def key_fields(self) -> dict[str, DedupeField]:
         """Each source topic's DedupeField; a clear error for a topic no handler is bound to."""
@@ -218,6 +249,16 @@ class ReconcileReport:
     """Seconds per phase (snapshot, ledger, outcomes, payments, summary), for tuning."""
     lost_grants: int = 0
     """Payments with a `succeeded` outcome but no ledger entry: the grant is gone (lost)."""
+    grants_store: str | None = None
+    """Which store's grants were read: redis, postgres, both; None when none was readable."""
+    inbox_rows: int | None = None
+    """PostgreSQL inbox rows of the reconciled topics (None: the inbox was not read)."""
+    grants_without_inbox: int = 0
+    """Grant rows no inbox row vouches for: written outside the worker's transaction."""
+    inbox_without_grant: int = 0
+    """Inbox rows (payments marked done) whose grant row is missing."""
+    grants_without_inbox_ids: list[str] = field(default_factory=list)
+    inbox_without_grant_keys: list[str] = field(default_factory=list)
 
     @property
     def ledger_available(self) -> bool:
@@ -711,11 +752,7 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
     outcomes_end = _snapshot(kafka, [rc.outcomes_topic], required=False)
     dlq_end = _snapshot(kafka, rc.dead_letter_topics, required=False)
     phase("snapshot")
-    ledger_rows = (
-        read_ledger(rc.redis_url, rc.ledger_stream, fields, must_exist=rc.ledger_key is not None)
-        if rc.redis_url
-        else None
-    )
+    ledger_rows, pg, store, ledger_topics = _read_grants(rc, fields)
     phase("ledger")
 
     cached = StorageLevel.MEMORY_AND_DISK
@@ -748,7 +785,7 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
             grace_ms=rc.grace_ms,
             broadcast_unkeyed=int(counts["unkeyed"]) <= BROADCAST_MAX_ROWS,
             keys_from_events=any(f.json is None for f in fields.values()),
-            ledger_topics=rc.ledger_topics,
+            ledger_topics=ledger_topics,
         )
         out = str(rc.out_dir)
         payments.write.mode("overwrite").parquet(f"{out}/payments")
@@ -768,10 +805,58 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
         unreadable_events=int(counts["all"]) - int(counts["readable"]),
     )
     phase("summary")
+    report.grants_store = store
+    if pg is not None:
+        report.inbox_rows = pg.inbox_rows
+        report.grants_without_inbox = pg.grants_without_inbox
+        report.inbox_without_grant = pg.inbox_without_grant
+        report.grants_without_inbox_ids = pg.grants_without_inbox_ids
+        report.inbox_without_grant_keys = pg.inbox_without_grant_keys
     report.timings = timings
     report.elapsed_s = round(time.monotonic() - started, 3)
     _write_summary(spark, report, out)
     return report
+
+
+def _read_grants(
+    rc: ReconcileConfig, fields: Mapping[str, DedupeField]
+) -> tuple[list[LedgerRow] | None, PostgresGrants | None, str | None, tuple[str, ...] | None]:
+    """The grants of every store `rc.grants` names, as ledger rows; the store(s) read; the
+    topics they cover (None: all), so a topic whose store was unreadable is not judged by it.
+
+    After the outcomes snapshot, like the Redis ledger: every grant a snapshotted record led
+    to is already committed when it is read.
+    """
+    rc.check_grants()
+    pg_topics = tuple(rc.postgres_topics) if rc.postgres_topics is not None else rc.topics
+    redis_topics = tuple(t for t in rc.topics if rc.grants == "redis" or t not in pg_topics)
+    redis_rows = pg = None
+    if rc.grants in ("redis", "both") and rc.redis_url and redis_topics:
+        redis_rows = read_ledger(
+            rc.redis_url, rc.ledger_stream, fields, must_exist=rc.ledger_key is not None
+        )
+    if rc.grants in ("postgres", "both") and rc.postgres_url and pg_topics:
+        pg = read_postgres_grants(
+            rc.postgres_url, rc.grants_table, pg_topics, max_listed=rc.max_listed
+        )
+    if redis_rows is None and pg is None:
+        return None, None, None, rc.ledger_topics
+    covered: list[str] = []
+    if redis_rows is not None:
+        covered.extend(redis_topics)
+    if pg is not None:
+        covered.extend(pg_topics)
+    store = (
+        "both"
+        if redis_rows is not None and pg is not None
+        else "redis"
+        if pg is None
+        else "postgres"
+    )
+    rows = [*(redis_rows or ()), *(pg.rows if pg is not None else ())]
+    if rc.ledger_topics is not None:
+        return rows, pg, store, rc.ledger_topics
+    return rows, pg, store, None if set(rc.topics) <= set(covered) else tuple(covered)
 
 
 def _exists(config: KafkaConfig, topic: str) -> bool:
@@ -892,7 +977,14 @@ def _write_summary(spark: SparkSession, report: ReconcileReport, out: str) -> No
     row = {
         k: v
         for k, v in report.to_dict().items()
-        if k not in {"lost_keys", "doubled_keys", "stuck_keys"}
+        if k
+        not in {
+            "lost_keys",
+            "doubled_keys",
+            "stuck_keys",
+            "grants_without_inbox_ids",
+            "inbox_without_grant_keys",
+        }
     }
     flat = {k: (json.dumps(v) if isinstance(v, dict | list) else v) for k, v in row.items()}
     schema = ", ".join(f"`{k}` {_spark_type(v)}" for k, v in flat.items())
@@ -947,6 +1039,21 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
         ("source records with no outcome", report.records_without_outcome, [], False),
         ("unreadable outcome records", report.unreadable_events, [], False),
     ]
+    if report.inbox_rows is not None:  # the PostgreSQL store's own cross-checks
+        rows += [
+            (
+                "grant rows with no inbox row",
+                report.grants_without_inbox,
+                report.grants_without_inbox_ids,
+                False,
+            ),
+            (
+                "inbox rows with no grant row",
+                report.inbox_without_grant,
+                report.inbox_without_grant_keys,
+                False,
+            ),
+        ]
     for name, count, examples, fatal in rows:
         style = ("red" if fatal else "yellow") if count else "green"
         shown = ", ".join(examples[:listed]) + (" ..." if len(examples) > listed else "")
@@ -980,7 +1087,8 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
     inputs.add_column("source records", justify="right")
     inputs.add_column("outcome events", justify="right")
     inputs.add_column("dead letters", justify="right")
-    inputs.add_column("ledger entries", justify="right")
+    inputs.add_column("grants", justify="right")
+    inputs.add_column("from", justify="right")
     inputs.add_column("as of (ms)", justify="right")
     inputs.add_column("seconds", justify="right")
     inputs.add_row(
@@ -988,6 +1096,7 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
         f"{report.outcome_events:,}",
         f"{report.dead_letters:,}",
         "not read" if report.ledger_entries is None else f"{report.ledger_entries:,}",
+        report.grants_store or "-",
         str(report.as_of_ms),
         f"{report.elapsed_s:.1f}",
     )
