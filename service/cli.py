@@ -142,6 +142,7 @@ def check_config() -> None:
     try:
         registry = Registry.from_settings(settings.topics)  # the handlers `run` would bind
         breakers = Breakers(registry, settings.breaker)
+        registry.check_stores(settings.postgres.url is not None)
     except ConfigurationError as exc:
         raise _refuse(exc) from None
     handlers = {
@@ -151,6 +152,7 @@ def check_config() -> None:
             "circuit": (b.name if (b := breakers.for_handler(h.name)) else None),
             "breaker": b.policy.model_dump(mode="json") if b else None,
             "ordering": h.ordering or ("none" if settings.ordering == "none" else "key"),
+            "store": h.store,
         }
         for topic, h in registry.items()
     }

@@ -283,3 +283,12 @@ class Registry:
     def uses_postgres(self) -> bool:
         """Whether a bound handler keeps its effects in PostgreSQL (the worker needs it)."""
         return any(h.store == "postgres" for h in self._by_topic.values())
+
+    def check_stores(self, postgres_url_set: bool) -> None:
+        """Refuse, before anything connects, a postgres handler bound without a database."""
+        if self.uses_postgres and not postgres_url_set:
+            names = sorted(h.name for h in self._by_topic.values() if h.store == "postgres")
+            raise ConfigurationError(
+                f"handler {', '.join(map(repr, names))} keeps its effects in PostgreSQL "
+                "(store='postgres'): set WORKER_POSTGRES__URL"
+            )

@@ -73,6 +73,7 @@ class Worker:
         self.settings = settings
         self.consume = consume
         self.registry = registry or Registry.from_settings(settings.topics)
+        self.registry.check_stores(settings.postgres.url is not None)
         self.metrics = metrics or Metrics()
         self.stalls = Stalls(self.metrics)
         # Built here, so breakers that contradict each other fail before anything connects.

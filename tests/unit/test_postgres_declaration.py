@@ -82,3 +82,31 @@ def test_the_kit_asks_for_a_database_for_a_postgres_handler() -> None:
 
     with pytest.raises(ValueError, match="postgres_url="):
         HandlerTestKit(grant_purchase)
+
+
+def test_a_bound_postgres_handler_without_a_database_is_refused_before_connecting() -> None:
+    from service.engine.settings import Settings
+    from service.engine.worker import Worker
+
+    settings = Settings(topics={"purchases": "payments"})
+    with pytest.raises(ConfigurationError, match=r"'purchases' .*WORKER_POSTGRES__URL"):
+        Worker(settings, Registry(discover(), settings.topics))
+
+
+def test_check_config_names_each_handlers_store_and_refuses_a_missing_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from service.cli import app
+
+    monkeypatch.setenv("WORKER_TOPICS", '{"purchases": "payments"}')
+    refused = CliRunner().invoke(app, ["check-config"])
+    assert refused.exit_code == 2
+    assert "WORKER_POSTGRES__URL" in refused.output
+    monkeypatch.setenv("WORKER_POSTGRES__URL", "postgresql://worker@db/payments")
+    shown = CliRunner().invoke(app, ["check-config"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["handlers"]["purchases"]["store"] == "postgres"
