@@ -32,6 +32,9 @@ except ModuleNotFoundError:  # pragma: no cover - only in the hook's interpreter
 
 HANDLERS_DIR = Path("service/handlers")
 TESTS_DIR = Path("tests/unit")
+# A postgres handler's test needs a real database: it goes with the real-server tests.
+POSTGRES_TESTS_DIR = Path("tests/integration")
+MIGRATIONS_DIR = Path("service/migrations")
 PROJECT_FILE = Path("service/project.py")
 BINDINGS = "TOPICS"
 MAX_LINE = 100  # the project's ruff line length
@@ -50,6 +53,7 @@ class Scaffolded:
     handler_module: Path
     test_module: Path
     project_file: Path
+    migration: Path | None = None  # a postgres handler's table
 
 
 def handler_name_for_topic(topic: str) -> str:
@@ -94,29 +98,48 @@ def bind(root: Path, name: str, topic: str) -> Path:
     return PROJECT_FILE
 
 
-def new_handler(root: Path, name: str, topic: str) -> Scaffolded:
+def new_handler(root: Path, name: str, topic: str, store: str = "redis") -> Scaffolded:
     """Write the handler module, its test and its binding; all of them or none.
+
+    ``store="postgres"``: the handler writes a row of its own table on ``ctx.db`` (its
+    migration in service/migrations/, the next number), and its test runs on a real,
+    migrated PostgreSQL (tests/integration, the ``postgres_url`` fixture).
 
     Refuses a name or topic that the settings would refuse, a name that is already a
     handler module or binding, and a topic already bound (two handlers on one topic is
     a configuration error in the settings too).
     """
+    if store not in ("redis", "postgres"):
+        raise ScaffoldError(f"--store {store!r}: 'redis' or 'postgres'")
     _check_request(root, name, topic)
+    postgres = store == "postgres"
     handler_path = HANDLERS_DIR / f"{name}.py"
-    test_path = TESTS_DIR / f"test_handler_{name}.py"
+    tests_dir = POSTGRES_TESTS_DIR if postgres else TESTS_DIR
+    test_path = tests_dir / f"test_handler_{name}.py"
     project_source = (root / PROJECT_FILE).read_text(encoding="utf-8")
     new_project_source = _with_binding(project_source, name, topic)
-    files = {
-        handler_path: render_handler(name),
-        test_path: render_test(name, topic),
-    }
+    migration: Path | None = None
+    if postgres:
+        migration = MIGRATIONS_DIR / f"{_next_migration(root):04d}_{name}.sql"
+        files = {
+            handler_path: render_postgres_handler(name, migration.name),
+            test_path: render_postgres_test(name, topic),
+            migration: POSTGRES_MIGRATION.substitute(name=name),
+        }
+    else:
+        files = {
+            handler_path: render_handler(name),
+            test_path: render_test(name, topic),
+        }
     created: list[Path] = []
     try:
-        if not (root / TESTS_DIR).is_dir():
-            (root / TESTS_DIR).mkdir(parents=True)
-            init = root / TESTS_DIR / "__init__.py"
-            init.touch()
-            created.append(init)
+        for folder in (tests_dir, *((MIGRATIONS_DIR,) if postgres else ())):
+            if not (root / folder).is_dir():
+                (root / folder).mkdir(parents=True)
+                if folder == tests_dir:
+                    init = root / folder / "__init__.py"
+                    init.touch()
+                    created.append(init)
         for relative, text in files.items():
             with (root / relative).open("x", encoding="utf-8") as f:  # never overwrite
                 created.append(root / relative)
@@ -127,7 +150,15 @@ def new_handler(root: Path, name: str, topic: str) -> Scaffolded:
             path.unlink(missing_ok=True)
         (root / PROJECT_FILE).write_text(project_source, encoding="utf-8")
         raise
-    return Scaffolded(name, topic, handler_path, test_path, PROJECT_FILE)
+    return Scaffolded(name, topic, handler_path, test_path, PROJECT_FILE, migration)
+
+
+def _next_migration(root: Path) -> int:
+    """One past the highest ``NNNN_`` prefix in service/migrations/ (1 for the first)."""
+    numbers = [
+        int(p.name[:4]) for p in (root / MIGRATIONS_DIR).glob("*.sql") if p.name[:4].isdigit()
+    ]
+    return max(numbers, default=0) + 1
 
 
 def _check_request(root: Path, name: str, topic: str) -> None:
@@ -318,6 +349,124 @@ async def test_invalid_payload_is_dead_lettered() -> None:
 ''')
 
 
+POSTGRES_HANDLER_TEMPLATE = Template('''\
+"""Handler `$name`, its effects in PostgreSQL.
+
+TODO: say what it does for the business, and which field identifies an event.
+
+Scaffolded by `service new-handler --store postgres`; bound to its topic in
+service/project.py; its table is service/migrations/$migration (`service db migrate`).
+The handler writes with SQL on ``ctx.db``: a connection inside the transaction in which the
+worker also writes the record's inbox row, so its rows and "this record is done" commit
+together, once per dedupe key however often the record is delivered (docs/postgres.md).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service import Context, handler
+
+INSERT = """
+INSERT INTO "$name" (event_id, source) VALUES (%s, %s)
+"""
+
+
+class $model(BaseModel):
+    """One record of this handler's topic. TODO: the real fields."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # The event's business identity: a redelivery or a retry carries the same value.
+    event_id: str = Field(min_length=1, max_length=128)
+
+
+@handler("$name", model=$model, dedupe_key="event_id", store="postgres")
+async def handle_$name(
+    event: $model,
+    ctx: Context,
+) -> None:
+    # The business effect goes here, as SQL on ctx.db (never commit or roll back: the
+    # worker does, for the record's whole batch; a failure rolls back this record alone).
+    # Raise RetryableError to retry later, PermanentError to dead-letter the record now.
+    assert ctx.db is not None
+    await ctx.db.execute(INSERT, (event.event_id, f"{ctx.topic}/{ctx.partition}/{ctx.offset}"))
+''')
+
+POSTGRES_MIGRATION = Template("""\
+-- The table of handler `$name` (service/handlers/$name.py). TODO: the real columns.
+-- No unique constraint on event_id: the inbox (kafka_inbox) makes each event's effects
+-- happen once, and a row written twice would show here instead of being hidden.
+CREATE TABLE "$name" (
+    id         bigserial   PRIMARY KEY,
+    event_id   text        NOT NULL,
+    source     text        NOT NULL,
+    written_at timestamptz NOT NULL DEFAULT now()
+);
+""")
+
+POSTGRES_TEST_TEMPLATE = Template('''\
+"""Scaffolded tests of handler `$name` on a real, migrated PostgreSQL (``postgres_url``).
+
+``HandlerTestKit`` (service.testing) runs each record through the real record path (decode,
+claim, one transaction with the inbox row, dead letters, outcome events) on fakeredis, an
+in-memory Kafka producer and the test's own PostgreSQL. Add a test per business case.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+from service import project
+from service.engine.registry import Registry, discover
+from service.handlers.$name import handle_$name
+from service.testing import HandlerTestKit
+
+HANDLER = handle_$name
+TOPIC = "$topic"$topic_noqa
+
+
+def test_declared_and_bound_to_its_topic() -> None:
+    assert project.TOPICS[HANDLER.name] == TOPIC
+    assert Registry(discover(), project.TOPICS).for_topic(TOPIC) is HANDLER
+
+
+async def rows(postgres_url: str) -> list[tuple[str, str]]:
+    async with await psycopg.AsyncConnection.connect(postgres_url) as conn:
+        cur = await conn.execute(\'SELECT event_id, source FROM "$name" ORDER BY id\')
+        return [(str(e), str(s)) for e, s in await cur.fetchall()]
+
+
+async def test_one_row_per_event(postgres_url: str) -> None:
+    async with HandlerTestKit(HANDLER, postgres_url=postgres_url) as kit:
+        first = await kit.send({"event_id": "evt-1"}, key="k1")
+        assert first.granted
+        # The same event again (a redelivery): a duplicate, no second row.
+        assert (await kit.send({"event_id": "evt-1"}, key="k1")).duplicate
+    assert await rows(postgres_url) == [("evt-1", f"{TOPIC}/0/{first.offset}")]
+
+
+async def test_invalid_payload_is_dead_lettered(postgres_url: str) -> None:
+    async with HandlerTestKit(HANDLER, postgres_url=postgres_url) as kit:
+        result = await kit.send({"event_id": ""}, key="k1")
+        assert result.dead_lettered and result.reason == "malformed"
+    assert await rows(postgres_url) == []  # nothing written
+''')
+
+
+def render_postgres_handler(name: str, migration: str) -> str:
+    return POSTGRES_HANDLER_TEMPLATE.substitute(
+        name=name, model=model_name(name), migration=migration
+    )
+
+
+def render_postgres_test(name: str, topic: str) -> str:
+    long = len(f'TOPIC = "{topic}"') > MAX_LINE
+    return POSTGRES_TEST_TEMPLATE.substitute(
+        name=name, topic=topic, topic_noqa="  # noqa: E501" if long else ""
+    )
+
+
 def render_handler(name: str) -> str:
     return HANDLER_TEMPLATE.substitute(name=name, model=model_name(name))
 
@@ -340,16 +489,26 @@ def new_handler_command(
     root: Annotated[
         Path, typer.Option(help="The project directory.", file_okay=False, exists=True)
     ] = Path("."),
+    store: Annotated[
+        str,
+        typer.Option(
+            "--store",
+            help="Where its effects go: redis (ctx.effects) or postgres (SQL on ctx.db, "
+            "with a migration for its table).",
+        ),
+    ] = "redis",
 ) -> None:
     """Scaffold a handler for a topic: module, payload model, binding, and a passing test."""
     try:
-        done = new_handler(root, name, topic)
+        done = new_handler(root, name, topic, store)
     except ScaffoldError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     model = model_name(name)
     typer.echo(f"created {done.handler_module}  (model {model}, handler {name!r})")
     typer.echo(f"created {done.test_module}")
+    if done.migration is not None:
+        typer.echo(f"created {done.migration}  (its table; `service db migrate` applies it)")
     typer.echo(f"bound   {name} -> {topic} in {done.project_file} (the WORKER_TOPICS default)")
     typer.echo(
         "\nnext:\n"

@@ -203,3 +203,46 @@ def test_cli_command(project: Path) -> None:
     assert "NAME: a handler named 'fees' already exists" in refused.output
     missing = runner.invoke(app, ["new-handler", "fees2", "--root", str(project)])
     assert missing.exit_code == 2 and "--topic" in missing.output
+
+
+def test_a_postgres_handler_is_scaffolded_with_its_table_and_a_real_database_test(
+    project: Path,
+) -> None:
+    """`--store postgres`: SQL on ctx.db, its table's migration (the next number), and a
+    test on a real, migrated PostgreSQL that passes as written and fails a broken handler."""
+    for shared in ("__init__.py", "conftest.py", "helpers.py"):
+        if (PROJECT / "tests" / shared).exists():
+            shutil.copy2(PROJECT / "tests" / shared, project / "tests" / shared)
+    done = scaffold.new_handler(project, "ledger_rows", "ledger.rows", store="postgres")
+    assert done.test_module == Path("tests/integration/test_handler_ledger_rows.py")
+    numbers = sorted(p.name for p in (PROJECT / "service" / "migrations").glob("*.sql"))
+    expected = (
+        f"{int(numbers[-1][:4]) + 1:04d}_ledger_rows.sql" if numbers else "0001_ledger_rows.sql"
+    )
+    assert done.migration == Path("service/migrations") / expected
+    module = (project / done.handler_module).read_text()
+    assert 'store="postgres"' in module and "ctx.db.execute" in module
+    assert expected in module  # the docstring names its table's migration
+
+    def run_test() -> subprocess.CompletedProcess[str]:
+        return run_in(
+            project, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(done.test_module)
+        )
+
+    result = run_test()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+    handler = project / done.handler_module
+    original = handler.read_text()
+    # Every event's row under one id: the test's expectations no longer hold.
+    handler.write_text(original.replace("(event.event_id, f", '("same", f'))
+    broken = run_test()
+    assert broken.returncode == 1 and re.search(r"\d+ failed", broken.stdout), broken.stdout
+    handler.write_text(original)
+
+
+def test_an_unknown_store_is_refused(project: Path) -> None:
+    before = snapshot(project)
+    with pytest.raises(scaffold.ScaffoldError, match="--store 'mongo'"):
+        scaffold.new_handler(project, "fees", "billing.fees", store="mongo")
+    assert snapshot(project) == before
