@@ -32,8 +32,9 @@ from tests.security.pki import CLIENT_KEY_PASSWORD, Pki, make_pki
 
 SASL_PASSWORD = "SASL-SECRET-7f3e9a"
 REDIS_PASSWORD = "REDIS-SECRET-a1b2c3"
+POSTGRES_PASSWORD = "PG-SECRET-5d6e7f8a"
 KEY_PASSWORD = CLIENT_KEY_PASSWORD
-SECRETS = (SASL_PASSWORD, REDIS_PASSWORD, KEY_PASSWORD)
+SECRETS = (SASL_PASSWORD, REDIS_PASSWORD, KEY_PASSWORD, POSTGRES_PASSWORD)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -54,6 +55,8 @@ def secret_env(redis_url: str, bootstrap: str = "127.0.0.1:1", **extra: str) -> 
         WORKER_KAFKA__SASL_PASSWORD=SASL_PASSWORD,
         WORKER_KAFKA__SSL_KEYFILE_PASSWORD=KEY_PASSWORD,
         WORKER_REDIS__URL=redis_url,
+        # Set whether or not a postgres handler is bound (a project may bind one by default).
+        WORKER_POSTGRES__URL=f"postgresql://svc:{POSTGRES_PASSWORD}@127.0.0.1:1/payments",
         WORKER_LOG_LEVEL="DEBUG",
         WORKER_HTTP__ENABLED="false",
         NO_COLOR="1",
@@ -99,6 +102,8 @@ def full_settings(redis_url: str, bootstrap: str, **changes: Any) -> Settings:
             "request_timeout_ms": 2000,
         },
         "redis": {"url": redis_url},
+        # Needed where a postgres handler is bound by default; its password must never show.
+        "postgres": {"url": f"postgresql://svc:{POSTGRES_PASSWORD}@127.0.0.1:1/payments"},
         "http": {"enabled": True, "host": "127.0.0.1", "port": 0},
         **changes,
     }
