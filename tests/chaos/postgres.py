@@ -24,7 +24,7 @@ from service.engine.keys import RedisKeys
 from service.engine.settings import Settings
 from service.ops import audit
 from tests.helpers import await_until
-from tests.integration.harness import make_settings
+from tests.integration.harness import purchases_settings
 
 Where = tuple[int, int]  # (partition, offset) in the purchases topic
 
@@ -51,14 +51,7 @@ def pg_chaos_settings(
         "revoke_grace_s": 5.0,
         **overrides,
     }
-    return make_settings(
-        bootstrap,
-        redis_url,
-        name,
-        only_topics={"purchases": name},
-        postgres={"url": postgres_url},
-        **values,
-    )
+    return purchases_settings(bootstrap, redis_url, postgres_url, name, **values)
 
 
 @dataclass(frozen=True)

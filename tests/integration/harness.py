@@ -121,6 +121,33 @@ async def create_topics_with_configs(
         await admin.close()
 
 
+def purchases_settings(
+    bootstrap: str, redis_url: str, postgres_url: str, name: str, **overrides: Any
+) -> Settings:
+    """Settings for one run of the postgres example: only "purchases" bound, to ``name``.
+
+    ``postgres=`` overrides add to the URL (e.g. ``{"connect_timeout_s": 1}``).
+    """
+    postgres = {"url": postgres_url, **overrides.pop("postgres", {})}
+    return make_settings(
+        bootstrap,
+        redis_url,
+        name,
+        only_topics={"purchases": name},
+        postgres=postgres,
+        **overrides,
+    )
+
+
+async def postgres_rows(postgres_url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
+    """The rows a query returns (none for a statement without a result), autocommitted."""
+    import psycopg
+
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        cur = await conn.execute(sql, args)  # type: ignore[arg-type]
+        return list(await cur.fetchall()) if cur.description else []
+
+
 def payments_topic(settings: Settings) -> str:
     """The topic of the payments example: bound to the Redis handler or the postgres one."""
     return settings.topics.get("payments") or settings.topics["purchases"]

@@ -25,9 +25,9 @@ from service.dev.demo import OUTAGE_PAYMENTS
 from service.dev.stack import DevStack
 from tests.integration.harness import (
     assert_invariants,
-    make_settings,
     prepare_topics,
     produce,
+    purchases_settings,
     running_worker,
     wait_settled,
 )
@@ -39,13 +39,7 @@ async def test_postgres_handlers_honour_injected_faults(
     kafka_broker: Broker, redis_url: str, postgres_url: str, unique_name: str
 ) -> None:
     """A `transient:K` record fails K times in its savepoint, then commits on attempt K+1."""
-    settings = make_settings(
-        kafka_broker.bootstrap,
-        redis_url,
-        unique_name,
-        only_topics={"purchases": unique_name},
-        postgres={"url": postgres_url},
-    )
+    settings = purchases_settings(kafka_broker.bootstrap, redis_url, postgres_url, unique_name)
     await prepare_topics(settings)
     records = sample.generate(40, sample.Mix(transient=0.4, refund=0.1), seed=5)
     failing = {

@@ -28,8 +28,10 @@ from service.ops import audit
 from tests.integration.harness import (
     assert_invariants,
     make_settings,
+    postgres_rows,
     prepare_topics,
     produce,
+    purchases_settings,
     running_worker,
     wait_settled,
 )
@@ -40,20 +42,10 @@ pytestmark = pytest.mark.asyncio
 def pg_settings(
     broker: Broker, redis_url: str, postgres_url: str, name: str, **kw: Any
 ) -> Settings:
-    return make_settings(
-        broker.bootstrap,
-        redis_url,
-        name,
-        only_topics={"purchases": name},
-        postgres={"url": postgres_url},
-        **kw,
-    )
+    return purchases_settings(broker.bootstrap, redis_url, postgres_url, name, **kw)
 
 
-async def rows(postgres_url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    async with await psycopg.AsyncConnection.connect(postgres_url) as conn:
-        cur = await conn.execute(sql, args)  # type: ignore[arg-type]
-        return list(await cur.fetchall())
+rows = postgres_rows
 
 
 async def test_payments_are_granted_once_each_with_their_inbox_rows(

@@ -34,6 +34,7 @@ from tests.integration.harness import (
     make_settings,
     prepare_topics,
     produce,
+    purchases_settings,
     running_worker,
     wait_settled,
 )
@@ -57,12 +58,12 @@ async def test_a_postgres_outage_opens_the_circuit_holds_records_and_grants_once
     postgres_url: str,
     unique_name: str,
 ) -> None:
-    settings = make_settings(
+    settings = purchases_settings(
         kafka_broker.bootstrap,
         redis_url,
+        postgres_url,
         unique_name,
-        only_topics={"purchases": unique_name},
-        postgres={"url": postgres_url, "connect_timeout_s": 1},
+        postgres={"connect_timeout_s": 1},
         # 4 attempts, delays up to 0.5 s: without the breaker, an outage of a few seconds
         # would dead-letter every record exhausted.
         breaker={

@@ -22,7 +22,7 @@ from service.dev.broker import Broker
 from service.dev.postgres_server import PostgresServer
 from service.engine.settings import Settings
 from service.ops.db import run_migrations
-from tests.integration.harness import make_settings, prepare_topics
+from tests.integration.harness import postgres_rows, prepare_topics, purchases_settings
 from tests.ops.cli import service_cli
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,10 +35,7 @@ def db_settings(url: str, **postgres: Any) -> Settings:
     return Settings(_env_file=None, postgres={"url": url, **postgres})  # type: ignore[call-arg]
 
 
-async def rows(url: str, sql: str, *args: Any) -> list[tuple[Any, ...]]:
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        cur = await conn.execute(sql, args)  # type: ignore[arg-type]
-        return list(await cur.fetchall()) if cur.description else []
+rows = postgres_rows
 
 
 async def cli_json(settings: Settings, *args: str) -> dict[str, Any]:
@@ -143,13 +140,8 @@ async def inbox_keys(url: str) -> set[str]:
 async def test_prune_inbox_refuses_inside_the_redelivery_window_and_deletes_beyond_it(
     kafka_broker: Broker, redis_url: str, postgres_url: str, unique_name: str
 ) -> None:
-    settings = make_settings(
-        kafka_broker.bootstrap,
-        redis_url,
-        unique_name,
-        only_topics={"purchases": unique_name},
-        postgres={"url": postgres_url},
-        retry=RETRY,
+    settings = purchases_settings(
+        kafka_broker.bootstrap, redis_url, postgres_url, unique_name, retry=RETRY
     )
     await prepare_topics(settings, partitions=1, source_configs=TOPIC_CONFIGS)
     ages = {f"new-{i}": 0.5 for i in range(2)} | {f"old-{i}": 3 + i for i in range(5)}
@@ -181,13 +173,8 @@ async def test_prune_inbox_refuses_inside_the_redelivery_window_and_deletes_beyo
 async def test_prune_inbox_refuses_a_topic_that_keeps_records_forever(
     kafka_broker: Broker, redis_url: str, postgres_url: str, unique_name: str
 ) -> None:
-    settings = make_settings(
-        kafka_broker.bootstrap,
-        redis_url,
-        unique_name,
-        only_topics={"purchases": unique_name},
-        postgres={"url": postgres_url},
-        retry=RETRY,
+    settings = purchases_settings(
+        kafka_broker.bootstrap, redis_url, postgres_url, unique_name, retry=RETRY
     )
     await prepare_topics(settings, partitions=1, source_configs={"retention.ms": "-1"})
     await seed_inbox(postgres_url, unique_name, {"ancient": 3650})

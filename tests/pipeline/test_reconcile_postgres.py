@@ -26,9 +26,9 @@ from service.pipeline.cli import _grant_stores, pipeline_app
 from service.pipeline.postgres_grants import read_postgres_grants
 from tests.integration.harness import (
     assert_invariants,
-    make_settings,
     prepare_topics,
     produce,
+    purchases_settings,
     running_worker,
     wait_settled,
 )
@@ -84,13 +84,7 @@ def test_purchases_table_is_the_ledger_clean_then_doubled_and_lost(
     unique_name: str,
     tmp_path: Path,
 ) -> None:
-    settings = make_settings(
-        kafka_broker.bootstrap,
-        redis_url,
-        unique_name,
-        only_topics={"purchases": unique_name},
-        postgres={"url": postgres_url},
-    )
+    settings = purchases_settings(kafka_broker.bootstrap, redis_url, postgres_url, unique_name)
     records = sample.generate(80, sample.Mix(duplicate=0.1, refund=0.1), seed=18)
 
     async def run_worker() -> list[dict[str, Any]]:
