@@ -5,10 +5,15 @@ breaker is open waits here, in memory, its offset uncommitted, until the breaker
 through (closed, or as the single half-open probe); a retry is not held but goes back to
 the delay queue at the same attempt. After the pass, records the breaker turned away
 mid-run (Fate.HOLD) come back to wait again, their claims released.
+
+A failed probe counts as an attempt of the record that probed, so probes rotate: the probe
+is the waiting record that has run the fewest times, across every partition's pass and the
+retries, or a long outage would spend one record's attempts while the others wait free.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -32,6 +37,9 @@ class Gate:
         self.breakers = breakers
         self._idem = idempotency
         self._busy_delay_ms = busy_delay_ms
+        # Attempts of the records waiting for each breaker in any pass: a candidate probe
+        # yields to a waiting record that has run fewer times.
+        self._waiting: dict[Breaker, Counter[int]] = {}
 
     async def admit(
         self, jobs: list[Job], give_up: Callable[[], bool] | None
@@ -53,8 +61,13 @@ class Gate:
                     waiting.setdefault(breaker, []).append(job)
             wait: list[Job] = []
             for breaker, group in waiting.items():
-                n = breaker.admit(len(group))
-                probing = n > 0 and breaker.state is BreakerState.HALF_OPEN
+                probing = breaker.state is BreakerState.HALF_OPEN
+                if probing:
+                    group.sort(key=_runs)  # stable: offset order among equals
+                    n = 0 if _runs(group[0]) > self._fewest_waiting(breaker) else breaker.admit(1)
+                else:
+                    n = breaker.admit(len(group))
+                probing = probing and n > 0
                 for job in group[:n]:
                     job.probe = probing
                 admitted += group[:n]
@@ -74,6 +87,10 @@ class Gate:
         breakers = [b for b in counts if b is not None]
         for b in breakers:
             b.hold(counts[b])
+        for job in wait:
+            breaker = self.breakers.for_handler(job.name)
+            if breaker is not None:
+                self._waiting.setdefault(breaker, Counter())[_runs(job)] += 1
         try:
             if give_up is not None and give_up():
                 raise GaveUp
@@ -83,6 +100,15 @@ class Gate:
         finally:
             for b in breakers:
                 b.hold(-counts[b])
+            for job in wait:
+                breaker = self.breakers.for_handler(job.name)
+                if breaker is not None:
+                    self._waiting[breaker][_runs(job)] -= 1
+
+    def _fewest_waiting(self, breaker: Breaker) -> float:
+        """The fewest runs of a record waiting for ``breaker`` in another pass (inf: none)."""
+        runs = [n for n, count in self._waiting.get(breaker, Counter()).items() if count > 0]
+        return min(runs, default=math.inf)
 
     async def held(self, admitted: list[Job]) -> list[Job]:
         """Records whose run found the circuit open, ready to wait at the gate again.
@@ -122,3 +148,8 @@ class Gate:
         after the next probe (a held fresh record, already waiting here, probes first)."""
         delay_ms = int(breaker.retry_in_s() * 1000) + self._busy_delay_ms
         job.park(job.delivery.attempt, f"held: circuit {breaker.name} is {breaker.state}", delay_ms)
+
+
+def _runs(job: Job) -> int:
+    """How many times the record has run (and failed) before: its attempt number."""
+    return job.delivery.attempt
