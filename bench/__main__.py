@@ -1,0 +1,116 @@
+"""All the bench rows in one run: ``python -m bench`` (see docs/performance.md).
+
+Each group of rows measures once per round and the rounds interleave the groups, so a
+slow minute on the shared machine lands in one round of every group rather than in all
+rounds of one. Every row reports its figures' medians and ranges in one rich table, and
+``--json FILE`` writes the same figures with the command and the machine.
+
+    python -m bench                                  # every group, 3 rounds, Apache Kafka
+    python -m bench --rows latency,retries --rounds 5 --json bench.json
+    python -m bench --quick                          # small sizes: does everything run?
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, get_args
+
+from bench.report import Progress, Row, console, table, write_json
+from bench.stack import BenchStack, BrokerKind
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every group is told: how many rounds, and whether to run at small sizes."""
+
+    rounds: int
+    quick: bool
+
+
+class Group(Protocol):
+    """Rows measured together, once per round (each measurement on a fresh event loop)."""
+
+    def prepare(self, stack: BenchStack, progress: Progress) -> None:
+        """Once per run before the first round: topics, records produced, etc."""
+
+    def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
+        """Measure every row of the group once, appending one value per figure."""
+
+    def rows(self) -> list[Row]: ...
+
+    def summary(self) -> list[str]:
+        """Lines printed under the table: what each figure is and what bounds it."""
+        ...
+
+
+# Group name -> "module:class"; imported only when run (FastStream is an optional extra).
+GROUPS: dict[str, str] = {
+    "throughput": "bench.bench_worker:ThroughputGroup",
+    "latency": "bench.latency:LatencyGroup",
+    "retries": "bench.retry_punctuality:RetryPunctualityGroup",
+    "recovery": "bench.recovery:RecoveryGroup",
+    "memory": "bench.memory:MemoryGroup",
+}
+
+
+def load(name: str, options: Options) -> Group:
+    module, cls = GROUPS[name].split(":")
+    group: Group = getattr(importlib.import_module(module), cls)(options)
+    return group
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    choices = ", ".join(GROUPS)
+    parser.add_argument(
+        "--rows", default=",".join(GROUPS), help=f"groups to run, comma-separated ({choices})"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--broker", choices=get_args(BrokerKind), default="kafka")
+    parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.rows.split(",") if n.strip()]
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {list(GROUPS)}")
+    out = console()
+    options = Options(rounds=args.rounds, quick=args.quick)
+    groups = {name: load(name, options) for name in names}
+    started = time.time()
+
+    def progress(line: str) -> None:
+        out.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {line}")
+
+    with BenchStack(args.broker) as stack:
+        progress(f"servers up: {stack.description}")
+        for name, group in groups.items():
+            progress(f"{name}: preparing")
+            group.prepare(stack, progress)
+        for n in range(args.rounds):
+            for name, group in groups.items():
+                progress(f"round {n + 1}/{args.rounds}: {name}")
+                group.round(stack, n, progress)
+        description = stack.description
+    rows = [row for group in groups.values() for row in group.rows()]
+    title = f"{description}: medians of {args.rounds} interleaved rounds"
+    out.print(table(title, rows))
+    for group in groups.values():
+        for line in group.summary():
+            out.print(line)
+    if args.json:
+        write_json(args.json, [sys.executable, "-m", "bench", *argv], started, rows)
+        out.print(f"figures written to {args.json}")
+    missed = [(row.label, t.figure) for row in rows for t, _, met in row.verdicts() if not met]
+    if missed:
+        out.print(f"targets missed: {missed}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+"""The servers a bench run measures against: one broker and one Redis, started once per run.
+
+The broker is real Apache Kafka by default (the broker users run; a JVM that takes its
+share of the 2 cores, as it would on a shared host), or Tansu (`--broker tansu`, the
+embedded broker of earlier figures). Redis runs with AOF ``appendfsync always``, as the
+worker's durability needs. Both live in a temporary directory removed at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, Self
+
+from aiokafka import AIOKafkaProducer
+
+from service.dev.apache_kafka import ApacheKafkaCluster
+from service.dev.broker import create_topics
+from service.dev.redis_server import RedisServer
+from service.dev.tansu import TansuBroker
+
+BrokerKind = Literal["kafka", "tansu"]
+
+
+class BenchStack:
+    """A broker and a Redis server on loopback for the length of a bench run."""
+
+    def __init__(self, broker: BrokerKind = "kafka") -> None:
+        self.kind: BrokerKind = broker
+        self._tmp = tempfile.TemporaryDirectory(prefix="bench-")
+        root = Path(self._tmp.name)
+        self.broker: ApacheKafkaCluster | TansuBroker
+        if broker == "kafka":
+            self.broker = ApacheKafkaCluster(1, root / "kafka")
+        else:
+            self.broker = TansuBroker(root / "kafka")
+        self.redis = RedisServer(root / "redis")
+
+    @property
+    def bootstrap(self) -> str:
+        return self.broker.bootstrap
+
+    @property
+    def redis_url(self) -> str:
+        return self.redis.url
+
+    @property
+    def description(self) -> str:
+        name = "Apache Kafka (1 KRaft node)" if self.kind == "kafka" else "Tansu (memory)"
+        return f"{name} + redis-server (AOF always), loopback"
+
+    def __enter__(self) -> Self:
+        try:
+            self.broker.start()
+            self.redis.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.redis.stop()
+        finally:
+            try:
+                self.broker.stop()
+            finally:
+                self._tmp.cleanup()
+
+    def create_topics(self, topics: dict[str, int]) -> None:
+        asyncio.run(create_topics(self.bootstrap, topics))
+
+
+def sample_payment(rng: random.Random, payment_id: str) -> bytes:
+    """One payment notification as the bench produces it (about 130 bytes of JSON), valid
+    for the example payments handler."""
+    return json.dumps(
+        {
+            "payment_id": payment_id,
+            "user_id": f"u{rng.randrange(10**6)}",
+            "product_id": f"p{rng.randrange(1000)}",
+            "amount_minor": rng.randrange(100, 10**6),
+            "currency": "EUR",
+        }
+    ).encode()
+
+
+async def produce(bootstrap: str, topic: str, n: int, *, prefix: str = "", seed: int = 1) -> None:
+    """``n`` payment notifications as fast as the producer batches them (a backlog)."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=512 * 1024
+    )
+    await producer.start()
+    rng = random.Random(seed)
+    try:
+        futures = []
+        for i in range(n):
+            value = sample_payment(rng, f"{prefix or topic}-{i:08d}")
+            futures.append(await producer.send(topic, key=f"k{i}".encode(), value=value))
+            if len(futures) >= 20_000:
+                await asyncio.gather(*futures)
+                futures.clear()
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
