@@ -66,6 +66,13 @@ class Row:
     # What bounds this row (which process's CPU, which timeout): printed under the table.
     bound_by: str = ""
     notes: list[str] = field(default_factory=list)
+    # A figure whose unit is not the row's (e.g. the achieved rate in a latency row).
+    units: dict[str, str] = field(default_factory=dict)
+
+    def unit_of(self, figure: str) -> str:
+        if figure in self.units:
+            return self.units[figure]
+        return "µs/rec" if figure == "cpu_us" else self.unit
 
     def add(self, **values: float) -> None:
         """One round's values of some or all figures."""
@@ -96,6 +103,7 @@ class Row:
             "unit": self.unit,
             "figures": {
                 name: {
+                    "unit": self.unit_of(name),
                     "median": statistics.median(values),
                     "min": min(values),
                     "max": max(values),
@@ -109,7 +117,7 @@ class Row:
                     "figure": t.figure,
                     "bound": t.bound,
                     "at_least": t.at_least,
-                    "text": t.describe(self.unit),
+                    "text": t.describe(self.unit_of(t.figure)),
                     "median": median,
                     "met": met,
                 }
@@ -145,7 +153,7 @@ def table(title: str, rows: Sequence[Row]) -> Table:
             if not values:
                 continue
             low, high = min(values), max(values)
-            unit = "µs/rec" if name == "cpu_us" else row.unit
+            unit = row.unit_of(name)
             target = ""
             if name in checks:
                 t, met = checks[name]

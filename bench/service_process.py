@@ -17,9 +17,10 @@ import sys
 import time
 import urllib.request
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, Self, cast
 
 import psutil
 import redis
@@ -46,11 +47,56 @@ def granted(redis_url: str, prefix: str) -> int:
         client.close()
 
 
+@dataclass(frozen=True)
+class Grant:
+    """One ledger entry: when Redis wrote it (its stream id's milliseconds) and for what."""
+
+    entry_id: bytes
+    written_ms: int
+    payment_id: str
+    partition: int
+    offset: int
+    granted_at_ms: int | None  # the handler's own clock reading as it ran, if it wrote one
+
+
+def parse_grant(entry_id: bytes, fields: Mapping[bytes, bytes]) -> Grant:
+    """The handler's ``source`` field is ``topic/partition/offset``."""
+    _, partition, offset = fields[b"source"].decode().rsplit("/", 2)
+    return Grant(
+        entry_id=entry_id,
+        written_ms=int(entry_id.split(b"-", 1)[0]),
+        payment_id=fields[b"payment_id"].decode(),
+        partition=int(partition),
+        offset=int(offset),
+        granted_at_ms=int(fields[b"granted_at"]) if b"granted_at" in fields else None,
+    )
+
+
+def read_grants(redis_url: str, prefix: str, *, after: bytes = b"-") -> list[Grant]:
+    """The ledger's entries after the stream id ``after`` (all by default), oldest first."""
+    client = redis.Redis.from_url(redis_url)
+    out: list[Grant] = []
+    start = b"(" + after if after != b"-" else after
+    try:
+        while True:
+            page = cast(
+                list[tuple[bytes, dict[bytes, bytes]]],
+                client.xrange(ledger_key(prefix), min=start, max="+", count=10_000),
+            )
+            out.extend(parse_grant(entry_id, fields) for entry_id, fields in page)
+            if len(page) < 10_000:
+                return out
+            start = b"(" + page[-1][0]
+    finally:
+        client.close()
+
+
 class ServiceRun:
     """``python -m service run`` on the payments handler, with default settings otherwise.
 
     ``env`` adds or overrides WORKER_* variables (e.g. a shorter session timeout). The
     process's log goes to ``log_path`` (default: discarded) so a pipe never fills.
+    ``command="retry-scheduler"`` runs only the retry scheduler (``service retry-scheduler``).
     """
 
     def __init__(
@@ -63,6 +109,7 @@ class ServiceRun:
         prefix: str,
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
+        command: str = "run",
     ) -> None:
         self.redis_url = redis_url
         self.topic = topic
@@ -79,6 +126,7 @@ class ServiceRun:
             **(env or {}),
         }
         self.log_path = log_path
+        self.command = command  # `service <command>`: run, or retry-scheduler
         self._log: IO[bytes] | None = None
         self.popen: subprocess.Popen[bytes] | None = None
         self.process: psutil.Process | None = None
@@ -101,7 +149,7 @@ class ServiceRun:
         if self.log_path is not None:
             self._log = out = self.log_path.open("ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "service", "run"], env=self.env, stdout=out, stderr=out
+            [sys.executable, "-m", "service", self.command], env=self.env, stdout=out, stderr=out
         )
         self.process = psutil.Process(self.popen.pid)
         return self

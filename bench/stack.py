@@ -49,6 +49,22 @@ class BenchStack:
         return self.redis.url
 
     @property
+    def broker_pids(self) -> list[int]:
+        """The broker's server processes (Tansu's, or each Kafka node's JVM): CPU figures."""
+        if isinstance(self.broker, TansuBroker):
+            pids = [self.broker.pid]
+        else:
+            pids = [
+                n.executor.process.pid if n.executor and n.executor.process else None
+                for n in self.broker.nodes
+            ]
+        return [pid for pid in pids if pid is not None]
+
+    @property
+    def redis_pid(self) -> int | None:
+        return self.redis.pid
+
+    @property
     def description(self) -> str:
         name = "Apache Kafka (1 KRaft node)" if self.kind == "kafka" else "Tansu (memory)"
         return f"{name} + redis-server (AOF always), loopback"
