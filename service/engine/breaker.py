@@ -186,14 +186,15 @@ class Breaker:
             return 0.0
         return max(0.0, self._open_until - self._clock())
 
-    def record_success(self) -> None:
-        """A run returned, or failed permanently: either way the dependency answered."""
-        if self._state is _CLOSED:  # the hot path, once per record: inlined
+    def record_success(self, runs: int = 1) -> None:
+        """A run (or ``runs`` of them) returned, or failed permanently: either way the
+        dependency answered. Inline handlers' successes come once per batch."""
+        if self._state is _CLOSED:  # the hot path: inlined
             epoch = math.floor(self._clock() * self._inv_width)
             if epoch > self._epoch:
                 self._advance(epoch)
-            self._runs[self._slot] += 1
-            self._total_runs += 1
+            self._runs[self._slot] += runs
+            self._total_runs += runs
         elif self.state is _HALF_OPEN:
             self._reset_window(self._epoch_at(self._clock()))
             self._cool_down_s = self.policy.cool_down_s

@@ -288,10 +288,13 @@ class Idempotency:
 
 def _command(command: tuple[EffectArg, ...]) -> list[str]:
     """Effect arguments as text: Lua would print large numbers in exponent form."""
-    return [
-        a.decode("utf-8") if isinstance(a, bytes) else a if isinstance(a, str) else repr(a)
-        for a in command
-    ]
+    return [a if type(a) is str else _text(a) for a in command]
+
+
+def _text(arg: EffectArg) -> str:
+    if isinstance(arg, bytes):
+        return arg.decode("utf-8")
+    return arg if isinstance(arg, str) else repr(arg)
 
 
 def _json(value: object) -> bytes:

@@ -79,47 +79,59 @@ local function finite(s)
 end
 local OVERFLOW = 'ERR increment or decrement would overflow'
 local NOT_INT = 'ERR value is not an integer or out of range'
+-- What one record's effects will meet, simulated as its commands are checked (reset per
+-- record): key types, integer counters, hash fields, keys its own effects replaced.
+local types, ints, fields, gone
+-- Key types across the batch: what TYPE answered, kept true by every record applied since
+-- (a command that creates its type sets it; any other write forgets the key). Records of
+-- a batch mostly share a few keys (the payments ledger), so one TYPE serves them all.
+local known = {}
+local function type_of(key)
+  if types[key] == nil then
+    local t = known[key]
+    if t == nil then
+      local r = redis.pcall('TYPE', key)
+      if r.err then return nil, r.err end
+      t = r['ok']
+    end
+    types[key] = t
+  end
+  return types[key]
+end
+local function counter(key)  -- {h, l}, or false when the key holds no integer
+  if ints[key] == nil then
+    local v = redis.call('GET', key)
+    local h, l = 0, 0
+    if v then h, l = to_int(v) end
+    ints[key] = h and {h, l} or false
+  end
+  return ints[key]
+end
+local function field(key, name)  -- {h, l}, 'text' or 'none'
+  local fs = fields[key]
+  if not fs then fs = {}; fields[key] = fs end
+  if fs[name] == nil then
+    local v = not gone[key] and redis.call('HGET', key, name)
+    if not v then fs[name] = 'none'
+    else
+      local h, l = to_int(v)
+      fs[name] = h and {h, l} or 'text'
+    end
+  end
+  return fs[name]
+end
+local function set_field(key, name, value)  -- the old value does not matter: no HGET
+  local fs = fields[key]
+  if not fs then fs = {}; fields[key] = fs end
+  local h, l = to_int(value)
+  fs[name] = h and {h, l} or 'text'
+end
+local function replaced(key, kind)
+  types[key], gone[key], fields[key] = kind, true, {}
+  ints[key] = kind == 'none' and {0, 0} or nil
+end
 local function effects_error(cmds)
-  local types, ints, fields, gone = {}, {}, {}, {}
-  local function type_of(key)
-    if types[key] == nil then
-      local t = redis.pcall('TYPE', key)
-      if t.err then return nil, t.err end
-      types[key] = t['ok']
-    end
-    return types[key]
-  end
-  local function counter(key)  -- {h, l}, or false when the key holds no integer
-    if ints[key] == nil then
-      local v = redis.call('GET', key)
-      local h, l = 0, 0
-      if v then h, l = to_int(v) end
-      ints[key] = h and {h, l} or false
-    end
-    return ints[key]
-  end
-  local function field(key, name)  -- {h, l}, 'text' or 'none'
-    local fs = fields[key]
-    if not fs then fs = {}; fields[key] = fs end
-    if fs[name] == nil then
-      local v = not gone[key] and redis.call('HGET', key, name)
-      if not v then fs[name] = 'none'
-      else
-        local h, l = to_int(v)
-        fs[name] = h and {h, l} or 'text'
-      end
-    end
-    return fs[name]
-  end
-  local function set_field(key, name, value)
-    field(key, name)
-    local h, l = to_int(value)
-    fields[key][name] = h and {h, l} or 'text'
-  end
-  local function replaced(key, kind)
-    types[key], gone[key], fields[key] = kind, true, {}
-    ints[key] = kind == 'none' and {0, 0} or nil
-  end
+  types, ints, fields, gone = {}, {}, {}, {}
   for _, cmd in ipairs(cmds) do
     local name = string.lower(tostring(cmd[1]))
     local NAME = string.upper(name)
@@ -241,6 +253,18 @@ local function effects_error(cmds)
   end
   return nil
 end
+-- After a record's effects ran (applied, or failed part-way): the types they leave.
+local function learn_types(cmds, applied)
+  for _, cmd in ipairs(cmds) do
+    local name = string.lower(tostring(cmd[1]))
+    local want = EFFECTS[name][1]
+    if applied and want ~= '' and not KEEPS_TYPE[name] then
+      known[cmd[2]] = want
+    else
+      known[cmd[2]] = nil  -- DEL, SET, HDEL of the last field...: ask TYPE next time
+    end
+  end
+end
 local ttl = ARGV[1]
 local function set_marker(key, value)
   if ttl == '' then return redis.pcall('SET', key, value) end
@@ -292,6 +316,7 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
             break
           end
         end
+        learn_types(cmds, status == 'ok')
       end
     end
   end

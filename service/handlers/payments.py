@@ -17,6 +17,7 @@ entitlement.
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -95,7 +96,7 @@ def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
             "amount_minor": payment.amount_minor,
             "currency": payment.currency,
             "source": f"{ctx.topic}/{ctx.partition}/{ctx.offset}",
-            "granted_at": int(datetime.now().timestamp() * 1000),
+            "granted_at": time.time_ns() // 1_000_000,  # ms since the epoch
         },
     )
     entitlements = ctx.redis_key("entitlements", payment.user_id)
