@@ -1,56 +1,71 @@
-"""Throughput of the worker against a raw aiokafka loop, measured in one run on one topic.
+"""Throughput: the worker as users run it, against a raw aiokafka loop and a peer, on one topic.
 
-Prints records/s for:
-  1. a raw aiokafka loop: getmany + json.loads + commit per batch (the ceiling here),
-     on asyncio's loop and on uvloop, the faster counting;
-  2. this worker, trivial handler, the full reliability path (dedupe check, done-marker,
-     outcome event, watermark commits) on a real Redis with appendfsync always. The
-     handler is declared effects_only, as the payment handler is; 2b is the same handler
-     without that declaration, which claims each dedupe key first; 2c is row 2 with the
-     outcome events turned off (WORKER_OUTCOMES__ENABLED=false), to show what the audit
-     trail costs; 2d is row 2 as several worker processes in one consumer group (--processes,
-     2 by default), the way one host scales out, counted over all of them;
-  3. this worker with a handler that awaits 10 ms, against concurrency limit / 10 ms
-     (WORKER_MAX_CONCURRENT_HANDLERS: how many handlers run at once).
-The worker runs on the event loop `service run` picks (uvloop when installed).
+The ``throughput`` group of ``python -m bench`` (docs/performance.md). One backlog of
+payment notifications is produced once (200,000 by default, 6 partitions) and every row
+drains it, or a slice of it, from the start with a fresh consumer group, each round:
 
-One measurement of any row moves by a third from run to run on a shared 2-core machine,
-so the rows are measured in interleaved rounds (raw loops, then the workers, again and
-again) over the same records, and each row reports its median; the ratios are taken
-between medians.
+  1. a raw aiokafka loop: getmany + json.loads + a commit per batch, on asyncio's loop and
+     on uvloop; the faster median is "raw", the ceiling here;
+  2. **the payments handler with default settings, run as users run it**: ``service run``
+     in its own process (``bench.service_process``), only the servers, topic, group, key
+     prefix and HTTP port set. Its rate runs from the first grant to the last (the ledger's
+     length), its CPU per record is read with psutil over the same span, and so are
+     Redis's and the broker's. Targets: >= 0.25 x raw (the aim is 0.35) and >= 25 x
+     FastStream's manual-ack subscriber;
+  2t. the worker in this process with a trivial ``effects_only`` handler and the settings of
+     earlier figures (polls of 5,000, 10,000 records in flight, no HTTP server, WARNING
+     logs): what the engine costs without a handler's own work;
+  3. the worker with a handler that awaits 10 ms, against concurrency limit / 10 ms
+     (WORKER_MAX_CONCURRENT_HANDLERS: 200 at once, so 20,000 records/s);
+  P1, P2. FastStream (``bench.peers``, the ``bench`` extra) with the same trivial handler:
+     its default subscriber, and its manual-ack subscriber, on the first records of the
+     topic (it runs at 1-2k records/s). Left out, with a note, when the extra is missing.
 
-    python -m bench.bench_worker --records 200000 --partitions 6 --rounds 5
+Rows are measured in interleaved rounds and report medians and ranges (bench/report.py);
+the ratios (``x_raw``, ``x_faststream_ack``) are taken round by round against the same
+round's raw loop or peer, then their median. ``python -m bench.bench_worker`` is an alias of
+``python -m bench --rows throughput``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import multiprocessing
-import random
-import statistics
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+import redis
+from aiokafka import AIOKafkaConsumer
 from pydantic import BaseModel
-from rich.console import Console
-from rich.table import Table
 
+from bench.load import CpuMeter, server_processes
+from bench.report import Measured, Progress, Row, Target
+from bench.service_process import ServiceRun, ledger_key
+from bench.stack import BenchStack, produce
 from service import Context, handler
 from service.dev.broker import create_topics
-from service.dev.redis_server import RedisServer
-from service.dev.tansu import TansuBroker
 from service.engine import runtime
 from service.engine.metrics import Metrics
 from service.engine.registry import Registry
 from service.engine.settings import Settings
 from service.engine.worker import Worker
+
+if TYPE_CHECKING:
+    from bench.__main__ import Options
+
+__all__ = ["Measured", "Payment", "ThroughputGroup", "finished", "trivial"]
+
+TOPIC = "throughput"
+PARTITIONS = 6
+RECORDS, QUICK_RECORDS = 200_000, 20_000
+# Row 3 and the peers run on the first records of the topic: they are slower.
+SLEEPY_RECORDS, QUICK_SLEEPY_RECORDS = 40_000, 5_000
+PEER_RECORDS, QUICK_PEER_RECORDS = 20_000, 2_000
+CONCURRENCY = 200  # row 3: WORKER_MAX_CONCURRENT_HANDLERS, the default
+STALL_S = 120.0  # the longest a service run may go without a new grant before the round fails
+MB = 1024 * 1024
 
 
 class Payment(BaseModel):
@@ -65,65 +80,19 @@ def trivial(payment: Payment, ctx: Context) -> None:
     return None
 
 
-@handler("claiming", model=Payment, dedupe_key="payment_id")
-def claiming(payment: Payment, ctx: Context) -> None:
-    return None
-
-
 @handler("sleepy", model=Payment, dedupe_key="payment_id")
 async def sleepy(payment: Payment, ctx: Context) -> None:
     await asyncio.sleep(0.010)
 
 
-@dataclass(frozen=True)
-class Measured:
-    """A run's records per second, and the CPU its process spent per record meanwhile."""
-
-    rate: float
-    cpu_us: float
-
-    @classmethod
-    def since(cls, started: float, cpu_started: float, n: int) -> Measured:
-        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-        return cls(n / wall, cpu / n * 1e6)
-
-
-def sample_payment(rng: random.Random, payment_id: str) -> bytes:
-    """One payment notification as the bench produces it (about 110 bytes of JSON)."""
-    return json.dumps(
-        {
-            "payment_id": payment_id,
-            "user_id": f"u{rng.randrange(10**6)}",
-            "amount_minor": rng.randrange(100, 10**6),
-            "currency": "EUR",
-        }
-    ).encode()
-
-
-async def produce(bootstrap: str, topic: str, n: int) -> None:
-    producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=512 * 1024
-    )
-    await producer.start()
-    rng = random.Random(1)
-    try:
-        futures = []
-        for i in range(n):
-            value = sample_payment(rng, f"{topic}-{i:08d}")
-            futures.append(await producer.send(topic, key=f"k{i}".encode(), value=value))
-            if len(futures) >= 20_000:
-                await asyncio.gather(*futures)
-                futures.clear()
-        await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
+# --- row 1: the raw loop -------------------------------------------------------------------
 
 
 async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> Measured:
     consumer = AIOKafkaConsumer(
         topic,
         bootstrap_servers=bootstrap,
-        group_id=f"{topic}-{group}",
+        group_id=group,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         max_poll_records=5000,
@@ -149,29 +118,97 @@ async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> Measured:
         await consumer.stop()
 
 
-def bench_settings(
-    bootstrap: str,
-    redis_url: str,
-    topic: str,
-    name: str,
-    group: str,
-    concurrency: int,
-    outcomes: bool = True,
-) -> Settings:
-    """The worker's settings in rows 2 and 3: one group and one key prefix per run."""
+# --- row 2: service run, payments, defaults ------------------------------------------------
+
+
+def service_run(stack: BenchStack, topic: str, n: int, name: str) -> dict[str, float]:
+    """``service run`` drains the topic; its rate and the CPU per record of each process.
+
+    Counted from the first grant to the ``n``-th, so start-up is not in the figures.
+    """
+    client = redis.Redis.from_url(stack.redis_url)
+    empty_redis(client)
+    memory = client.info("memory")
+    run = ServiceRun(stack.bootstrap, stack.redis_url, topic, group=name, prefix=name)
+    ledger = ledger_key(name)
+    try:
+        with run:
+            assert run.process is not None
+            meter = CpuMeter({"worker": run.process, **server_processes(stack)})
+            first = _wait_for_grants(run, client, ledger, 1)
+            meter.start()
+            started = time.perf_counter()
+            _wait_for_grants(run, client, ledger, n)
+            meter.stop()
+            wall = time.perf_counter() - started
+            rss = run.rss_bytes()
+    finally:
+        client.close()
+    rate = (n - first) / wall
+    cores = meter.cores()
+    per_record = {
+        f"{process}_us": cores[f"{process}_cores"] / rate * 1e6
+        for process in ("broker", "redis")
+        if f"{process}_cores" in cores
+    }
+    return {
+        "rate": rate,
+        "cpu_us": cores["worker_cores"] / rate * 1e6,
+        **per_record,
+        "rss_mb": rss / MB,
+        "redis_mb": float(memory["used_memory"]) / MB,
+    }
+
+
+def empty_redis(client: redis.Redis, timeout_s: float = 120.0) -> None:
+    """FLUSHALL, and an AOF rewrite finished before the run, not during it.
+
+    Every round's rows leave their done-markers, ledger entries and entitlements behind
+    (200,000 of each per row and round), and Redis grew from round to round: its CPU per
+    record rose a few percent, and AOF rewrites (a forked child copying the whole data set,
+    once per doubling of the AOF) of ever more data landed inside later rounds' measurements
+    on the same 2 cores. So every round's row 2 starts from the same, empty, Redis.
+    """
+    client.flushall()
+    client.bgrewriteaof()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        persistence = client.info("persistence")
+        if not (persistence["aof_rewrite_in_progress"] or persistence["aof_rewrite_scheduled"]):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"Redis's AOF rewrite did not end in {timeout_s:.0f} s")
+
+
+def _wait_for_grants(run: ServiceRun, client: redis.Redis, ledger: str, n: int) -> int:
+    """Until the ledger holds ``n`` entries; returns how many it holds then."""
+    last, last_change = -1, time.monotonic()
+    while True:
+        run.check_alive()
+        granted = int(client.xlen(ledger))
+        if granted >= n:
+            return granted
+        if granted != last:
+            last, last_change = granted, time.monotonic()
+        elif time.monotonic() - last_change > STALL_S:
+            raise TimeoutError(f"service run granted {granted} of {n} and none for {STALL_S} s")
+        time.sleep(0.02)
+
+
+# --- rows 2t and 3: the worker in this process ---------------------------------------------
+
+
+def in_process_settings(stack: BenchStack, topic: str, name: str, group: str) -> Settings:
+    """Row 2t's and row 3's settings: one group and one key prefix per run (earlier figures'
+    row 2: polls of 5,000, 10,000 records in flight, no HTTP server, WARNING logs)."""
     return Settings(
-        kafka={
-            "bootstrap_servers": bootstrap,
-            "group_id": group,
-            "max_poll_records": 5000,
-        },
-        redis={"url": redis_url, "key_prefix": f"bench-{group}"},
-        outcomes={"enabled": outcomes},
+        kafka={"bootstrap_servers": stack.bootstrap, "group_id": group, "max_poll_records": 5000},
+        redis={"url": stack.redis_url, "key_prefix": group},
         topics={name: topic},
         http={"enabled": False},
         max_in_flight=10_000,
         max_in_flight_per_partition=10_000,
-        max_concurrent_handlers=concurrency,
+        max_concurrent_handlers=CONCURRENCY,
         log_format="console",
         log_level="WARNING",
     )
@@ -187,43 +224,24 @@ def finished(metrics: Metrics, name: str) -> float:
     )
 
 
-async def start_worker(settings: Settings, metrics: Metrics) -> tuple[Worker, asyncio.Task[None]]:
-    """The worker running in this process, with its dead-letter and outcome topics made."""
-    topic = next(iter(settings.topics.values()))
+async def worker_run(settings: Settings, n: int) -> Measured:
+    """The worker in this process until its handler finished ``n`` records."""
+    name, topic = next(iter(settings.topics.items()))
     await create_topics(
         settings.kafka.bootstrap_servers,
         {settings.outcomes_topic() or "": 6, settings.dead_letter_topic(topic): 1},
     )
-    registry = Registry([trivial, claiming, sleepy], settings.topics)
-    worker = Worker(settings, registry, metrics=metrics)
-    return worker, asyncio.create_task(worker.run())
-
-
-async def worker_run(
-    bootstrap: str,
-    redis_url: str,
-    topic: str,
-    n: int,
-    name: str,
-    concurrency: int,
-    run: int = 0,
-    outcomes: bool = True,
-) -> Measured:
-    """One fresh consumer group and key prefix per run, so every run does all the work."""
-    group = f"{topic}-{name}-{run}" + ("" if outcomes else "-no-outcomes")
-    settings = bench_settings(bootstrap, redis_url, topic, name, group, concurrency, outcomes)
     metrics = Metrics()
-    worker, task = await start_worker(settings, metrics)
+    worker = Worker(settings, Registry([trivial, sleepy], settings.topics), metrics=metrics)
+    task = asyncio.create_task(worker.run())
     started: float | None = None
-    cpu_started = 0.0
+    cpu_started = before = 0.0  # records finished before the clocks started: not counted
     try:
-        before = 0.0  # records already finished when the clocks started: not counted
         while (done := finished(metrics, name)) < n:
             if task.done():
                 task.result()
             if started is None and done > 0:
-                started, cpu_started = time.perf_counter(), time.process_time()
-                before = done
+                started, cpu_started, before = time.perf_counter(), time.process_time(), done
             await asyncio.sleep(0.05)
         assert started is not None
         return Measured.since(started, cpu_started, int(n - before))
@@ -232,191 +250,164 @@ async def worker_run(
         await task
 
 
-def worker_process(
-    settings_args: tuple[str, str, str, str, str, int], done: Any, cpu: Any, stop: Any
-) -> None:
-    """One process of row 2d: publishes its records finished and CPU time until stopped."""
-    name = settings_args[3]
+# --- the group -----------------------------------------------------------------------------
 
-    async def main() -> None:
-        metrics = Metrics()
-        worker, task = await start_worker(bench_settings(*settings_args), metrics)
-        try:
-            while not stop.is_set():
-                if task.done():
-                    task.result()
-                done.value, cpu.value = finished(metrics, name), time.process_time()
-                await asyncio.sleep(0.05)
-        finally:
-            worker.request_stop()
-            await task
-
-    runtime.run(main())
+PeerRun = Callable[..., Coroutine[Any, Any, Measured]]
 
 
-def processes_run(
-    bootstrap: str, redis_url: str, topic: str, n: int, processes: int, run: int
-) -> Measured:
-    """Row 2 as several worker processes in one group: how one host scales out.
-
-    The CPU per record is the processes' sum, so it compares with row 2's one process.
-    """
-    spawn = multiprocessing.get_context("spawn")
-    group = f"{topic}-trivial-{run}-x{processes}"
-    stop = spawn.Event()
-    dones = [spawn.Value("d", 0.0, lock=False) for _ in range(processes)]
-    cpus = [spawn.Value("d", 0.0, lock=False) for _ in range(processes)]
-    settings_args = (bootstrap, redis_url, topic, "trivial", group, 5000)
-    children = [
-        spawn.Process(target=worker_process, args=(settings_args, done, cpu, stop))
-        for done, cpu in zip(dones, cpus, strict=True)
-    ]
-    for child in children:
-        child.start()
+def load_peer() -> PeerRun | None:
+    """``bench.peers.faststream_run``, or None when the ``bench`` extra is not installed."""
     try:
-        started: float | None = None
-        before = cpu_started = 0.0  # records finished and CPU spent before the clocks start
-        while (done := sum(d.value for d in dones)) < n:
-            if any(child.exitcode is not None for child in children):
-                raise RuntimeError(f"a worker process of row 2d exited early ({group})")
-            if started is None and done > 0:
-                started, before = time.perf_counter(), done
-                cpu_started = sum(c.value for c in cpus)
-            time.sleep(0.05)
-        assert started is not None
-        counted = n - before
-        cpu_us = (sum(c.value for c in cpus) - cpu_started) / counted * 1e6
-        return Measured(counted / (time.perf_counter() - started), cpu_us)
-    finally:
-        stop.set()
-        for child in children:
-            child.join(timeout=60)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        from bench.peers import faststream_run
+    except ImportError:
+        return None
+    return faststream_run
 
 
-@dataclass
-class Row:
-    """One bench row: its rate in every round."""
+class ThroughputGroup:
+    """Rows 1, 2, 2t, 3 and the FastStream peers over one backlog, measured every round."""
 
-    label: str
-    runs: list[Measured] = field(default_factory=list)
-
-    @property
-    def rates(self) -> list[float]:
-        return [m.rate for m in self.runs]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rates)
-
-    @property
-    def cpu_us(self) -> float:
-        """Median CPU per record of the process that ran the row (worker or raw loop)."""
-        return statistics.median(m.cpu_us for m in self.runs)
-
-    def spread(self) -> str:
-        return f"{min(self.rates):,.0f} to {max(self.rates):,.0f}"
-
-
-def main(records: int, partitions: int, concurrency: int, rounds: int, processes: int) -> None:
-    """Each phase runs on its own event loop, so the raw loop can be measured on both."""
-    # Wide enough for the table in logs and pipes, where rich would assume 80 columns.
-    console = Console() if sys.stdout.isatty() else Console(width=120)
-    # The ceiling is the faster of asyncio's loop and the worker's (uvloop, when
-    # installed): aiokafka's raw loop is not always faster on uvloop.
-    choices: tuple[runtime.LoopChoice, ...] = ("asyncio", "auto")
-    loops = {"uvloop" if runtime.loop_factory(c) else "asyncio": c for c in choices}
-    raws = {name: Row(f"1. raw loop, {name}") for name in loops}
-    full = Row("2. worker, trivial")
-    claims = Row("2b. same, claims first")
-    quiet = Row("2c. same, no outcome events")
-    scaled = Row(f"2d. row 2 as {processes} worker processes")
-    slow = Row("3. worker, 10 ms handler")
-    sleepy_n = min(records, 40_000)
-    with tempfile.TemporaryDirectory() as tmp:
-        broker = TansuBroker(Path(tmp) / "kafka").start()
-        redis_server = RedisServer(Path(tmp) / "redis").start()
-        bootstrap, redis_url = broker.bootstrap, redis_server.url
-        try:
-            topic = "bench"
-            asyncio.run(create_topics(bootstrap, {topic: partitions}))
-            console.print(f"producing {records} records to {partitions} partitions...")
-            asyncio.run(produce(bootstrap, topic, records))
-            for n in range(rounds):
-                for loop_name, choice in loops.items():
-                    group = f"raw-{loop_name}-{n}"
-                    raws[loop_name].runs.append(
-                        runtime.run(raw_loop(bootstrap, topic, records, group), choice)
-                    )
-                for row, name, count, limit, outcomes in (
-                    (full, "trivial", records, 5000, True),
-                    (claims, "claiming", records, 5000, True),
-                    (quiet, "trivial", records, 5000, False),
-                    (slow, "sleepy", sleepy_n, concurrency, True),
-                ):
-                    worker = worker_run(
-                        bootstrap, redis_url, topic, count, name, limit, n, outcomes
-                    )
-                    row.runs.append(runtime.run(worker))
-                if processes > 1:
-                    scaled.runs.append(
-                        processes_run(bootstrap, redis_url, topic, records, processes, n)
-                    )
-                done = ", ".join(
-                    f"{row.label[row.label.index(' ') + 1 :]} {row.rates[-1]:,.0f}"
-                    for row in (*raws.values(), full, claims, quiet, scaled, slow)
-                    if row.runs
-                )
-                console.print(f"round {n + 1}/{rounds} (records/s): {done}")
-        finally:
-            redis_server.stop()
-            broker.stop()
-    raw = max(row.median for row in raws.values())
-    ideal = concurrency / 0.010
-    table = Table(
-        title=f"{records:,} records, {partitions} partitions, Tansu + Redis (AOF always): "
-        f"medians of {rounds} rounds"
-    )
-    for column in ("row", "records/s", "range", "CPU µs/rec", "target", "ratio"):
-        table.add_column(column, justify="left" if column == "row" else "right")
-    for row in raws.values():
-        table.add_row(
-            row.label,
-            f"{row.median:,.0f}",
-            row.spread(),
-            f"{row.cpu_us:.1f}",
-            "",
-            f"{row.median / raw:.2f}",
+    def __init__(self, options: Options) -> None:
+        self.quick = options.quick
+        self.records = QUICK_RECORDS if options.quick else RECORDS
+        self.sleepy_records = QUICK_SLEEPY_RECORDS if options.quick else SLEEPY_RECORDS
+        self.peer_records = QUICK_PEER_RECORDS if options.quick else PEER_RECORDS
+        choices: tuple[runtime.LoopChoice, ...] = ("asyncio", "auto")
+        # uvloop when installed; the ceiling is whichever loop is faster for aiokafka.
+        self.loops = {"uvloop" if runtime.loop_factory(c) else "asyncio": c for c in choices}
+        self.raw = {name: Row(f"1. raw aiokafka loop, {name}", "rec/s") for name in self.loops}
+        self.payments = Row(
+            "2. payments handler, defaults (service run)",
+            "rec/s",
+            units={
+                "redis_us": "µs/rec",
+                "broker_us": "µs/rec",
+                "rss_mb": "MB",
+                "redis_mb": "MB",
+                "x_raw": "x raw",
+                "x_faststream_ack": "x peer",
+            },
         )
-    for row, target, ratio in (
-        (full, f">= {0.35 * raw:,.0f}", f"{full.median / raw:.2f} of raw"),
-        (claims, "", f"{claims.median / raw:.2f} of raw"),
-        (quiet, "", f"{quiet.median / raw:.2f} of raw"),
-        *([(scaled, "", f"{scaled.median / raw:.2f} of raw")] if scaled.runs else []),
-        (slow, f">= {0.8 * ideal:,.0f}", f"{slow.median / ideal:.2f} of ideal"),
-    ):
-        cpu = f"{row.cpu_us:.1f}"
-        table.add_row(row.label, f"{row.median:,.0f}", row.spread(), cpu, target, ratio)
-    console.print(table)
-    console.print(f"raw: the faster raw loop's median, {raw:,.0f}/s")
-    console.print(f"ideal for 3: {concurrency} handlers at once / 10 ms = {ideal:,.0f}/s")
-    console.print(
-        "CPU µs/rec: CPU time per record of the process running the row (one Python thread);"
-        " records/s x CPU µs near 1,000,000 means that thread was the limit"
-        + ("; for 2d, the sum over its processes" if scaled.runs else "")
-    )
+        self.trivial = Row("2t. trivial handler, in-process (polls of 5,000)", "rec/s")
+        self.sleepy = Row("3. 10 ms async handler, 200 at once", "rec/s")
+        self.peer = load_peer()
+        self.peers = {
+            False: Row("P1. FastStream, default subscriber", "rec/s"),
+            True: Row("P2. FastStream, manual ack() per record", "rec/s"),
+        }
+
+    def prepare(self, stack: BenchStack, progress: Progress) -> None:
+        stack.create_topics({TOPIC: PARTITIONS})
+        progress(f"throughput: producing {self.records:,} records to {PARTITIONS} partitions")
+        asyncio.run(produce(stack.bootstrap, TOPIC, self.records, prefix=TOPIC))
+        if self.peer is None:
+            progress("throughput: FastStream not installed (pip install -e '.[bench]'): no peer")
+
+    def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
+        bootstrap = stack.bootstrap
+        raw_round: dict[str, float] = {}
+        for name, choice in self.loops.items():
+            group = f"tp-raw-{name}-{n}"
+            measured = runtime.run(raw_loop(bootstrap, TOPIC, self.records, group), choice)
+            self.raw[name].add_run(measured)
+            raw_round[name] = measured.rate
+        figures = service_run(stack, TOPIC, self.records, f"tp-payments-{n}")
+        self.payments.add(**figures)
+        progress(
+            f"throughput: payments {figures['rate']:,.0f}/s, worker {figures['cpu_us']:.1f} µs/rec"
+            f", redis {figures.get('redis_us', 0):.1f} µs/rec"
+        )
+        settings = in_process_settings(stack, TOPIC, "trivial", f"tp-trivial-{n}")
+        self.trivial.add_run(runtime.run(worker_run(settings, self.records)))
+        settings = in_process_settings(stack, TOPIC, "sleepy", f"tp-sleepy-{n}")
+        self.sleepy.add_run(runtime.run(worker_run(settings, self.sleepy_records)))
+        if self.peer is not None:
+            for manual_ack, row in self.peers.items():
+                group = f"tp-faststream-{'ack' if manual_ack else 'default'}-{n}"
+                run = self.peer(bootstrap, TOPIC, self.peer_records, group, manual_ack=manual_ack)
+                row.add_run(asyncio.run(run))
+        # The ratios of this round, against this round's raw loop and peer.
+        raw_name = self._raw_name()
+        self.payments.add(x_raw=figures["rate"] / raw_round[raw_name])
+        if self.peers[True].figures.get("rate"):
+            self.payments.add(
+                x_faststream_ack=figures["rate"] / self.peers[True].figures["rate"][-1]
+            )
+
+    def _raw_name(self) -> str:
+        """The raw loop whose median is faster so far: the ceiling."""
+        return max(self.raw, key=lambda name: self.raw[name].median("rate"))
+
+    def rows(self) -> list[Row]:
+        if not self.payments.figures:
+            return []
+        raw = self.raw[self._raw_name()].median("rate")
+        self.payments.targets = [Target("x_raw", 0.25, at_least=True, text=">= 0.25 (aim 0.35)")]
+        if self.payments.figures.get("x_faststream_ack"):
+            self.payments.targets.append(Target("x_faststream_ack", 25, at_least=True))
+        self.payments.bound_by = (
+            "the worker's one Python thread when its CPU x rate nears 1 core; Redis's FINISH "
+            "script (redis_us) is the next limit, and both share the machine's 2 cores"
+        )
+        self.payments.notes = [
+            f"x_raw: this round's rate over this round's {self._raw_name()} raw loop "
+            f"(median raw {raw:,.0f} rec/s)",
+            "figures from the first grant to the last; broker_us, redis_us: those processes' "
+            "CPU over the same span, per record",
+        ]
+        self.trivial.bound_by = "the worker's one thread (this process): CPU x rate near 1 core"
+        ideal = CONCURRENCY / 0.010
+        self.sleepy.targets = [
+            Target("rate", 0.8 * ideal, at_least=True, text=f">= 0.8 x {ideal:,.0f}")
+        ]
+        self.sleepy.notes = [f"on the first {self.sleepy_records:,} records of the topic"]
+        self.sleepy.bound_by = (
+            "the worker's thread: ~45-50 µs per record for pool, coroutine, timer"
+        )
+        rows = [*self.raw.values(), self.payments, self.trivial, self.sleepy]
+        if self.peer is None:
+            self.payments.notes.append(
+                "no FastStream rows: the bench extra is not installed (pip install -e '.[bench]')"
+            )
+        else:
+            for row in self.peers.values():
+                row.notes = [f"on the first {self.peer_records:,} records (FastStream: 1-2k rec/s)"]
+                row.bound_by = (
+                    "FastStream's per-message work in this process (P2: a commit per record)"
+                )
+            rows += self.peers.values()
+        for row in self.raw.values():
+            row.bound_by = "this process's one thread: aiokafka's fetch and record objects"
+        return rows
+
+    def summary(self) -> list[str]:
+        if not self.payments.figures:
+            return []
+        raw_name = self._raw_name()
+        raw = self.raw[raw_name].median("rate")
+        payments = self.payments.median("rate")
+        lines = [
+            f"throughput: raw = the {raw_name} loop's median, {raw:,.0f} rec/s; payments with "
+            f"defaults {payments:,.0f} rec/s = {payments / raw:.2f} x raw (ratio of medians)",
+            "throughput: CPU µs/rec is the CPU time per record of the process running the row; "
+            "rate x CPU near 1,000,000 µs/s means that process's one thread was the limit",
+        ]
+        if self.peers[True].figures.get("rate"):
+            ack = self.peers[True].median("rate")
+            lines.append(
+                f"throughput: payments with defaults = {payments / ack:.1f} x FastStream's "
+                f"manual-ack subscriber ({ack:,.0f} rec/s) and "
+                f"{payments / self.peers[False].median('rate'):.1f} x its default subscriber"
+            )
+        return lines
+
+
+def main(argv: list[str]) -> int:
+    """``python -m bench.bench_worker [options]``: ``python -m bench --rows throughput``."""
+    from bench.__main__ import main as bench_main
+
+    return bench_main(["--rows", "throughput", *argv])
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--records", type=int, default=200_000)
-    parser.add_argument("--partitions", type=int, default=6)
-    parser.add_argument("--concurrency", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--processes", type=int, default=2, help="worker processes in row 2d (1: no row 2d)"
-    )
-    args = parser.parse_args()
-    main(args.records, args.partitions, args.concurrency, args.rounds, args.processes)
+    raise SystemExit(main(sys.argv[1:]))

@@ -25,20 +25,22 @@ import hashlib
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
 
-from bench.bench_worker import Payment, sample_payment, trivial
+from bench.bench_worker import Payment, trivial
+from bench.stack import sample_payment
 from service import Context
 from service.engine import lua_finish
 from service.engine.context import Effects
 from service.engine.idempotency import Idempotency, TokenSource
 from service.engine.keys import RedisKeys
 from service.engine.metrics import Metrics
+from service.engine.outcome_events import Event, encode
 from service.engine.processing import Processor
-from service.engine.publisher import Publisher, encode_outcome
+from service.engine.publisher import Publisher
 from service.engine.records import Delivery, Outcome
 from service.engine.registry import Registry
 from service.engine.retries import RetryQueue
@@ -74,8 +76,8 @@ class StandInOps:
 
 
 class StandInPublisher(Publisher):
-    async def outcomes(self, events: Any) -> None:
-        return None
+    async def outcomes(self, events: Sequence[Event], at_ms: int) -> None:
+        encode(events, at_ms)  # encoded as the real one does, not written
 
 
 def batches(count: int) -> list[list[Delivery]]:
@@ -96,7 +98,7 @@ async def floor(batch: list[Delivery], script: StandInScript, keys: RedisKeys) -
     to_json = Payment.__pydantic_serializer__.to_json
     tokens = TokenSource()
     rows: list[tuple[Any, ...]] = []
-    events = []
+    events: list[Event] = []
     for d in batch:
         payload = validate(d.value or b"")
         dedupe_key = str(payload.payment_id)
@@ -120,7 +122,8 @@ async def floor(batch: list[Delivery], script: StandInScript, keys: RedisKeys) -
     for i in range(0, len(rows), CHUNK):
         await script([], [86400, orjson.dumps(rows[i : i + CHUNK])])
     for d, row in zip(batch, rows, strict=True):
-        events.append(encode_outcome(d, Outcome.SUCCEEDED, "trivial", row[0], None, 0))
+        events.append((d, Outcome.SUCCEEDED, "trivial", row[0], None))
+    encode(events, 0)
 
 
 async def measure(

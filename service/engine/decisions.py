@@ -33,7 +33,7 @@ from service.engine.jobs import Fate, Job, log_fields
 from service.engine.keys import RedisKeys
 from service.engine.metrics import Metrics
 from service.engine.policies import RetryPolicy
-from service.engine.publisher import Publisher, encode_outcome
+from service.engine.publisher import Publisher
 from service.engine.records import (
     REDRIVE_HEADER,
     Delivery,
@@ -414,19 +414,18 @@ class Decisions:
             elif job.fate is Fate.DUPLICATE:
                 job.outcome = Outcome.DUPLICATE
         if self._publisher.emits_outcomes:
-            at_ms = now_ms()
             await self._publisher.outcomes(
                 [
-                    encode_outcome(
+                    (
                         j.delivery,
                         j.outcome or Outcome.DEAD_LETTERED,
                         j.name,
                         j.dedupe_key,
                         None if j.fate is Fate.SUCCEEDED else j.reason,
-                        at_ms,
                     )
                     for j in jobs
-                ]
+                ],
+                now_ms(),
             )
         counts = Counter((j.name, j.outcome or Outcome.DEAD_LETTERED) for j in jobs)
         for (name, outcome), n in counts.items():

@@ -150,6 +150,7 @@ class Processor:
             dead_letter_topic=settings.dead_letter_topic,
             outcomes_topic=settings.outcomes_topic(),
             stalls=stalls,
+            outcome_layout=settings.outcomes.layout,
         )
         retries = RetryQueue(ops, keys)
         if breakers is None:
@@ -302,6 +303,9 @@ class Processor:
         inject = self._settings.fault_injection
         later: list[tuple[Job, Context, bool]] = []
         inline = Counter[str]()  # handler name -> inline runs
+        # Inline successes not yet told to their breaker: told once per batch, or before a
+        # failure of the same handler is (the breaker sees the runs in the same order).
+        untold = Counter[str]()
         started = time.perf_counter()
         for job in jobs:
             ctx = self._context(job)
@@ -315,13 +319,16 @@ class Processor:
                 inline[handler.name] += 1
                 job.ran = True
                 handler.run_sync(payload, ctx)
-                if breaker := self.breakers.for_handler(handler.name):
-                    breaker.record_success()
+                untold[handler.name] += 1
             except Exception as exc:
                 job.ran = True
-                self.decisions.handler_failed(
-                    job, exc, breaker=self.breakers.for_handler(handler.name)
-                )
+                breaker = self.breakers.for_handler(handler.name)
+                if breaker is not None and untold[handler.name]:
+                    breaker.record_success(untold.pop(handler.name))
+                self.decisions.handler_failed(job, exc, breaker=breaker)
+        for name, successes in untold.items():
+            if successes and (breaker := self.breakers.for_handler(name)):
+                breaker.record_success(successes)
         if inline:
             # Inline handlers take microseconds: one observation of the batch's mean per
             # handler keeps the histogram honest about them without a per-record cost.

@@ -20,14 +20,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
-import socket
-import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import orjson
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
     BrokerResponseError,
@@ -43,7 +39,8 @@ from aiokafka.errors import (
 )
 from aiokafka.protocol.metadata import MetadataRequest
 
-from service.engine.records import Delivery, Outcome
+from service.engine.outcome_events import Encoded, Event, Layout, encode, partition_of
+from service.engine.records import Delivery
 from service.engine.redaction import record_text
 from service.engine.retrying import until_done
 from service.engine.stalls import Stalls
@@ -66,7 +63,6 @@ _TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError)
 # Fewer in-sync replicas than the topic's min.insync.replicas: aiokafka retries it inside
 # the producer for request_timeout_ms, then raises it; only brokers coming back end it.
 _UNDER_REPLICATED = (NotEnoughReplicasError, NotEnoughReplicasAfterAppendError)
-WORKER_ID = f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _retriable(exc: BaseException) -> bool:
@@ -102,37 +98,6 @@ def _note(exc: BaseException, attempt: int) -> None:
     log.warning("kafka produce failed, retrying", extra={"attempt": attempt, "error": repr(exc)})
 
 
-def encode_outcome(
-    delivery: Delivery,
-    event: Outcome,
-    handler: str,
-    dedupe_key: str | None,
-    reason: str | None,
-    at_ms: int,
-) -> tuple[bytes | None, bytes]:
-    """What became of one record, as the outcome event's Kafka key and value.
-
-    The layout is the contract in docs/contracts.md ("Outcome event"); the key is the
-    dedupe key, so a payment's events share a partition.
-    """
-    d = delivery
-    document = {
-        "event": event,
-        "handler": handler,
-        "dedupe_key": dedupe_key,
-        "topic": d.topic,
-        "partition": d.partition,
-        "offset": d.offset,
-        "attempt": d.attempt,
-        "reason": reason,
-        "record_ts": d.timestamp_ms,
-        "finished_at": at_ms,
-        "worker": WORKER_ID,
-    }
-    key = dedupe_key.encode("utf-8", "replace") if dedupe_key is not None else None
-    return key, orjson.dumps(document)
-
-
 class Publisher:
     def __init__(
         self,
@@ -141,15 +106,17 @@ class Publisher:
         dead_letter_topic: Callable[[str], str],
         outcomes_topic: str | None,
         stalls: Stalls | None = None,
+        outcome_layout: Layout = "batch",
     ) -> None:
         self._producer = producer
         self._dead_letter_topic = dead_letter_topic
         self._outcomes_topic = outcomes_topic
+        self._outcome_layout: Layout = outcome_layout
         # Without the worker's, stalls are still logged loudly, once per episode.
         self._stalls = stalls if stalls is not None else Stalls()
         self._failing: Counter[str] = Counter()  # stall cause -> calls now failing for it
         self._known_topics: set[str] = set()  # confirmed to exist
-        self._queued: list[tuple[list[tuple[bytes | None, bytes]], asyncio.Future[None]]] = []
+        self._queued: list[tuple[list[Encoded], asyncio.Future[None]]] = []
         self._writer: asyncio.Task[None] | None = None
         self.stopping = False
 
@@ -320,12 +287,13 @@ class Publisher:
     def emits_outcomes(self) -> bool:
         return self._outcomes_topic is not None
 
-    async def outcomes(self, events: Sequence[tuple[bytes | None, bytes]]) -> None:
-        """The audit events of a batch (from ``encode_outcome``), acknowledged.
+    async def outcomes(self, events: Sequence[Event], at_ms: int) -> None:
+        """What became of a batch's records (durable at ``at_ms``), written and acknowledged.
 
-        A no-op when outcomes are disabled.
+        A no-op when outcomes are disabled. Encoded by ``outcome_events`` in the layout
+        given at construction: by default one document per source partition.
 
-        Events of concurrent batches are coalesced: while one write is in flight, the next
+        Writes of concurrent batches are coalesced: while one write is in flight, the next
         ones queue and go together, one producer batch per partition. aiokafka holds at most
         one pending batch per partition, so many small writes would queue behind each other
         (and run into its enqueue timeout under load).
@@ -333,7 +301,7 @@ class Publisher:
         if self._outcomes_topic is None or not events:
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queued.append((list(events), done))
+        self._queued.append((encode(events, at_ms, self._outcome_layout), done))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_queued(), name="outcomes")
         await done
@@ -341,10 +309,10 @@ class Publisher:
     async def _write_queued(self) -> None:
         while self._queued:
             taken, self._queued = self._queued, []
-            events = [event for encoded, _ in taken for event in encoded]
+            records = [record for encoded, _ in taken for record in encoded]
             try:
                 await self._send(
-                    functools.partial(self._write_outcomes, events),
+                    functools.partial(self._write_outcomes, records),
                     cause=OUTCOMES_UNWRITABLE,
                     topic=self._outcomes_topic or "",
                 )
@@ -359,11 +327,13 @@ class Publisher:
                 if not done.done():
                     done.set_result(None)
 
-    async def _write_outcomes(self, events: list[tuple[bytes | None, bytes]]) -> None:
-        """Append events to per-partition batches (by key hash), send, await every ack.
+    async def _write_outcomes(self, records: list[Encoded]) -> None:
+        """Append records to per-partition batches (by key hash), send, await every ack.
 
-        One producer batch per partition instead of a send per event: producing events one
-        by one cost more CPU than all the rest of a record's path.
+        One producer batch per partition instead of a send per record: producing events one
+        by one cost more CPU than all the rest of a record's path. A record's partition
+        follows its key (``outcome_events.partition_of``): a source partition's documents
+        (layout 1: a dedupe key's events) land in one partition, in the order written.
         """
         topic = self._outcomes_topic
         assert topic is not None
@@ -371,16 +341,16 @@ class Publisher:
         partitions = sorted(await self._producer.partitions_for(topic))
         open_batches: dict[int, Any] = {}
         ready: list[tuple[int, Any]] = []
-        for i, (key, value) in enumerate(events):
-            slot = zlib.crc32(key) if key is not None else i
-            partition = partitions[slot % len(partitions)]
+        for i, (key, value) in enumerate(records):
+            slot = partition_of(key, len(partitions)) if key is not None else i % len(partitions)
+            partition = partitions[slot]
             batch = open_batches.get(partition)
             if batch is None or batch.append(timestamp=None, key=key, value=value) is None:
                 if batch is not None:
                     ready.append((partition, batch))
                 batch = open_batches[partition] = self._producer.create_batch()
                 if batch.append(timestamp=None, key=key, value=value) is None:
-                    raise ValueError("an outcome event does not fit in an empty producer batch")
+                    raise ValueError("an outcome record does not fit in an empty producer batch")
         ready.extend(open_batches.items())
         acks = [await self._producer.send_batch(b, topic, partition=p) for p, b in ready]
         for ack in acks:

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from service import project
 from service.engine.naming import HANDLER_NAME, KEY_PREFIX, TOPIC_NAME
 from service.engine.naming import check_topic as _check_topic
+from service.engine.outcome_events import Layout
 from service.engine.policies import BreakerPolicy, RetryPolicy
 
 
@@ -219,6 +220,9 @@ class OutcomeSettings(BaseModel):
 
     enabled: bool = True
     topic: str | None = None
+    # batch: a document per finished batch and source partition; record: a Kafka record per
+    # event, as before issue 19, for outside readers not yet able to read documents.
+    layout: Layout = "batch"
 
     @field_validator("topic")
     @classmethod

@@ -8,7 +8,6 @@ what is left in the retry queue. Nothing here trusts the worker's own bookkeepin
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ from aiokafka.structs import TopicPartition
 
 from service.engine.kafka_client import connection_kwargs
 from service.engine.keys import RedisKeys
+from service.engine.outcome_events import decode_all
 from service.engine.settings import KafkaSettings
 
 
@@ -231,4 +231,6 @@ async def retry_queue_depth(redis_url: str, prefix: str) -> tuple[int, int, int]
 
 
 def outcome_events(records: list[Any]) -> list[dict[str, Any]]:
-    return [json.loads(r.value) for r in records]
+    """The per-record outcome events in these outcomes-topic records (either layout, see
+    ``service.engine.outcome_events``), in order; an unreadable record raises."""
+    return decode_all([r.value for r in records])

@@ -31,7 +31,7 @@ from service.engine.jobs import BLOCKED
 from service.engine.kafka_client import make_producer
 from service.engine.keys import RedisKeys
 from service.engine.lua_common import NOW
-from service.engine.publisher import Publisher, encode_outcome
+from service.engine.publisher import Publisher
 from service.engine.records import Delivery, Outcome
 from service.engine.redis_client import RedisOps, make_client, reply_text
 from service.engine.registry import Registry
@@ -481,6 +481,7 @@ async def _drop(
             producer,
             dead_letter_topic=settings.dead_letter_topic,
             outcomes_topic=settings.outcomes_topic(),
+            outcome_layout=settings.outcomes.layout,
         )
         for item in due:
             taken = await _run(
@@ -534,16 +535,8 @@ async def _drop(
             counts["dead_lettered"] += 1
             if publisher.emits_outcomes:
                 await publisher.outcomes(
-                    [
-                        encode_outcome(
-                            delivery,
-                            Outcome.DEAD_LETTERED,
-                            name,
-                            dedupe_key,
-                            DROPPED_REASON,
-                            now_ms(),
-                        )
-                    ]
+                    [(delivery, Outcome.DEAD_LETTERED, name, dedupe_key, DROPPED_REASON)],
+                    now_ms(),
                 )
     finally:
         await producer.stop()

@@ -3,15 +3,14 @@
 Read from the outside, like the rest of ``service.ops``: per handler bound to a topic, the
 dedupe key's idempotency marker (free / claimed / done / dead), its records waiting in the
 delay queue, its dead letters and its outcome events; and the ledger entries written for it.
-The outcomes topic is keyed by the dedupe key and partitioned by its CRC32
-(``publisher.Publisher._write_outcomes``), so only that one partition is read.
+The outcomes topic holds a document per batch and source partition (``outcome_events``),
+keyed by the source partition, which a dedupe key does not name: every partition of it is
+read, and only the records that mention the key's JSON text are decoded.
 """
 
 from __future__ import annotations
 
-import json
 import time
-import zlib
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -22,6 +21,7 @@ from aiokafka.structs import TopicPartition
 
 from service.engine.kafka_client import connection_kwargs
 from service.engine.keys import RedisKeys
+from service.engine.outcome_events import UnreadableOutcome, decode, mentions
 from service.engine.redis_client import make_client
 from service.engine.registry import Handler, Registry
 from service.engine.settings import Settings
@@ -53,7 +53,7 @@ class HandlerTrace:
     marker: Marker
     retries: tuple[RetryItem, ...]
     dead_letters: tuple[DeadLetter, ...]
-    events: tuple[dict[str, Any], ...]  # outcome events, in the order they were written
+    events: tuple[dict[str, Any], ...]  # outcome events, in the order they became durable
     state: str
 
     def to_json(self) -> dict[str, Any]:
@@ -131,18 +131,18 @@ def summarise(marker: Marker, retries: tuple[RetryItem, ...], dead: tuple[DeadLe
 
 
 async def outcome_events(settings: Settings, dedupe_key: str) -> list[dict[str, Any]]:
-    """The key's outcome events, oldest first, read from its one partition of the topic."""
+    """The key's outcome events, in the order they became durable (``finished_at``; ties in
+    the order written), each with the partition and offset of the record that carries it.
+
+    Either layout: a layout-1 event (a record per event, keyed by the dedupe key) of a
+    topic written across the upgrade is found as well. Unreadable records are skipped.
+    """
     topic = settings.outcomes_topic()
     if topic is None:
         return []
     highs = await high_watermarks(settings.kafka, topic)
-    if not highs:
-        return []
-    key = dedupe_key.encode("utf-8", "replace")
-    partitions = sorted(highs)
-    partition = partitions[zlib.crc32(key) % len(partitions)]
-    end = highs[partition]
-    if end == 0:
+    ends = {TopicPartition(topic, p): end for p, end in highs.items() if end > 0}
+    if not ends:
         return []
     consumer = AIOKafkaConsumer(
         enable_auto_commit=False, auto_offset_reset="earliest", **connection_kwargs(settings.kafka)
@@ -150,29 +150,37 @@ async def outcome_events(settings: Settings, dedupe_key: str) -> list[dict[str, 
     await consumer.start()
     events: list[dict[str, Any]] = []
     try:
-        tp = TopicPartition(topic, partition)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        position = 0
+        consumer.assign(list(ends))
+        await consumer.seek_to_beginning(*ends)
+        positions = dict.fromkeys(ends, 0)
         deadline = time.monotonic() + READ_TIMEOUT_S
-        while position < end:
+        while any(positions[tp] < end for tp, end in ends.items()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"could not read {topic}[{partition}] to its end")
-            batch = await consumer.getmany(tp, timeout_ms=300, max_records=10_000)
-            for record in batch.get(tp, []):
-                position = record.offset + 1
-                if record.key != key:
-                    continue
-                try:
-                    doc = json.loads(record.value)
-                except (TypeError, ValueError):
-                    continue
-                if isinstance(doc, dict):
-                    doc["outcome_offset"] = record.offset
-                    events.append(doc)
+                raise TimeoutError(f"could not read {topic} to its end")
+            batch = await consumer.getmany(timeout_ms=300, max_records=10_000)
+            for tp, records in batch.items():
+                for record in records:
+                    positions[tp] = record.offset + 1
+                    if record.offset >= ends[tp] or not mentions(record.value, dedupe_key):
+                        continue
+                    try:
+                        found = decode(record.value)
+                    except UnreadableOutcome:
+                        continue
+                    events.extend(
+                        {**doc, "outcome_partition": tp.partition, "outcome_offset": record.offset}
+                        for doc in found
+                        if doc.get("dedupe_key") == dedupe_key
+                    )
     finally:
         await consumer.stop()
+    events.sort(key=_finished_at)
     return events
+
+
+def _finished_at(event: dict[str, Any]) -> int:
+    at = event.get("finished_at")
+    return at if isinstance(at, int) else 0
 
 
 async def _marker_of(client: aioredis.Redis, key: str) -> Marker:

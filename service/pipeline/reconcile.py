@@ -83,11 +83,17 @@ log = logging.getLogger(__name__)
 
 STATES = ("granted", "dead_lettered", "retrying", "pending", "lost")
 GRANT_STORES = ("redis", "postgres", "both", "none")
-# The outcome fields reconcile reads (handler and worker are ignored: fewer fields, less parsing).
+# The outcome fields reconcile reads, of both layouts (service/engine/outcome_events.py;
+# handler and worker are ignored: fewer fields, less parsing). Layout 1 is one event per
+# record; layout 2 (`v` = 2) hoists topic, partition and finished_at and holds the rest in
+# one array per field under `events`.
 OUTCOME_SCHEMA = (
     "event string, dedupe_key string, topic string, partition int, offset long, attempt int, "
-    "reason string, record_ts long, finished_at long"
+    "reason string, record_ts long, finished_at long, v int, "
+    "events struct<offset: array<long>, event: array<string>, dedupe_key: array<string>, "
+    "attempt: array<int>, reason: array<string>, record_ts: array<long>>"
 )
+_OUTCOME_ARRAYS = ("offset", "event", "dedupe_key", "attempt", "reason", "record_ts")
 LEDGER_PAGE = 10_000
 BROADCAST_MAX_ROWS = 1_000_000
 """Unkeyed (undecodable) events up to this many are joined to the source by broadcast."""
@@ -468,19 +474,38 @@ def parse_source(source: DataFrame, fields: Mapping[str, DedupeField]) -> DataFr
 
 
 def parse_outcomes(outcomes: DataFrame) -> DataFrame:
-    """One row per outcome record; `event` is null where the value was not an outcome JSON."""
+    """One row per outcome event, from records of either layout; `event` is null (one row per
+    record) where the value was not an outcome JSON. `event_offset` is the Kafka offset of the
+    record that carries the event and `event_index` its place in that record (0 in layout 1):
+    together, the order in which one partition's events were written."""
     from pyspark.sql import functions as F
 
     o = F.from_json(F.col("value").cast("string"), OUTCOME_SCHEMA)
-    return outcomes.select(o.alias("o"), F.col("offset").alias("event_offset")).select(
-        F.col("o.event").alias("event"),
-        F.col("o.attempt").alias("attempt"),
-        F.col("o.reason").alias("reason"),
-        F.col("o.record_ts").alias("record_ts"),
+    sizes = [F.size(F.col(f"o.events.{name}")) for name in _OUTCOME_ARRAYS]
+    # A layout-2 document whose arrays are all there, equally long and not empty.
+    batch = (F.col("o.v") == 2) & (sizes[0] > 0)
+    for size in sizes[1:]:
+        batch = batch & (size == sizes[0])
+    entries = F.when(batch, F.col("o.events.offset")).otherwise(F.array(F.col("o.offset")))
+    exploded = outcomes.select(o.alias("o"), F.col("offset").alias("event_offset")).select(
+        "o", "event_offset", F.posexplode(entries).alias("event_index", "entry_offset")
+    )
+
+    def pick(name: str) -> Column:
+        """The entry's field in layout 2, the record's own in layout 1 (null otherwise)."""
+        entry = F.element_at(F.col(f"o.events.{name}"), F.col("event_index") + 1)
+        return F.when(batch, entry).otherwise(F.col(f"o.{name}"))
+
+    return exploded.select(
+        pick("event").alias("event"),
+        pick("attempt").alias("attempt"),
+        pick("reason").alias("reason"),
+        pick("record_ts").alias("record_ts"),
         F.col("o.finished_at").alias("finished_at"),
         "event_offset",
-        _nonempty(F.col("o.dedupe_key")).alias("dedupe_key"),
-        _coord(F.col("o.topic"), F.col("o.partition"), F.col("o.offset")).alias("coord"),
+        "event_index",
+        _nonempty(pick("dedupe_key")).alias("dedupe_key"),
+        _coord(F.col("o.topic"), F.col("o.partition"), F.col("entry_offset")).alias("coord"),
     )
 
 
@@ -549,6 +574,7 @@ def reconcile_frames(
                 "record_ts",
                 "finished_at",
                 "event_offset",
+                "event_index",
                 F.lit("event").alias("kind"),
             ),
             allowMissingColumns=True,
@@ -604,9 +630,9 @@ def reconcile_frames(
             "last_dead_letter_event"
         ),
         F.min(F.when(ev == "retry_scheduled", F.col("finished_at"))).alias("first_retry_at"),
-        F.max(F.when(ev.isNotNull(), F.struct("finished_at", "event_offset", "event"))).alias(
-            "last"
-        ),
+        F.max(
+            F.when(ev.isNotNull(), F.struct("finished_at", "event_offset", "event_index", "event"))
+        ).alias("last"),
         F.max(F.when(ev.isNotNull(), F.col("attempt"))).alias("max_attempt"),
         F.count_if(is_dlq).alias("dlq_records"),
         F.max(F.when(is_dlq, F.struct("at", "reason")))["reason"].alias("dlq_reason"),

@@ -8,12 +8,17 @@ up front is what lets a test say "reconcile found exactly these keys".
 Records are appended through aiokafka's `create_batch`/`send_batch`, which is an order of
 magnitude faster than `send()` per record and tells the exact offset of every record (base
 offset of its batch + its index), so outcome events can name their source coordinates.
+
+Outcome events are encoded by the worker's own encoder (`service.engine.outcome_events`): a
+document per source partition and batch, a batch being the records of a partition whose
+notifications arrived in the same `BATCH_MS` and so finished together. The events of the
+first `old_layout_below` payments are written a Kafka record each instead, as a worker did
+before issue 19: a topic written across the upgrade.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,10 +26,14 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from redis.typing import EncodableT, FieldT
 
+from service.engine.outcome_events import Event, encode_batch, encode_record, partition_of
+from service.engine.records import Delivery, Outcome
+
 __all__ = ["Dataset", "Scenario", "TopicWriter", "produce_dataset"]
 
 Header = tuple[str, bytes]
 MINUTE_MS = 60_000
+BATCH_MS = 100  # a partition's notifications within this window finish in one batch
 
 
 class TopicWriter:
@@ -129,36 +138,6 @@ def payment_id(i: int) -> str:
     return f"pay_{i:08d}"
 
 
-def _outcome(
-    handler: str,
-    event: str,
-    pid: str | None,
-    topic: str,
-    partition: int,
-    offset: int,
-    attempt: int,
-    reason: str | None,
-    record_ts: int,
-    finished_at: int,
-) -> bytes:
-    return json.dumps(
-        {
-            "event": event,
-            "handler": handler,
-            "dedupe_key": pid,
-            "topic": topic,
-            "partition": partition,
-            "offset": offset,
-            "attempt": attempt,
-            "reason": reason,
-            "record_ts": record_ts,
-            "finished_at": finished_at,
-            "worker": "synthetic-1",
-        },
-        separators=(",", ":"),
-    ).encode()
-
-
 def _dlq_headers(
     handler: str,
     reason: str,
@@ -197,11 +176,13 @@ async def produce_dataset(
     latency_ms: int = 40,
     key_field: str = "payment_id",
     handler: str = "payments",
+    old_layout_below: int = 0,
 ) -> Dataset:
     """Write `scenario` to existing topics (and the ledger stream, if `redis_url`).
 
     `key_field` names the dedupe key in the source JSON and the ledger entries, and `handler`
     the handler in outcomes and dead letters: a generated service's handler is not `payments`.
+    The events of payments 0..`old_layout_below`-1 are written in layout 1 (a record each).
     """
     s = scenario
     ids = [payment_id(i) for i in range(s.n)]
@@ -244,6 +225,8 @@ async def produce_dataset(
         out = TopicWriter(producer, outcomes_topic, outcome_partitions)
         dlq = TopicWriter(producer, dlq_topic, 1)
         ledger: list[dict[FieldT, EncodableT]] = []
+        # (source partition, finished_at) -> its events, in the order they happened.
+        batches: dict[tuple[int, int], list[Event]] = {}
 
         async def emit(
             event: str,
@@ -255,17 +238,15 @@ async def produce_dataset(
             record_ts: int,
         ) -> None:
             p, o = where[ref]
-            key = pid.encode() if pid else None
-            part = zlib.crc32(key) % outcome_partitions if key else 0
-            await out.append(
-                part,
-                key,
-                _outcome(
-                    handler, event, pid, source_topic, p, o, attempt, reason, record_ts, finished_at
-                ),
-                finished_at,
-            )
+            delivery = Delivery(source_topic, p, o, None, None, (), record_ts, attempt)
+            happened: Event = (delivery, Outcome(event), handler, pid, reason)
             data.outcome_events += 1
+            if ref % s.n >= old_layout_below or ref >= 2 * s.n:
+                batches.setdefault((p, finished_at), []).append(happened)
+                return
+            key, value = encode_record(*happened, finished_at)
+            part = partition_of(key, outcome_partitions) if key is not None else 0
+            await out.append(part, key, value, finished_at)
 
         async def dead_letter(
             pid: str | None, ref: int, reason: str, attempts: int, at_ms: int
@@ -296,7 +277,7 @@ async def produce_dataset(
 
         for i, pid in enumerate(ids):
             ts = ts_of(i)
-            done = ts + latency_ms + (i % 7) * 10
+            done = (ts // BATCH_MS + 1) * BATCH_MS + latency_ms  # when its batch finished
             if i in s.lost:
                 continue
             if i in s.stuck or i in s.retrying:
@@ -330,6 +311,10 @@ async def produce_dataset(
             await emit("dead_lettered", None, 2 * s.n + j, 1, "malformed", at, base_ts_ms + j)
             await dead_letter(None, 2 * s.n + j, "malformed", 1, at)
             data.malformed_entities.append(f"@{source_topic}/{p}/{o}")
+        for (_, finished_at), events in batches.items():
+            for key, value in encode_batch(events, finished_at):
+                assert key is not None  # a document is keyed by its source partition
+                await out.append(partition_of(key, outcome_partitions), key, value, finished_at)
         await out.flush()
         await dlq.flush()
     finally:

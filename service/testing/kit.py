@@ -47,6 +47,7 @@ from service.engine.idempotency import Idempotency
 from service.engine.inbox import InboxStore
 from service.engine.keys import RedisKeys, effect_key
 from service.engine.metrics import Metrics
+from service.engine.outcome_events import decode_all
 from service.engine.policies import BreakerPolicy
 from service.engine.processing import Processor
 from service.engine.publisher import Publisher
@@ -193,6 +194,7 @@ class HandlerTestKit:
                 dead_letter_topic=self.settings.dead_letter_topic,
                 outcomes_topic=outcomes,
                 stalls=self._stalls,
+                outcome_layout=self.settings.outcomes.layout,
             ),
             self.redis,
             Metrics(),
@@ -296,8 +298,8 @@ class HandlerTestKit:
 
     @property
     def outcomes(self) -> list[dict[str, Any]]:
-        """Every acknowledged outcome event, decoded."""
-        return [json.loads(r.value or b"null") for r in self.producer.to(self.outcomes_topic)]
+        """Every acknowledged outcome event, decoded (one document per record)."""
+        return decode_all([r.value for r in self.producer.to(self.outcomes_topic)])
 
     def key(self, namespace: str, *parts: str) -> str:
         """The Redis key ``ctx.redis_key(namespace, *parts)`` names in the handler."""
@@ -350,10 +352,9 @@ class HandlerTestKit:
         await self.processor.process_reliably(deliveries, give_up=give_up)
         if self._stalls.first is not None:
             raise self._stalls.first
-        events = [
-            json.loads(r.value or b"null")
-            for r in self.producer.to(self.outcomes_topic)[events_before:]
-        ]
+        events = decode_all(
+            [r.value for r in self.producer.to(self.outcomes_topic)[events_before:]]
+        )
         dead = self.dead_letters[dead_before:]
         results = [self._result(d, events, dead) for d in deliveries]
         self.results.extend(results)

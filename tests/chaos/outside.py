@@ -18,7 +18,6 @@ docs/architecture.md), and every read is a redis-py or aiokafka call:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -28,6 +27,8 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
+
+from service.engine.outcome_events import decode_all
 
 Where = tuple[str, int, int]  # source topic, partition, offset
 TP = tuple[str, int]
@@ -261,7 +262,7 @@ class Outside:
 
     async def outcome_events(self) -> list[dict[str, Any]]:
         assert self._outcomes is not None
-        return [json.loads(r.value) for r in await self._outcomes.catch_up()]
+        return decode_all([r.value for r in await self._outcomes.catch_up()])
 
     async def high_watermarks(self, ends: dict[TP, int]) -> dict[TP, int]:
         """Each source partition's high watermark, from fetch responses at `ends`.

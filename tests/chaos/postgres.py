@@ -9,7 +9,6 @@ never through the worker, so a check cannot share the worker's mistakes.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -290,7 +289,7 @@ async def open_writing_transactions(postgres_url: str) -> int:
 async def outcome_events(settings: Settings) -> list[dict[str, Any]]:
     topic = settings.outcomes_topic()
     assert topic is not None
-    return [json.loads(r.value) for r in await audit.read_all(settings.kafka, topic)]
+    return audit.outcome_events(await audit.read_all(settings.kafka, topic))
 
 
 def slow_first_run(record: sample.SampleRecord) -> sample.SampleRecord:

@@ -9,7 +9,6 @@ byte), the outcomes topic, the ledger, and that the partition was committed to i
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections import defaultdict
@@ -140,8 +139,7 @@ async def _run(bootstrap: str, redis_url: str) -> CorpusRun:
     )
     outcome_records = await audit.read_all(settings.kafka, settings.outcomes_topic() or "")
     outcomes: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for r in outcome_records:
-        event = json.loads(r.value)
+    for event in audit.outcome_events(outcome_records):
         if event["topic"] == settings.topics["payments"]:
             outcomes[event["offset"]].append(event)
     dlq = {int(audit.header(r, "x-dlq-source-offset") or -1): r for r in dlq_records}

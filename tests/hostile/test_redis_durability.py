@@ -8,7 +8,6 @@ and a Redis crash in the middle of a run with retries parked.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -300,10 +299,9 @@ async def test_redis_crash_and_restart_loses_no_parked_retry(
         r.payment_id for r in records if r.expect_grant and state.grants.get(r.payment_id) != 1
     }
     # On failure, say what became of each missing payment (its outcome events).
-    history = [
-        json.loads(r.value)
-        for r in await audit.read_all(settings.kafka, settings.outcomes_topic() or "")
-    ]
+    history = audit.outcome_events(
+        await audit.read_all(settings.kafka, settings.outcomes_topic() or "")
+    )
     trail = {
         pid: [(e["event"], e["attempt"], e["reason"]) for e in history if e["dedupe_key"] == pid]
         for pid in sorted(missing)

@@ -87,8 +87,8 @@ class Env:
         outcomes = self.settings.outcomes_topic()
         assert outcomes is not None
         return [
-            json.loads(r.value)["reason"] or ""
-            for r in await audit.read_all(self.settings.kafka, outcomes)
+            e["reason"] or ""
+            for e in audit.outcome_events(await audit.read_all(self.settings.kafka, outcomes))
         ]
 
 

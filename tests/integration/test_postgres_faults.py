@@ -217,6 +217,6 @@ async def test_two_deliveries_whose_redis_claims_both_succeed_end_with_one_row(
     for settings in (a, b):
         outcomes = settings.outcomes_topic()
         assert outcomes is not None
-        (record,) = await audit.read_all(settings.kafka, outcomes)
-        events[settings.kafka.group_id] = json.loads(record.value).get("event")
+        (event,) = audit.outcome_events(await audit.read_all(settings.kafka, outcomes))
+        events[settings.kafka.group_id] = event["event"]
     assert events == {a.kafka.group_id: "succeeded", b.kafka.group_id: "duplicate"}, events

@@ -1,20 +1,26 @@
 """`service trace <dedupe key>` on the real broker and Redis: one payment's life.
 
 One worker and one produce: a payment granted, one refused (`permanent`), one parked an
-hour away. The outcomes topic has three partitions, so the trace must find the one its key
-hashes to. Each trace is parsed from `--json`.
+hour away. The outcomes topic has three partitions: the worker's documents land in the one
+the source partition's key hashes to, and an event written a record each before issue 19
+(layout 1) in the one its dedupe key hashes to; the trace must find both. Each trace is
+parsed from `--json`.
 """
 
 from __future__ import annotations
 
-import zlib
+import asyncio
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from service.dev.broker import Broker
+from service.engine.kafka_client import connection_kwargs
+from service.engine.outcome_events import encode_record, partition_of, source_key
+from service.engine.records import Delivery, Outcome
 from service.ops.trace import iso_ms
 from tests.helpers import wait_until
 from tests.ops.test_retries_cli import HOUR_MS, Stack, record, records_stack
@@ -51,9 +57,40 @@ def only(doc: dict[str, Any]) -> dict[str, Any]:
     return dict(handler)
 
 
-def test_the_keys_hash_to_different_outcome_partitions() -> None:
-    """Each lies in its own partition: reading the wrong one would miss its events."""
-    assert sorted(zlib.crc32(k) % 3 for k in (b"g1", b"d2", b"p6")) == [0, 1, 2]
+def test_an_event_written_before_the_upgrade_is_found_in_another_partition(
+    stack: Stack,
+) -> None:
+    """A topic written across the upgrade: a layout-1 event, in the partition its dedupe key
+    hashes to, not the one holding the worker's documents; reading one would miss it."""
+    documents_at = partition_of(source_key(stack.topic, 0), 3)
+    key = next(k for k in (f"old{i}" for i in range(50)) if _partition(k) != documents_at)
+    delivery = Delivery(stack.topic, 0, 1000, key.encode(), b"{}", (), 1_763_700_000_000)
+    raw_key, value = encode_record(delivery, Outcome.SUCCEEDED, "payments", key, None, 1)
+    outcomes = stack.settings.outcomes_topic()
+    assert outcomes is not None
+
+    async def write() -> None:
+        producer = AIOKafkaProducer(**connection_kwargs(stack.settings.kafka))
+        await producer.start()
+        try:
+            await producer.send_and_wait(outcomes, value, key=raw_key, partition=_partition(key))
+        finally:
+            await producer.stop()
+
+    asyncio.run(write())
+    [event] = only(stack.json("trace", key))["events"]
+    assert (event["event"], event["offset"], event["outcome_partition"]) == (
+        "succeeded",
+        1000,
+        _partition(key),
+    )
+    wait_until(lambda: only(stack.json("trace", "g1"))["events"], 30, interval=0.3)
+    [granted] = only(stack.json("trace", "g1"))["events"]
+    assert granted["outcome_partition"] == documents_at
+
+
+def _partition(dedupe_key: str) -> int:
+    return partition_of(dedupe_key.encode(), 3)
 
 
 def test_granted_payment_is_done_with_its_event_and_ledger_grant(stack: Stack) -> None:

@@ -129,7 +129,16 @@ def test_reconcile_finds_exactly_the_injected_problems(
         without_ledger=frozenset({19}),
         malformed=2,
     )
-    data = write(kafka_broker.bootstrap, unique_name, scenario, redis_server.url, make_topics)
+    # A topic written across the upgrade of issue 19: payments 0-11 (lost 5, doubled 9, stuck
+    # 11) have their events a record each (layout 1), the rest a document per batch.
+    data = write(
+        kafka_broker.bootstrap,
+        unique_name,
+        scenario,
+        redis_server.url,
+        make_topics,
+        old_layout_below=12,
+    )
     report = run_reconcile(
         spark, config(kafka_broker.bootstrap, data, tmp_path / "out", redis_server.url)
     )

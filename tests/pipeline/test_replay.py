@@ -143,7 +143,7 @@ def test_replay_after_a_worker_run_applies_nothing(
     asyncio.run(run_worker())
     outcomes_topic = settings.outcomes_topic()
     assert outcomes_topic is not None
-    events_before = len(read_topic_records(settings, outcomes_topic))
+    events_before = len(audit.outcome_events(read_topic_records(settings, outcomes_topic)))
 
     report = run_replay(spark, settings, batch_size=16)
 
@@ -158,7 +158,7 @@ def test_replay_after_a_worker_run_applies_nothing(
     expected = {r.payment_id for r in records if r.expect_grant}
     assert grants(settings) == Counter(dict.fromkeys(expected, 1))
     # A replay reports like a redelivery: one `duplicate` outcome event per record.
-    events = [json.loads(e.value) for e in read_topic_records(settings, outcomes_topic)]
+    events = audit.outcome_events(read_topic_records(settings, outcomes_topic))
     replayed = events[events_before:]
     assert Counter(e["event"] for e in replayed) == {"duplicate": 150}
     # Each source partition was replayed by one task, in offset order, every record once.

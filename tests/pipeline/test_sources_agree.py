@@ -128,7 +128,7 @@ def _effects(settings: Settings) -> dict[str, Any]:
 
     events = sorted(
         (e["event"], e["partition"], e["offset"], e.get("reason"))
-        for e in (json.loads(r.value) for r in read(outcomes))
+        for e in audit.outcome_events(read(outcomes))
     )
     # Two Spark tasks dead-letter in parallel: their order in the dead-letter topic is not data.
     dead = sorted(r.value for r in read(settings.dead_letter_topic(topic)))
