@@ -55,6 +55,7 @@ GROUPS: dict[str, str] = {
     "retries": "bench.retry_punctuality:RetryPunctualityGroup",
     "recovery": "bench.recovery:RecoveryGroup",
     "memory": "bench.memory:MemoryGroup",
+    "outcomes": "bench.bench_outcomes:OutcomesGroup",
 }
 
 
