@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal, Self
 
+import redis
 from aiokafka import AIOKafkaProducer
 
 from service.dev.apache_kafka import ApacheKafkaCluster
@@ -97,6 +98,15 @@ class BenchStack:
 
     def create_topics(self, topics: dict[str, int]) -> None:
         asyncio.run(create_topics(self.bootstrap, topics))
+
+    def flush_redis(self) -> None:
+        """FLUSHALL, waited for: a row that leaves a million keys behind clears them, so no
+        later row measures a Redis it did not fill (freeing them takes seconds)."""
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=300)
+        try:
+            client.flushall()
+        finally:
+            client.close()
 
 
 def sample_payment(rng: random.Random, payment_id: str) -> bytes:

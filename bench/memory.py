@@ -1,0 +1,144 @@
+"""Memory at a backlog: can a week's backlog after an outage be drained without an OOM kill?
+
+A backlog of 1,000,000 payments is produced once; each round the worker, as users run it
+(``service run``, the payments handler, default settings; ``bench.service_process``), drains
+it from cold with a fresh consumer group and key prefix. The worker process's RSS is sampled
+every 0.25 s with psutil from its start to its last grant, beside the grants so far (the
+ledger's length), so the table shows the peak and the RSS at a quarter, half, three quarters
+and all of the drain: flat, if memory does not grow with the backlog.
+
+Redis is flushed (FLUSHALL) at the start and the end of each round: a drain leaves a million
+ledger entries and done-markers in the shared Redis, which would weigh on every later row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import redis
+
+from bench.report import Progress, Row, Target
+from bench.service_process import ServiceRun, ledger_key
+from bench.stack import BenchStack, produce
+
+if TYPE_CHECKING:
+    from bench.__main__ import Options
+
+PARTITIONS = 6
+FULL_RECORDS = 1_000_000
+QUICK_RECORDS = 50_000
+SAMPLE_EVERY_S = 0.25
+STALL_S = 120.0  # the longest the drain may go without a new grant before the round fails
+MB = 1024 * 1024
+QUARTERS = (0.25, 0.50, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class Sample:
+    at: float  # monotonic, s
+    rss: int  # bytes
+    granted: int
+    cpu_s: float
+
+
+def drain(service: ServiceRun, records: int) -> list[Sample]:
+    """Sample the worker from its start until the ledger holds ``records`` grants."""
+    client = redis.Redis.from_url(service.redis_url)
+    ledger = ledger_key(service.prefix)
+    samples: list[Sample] = []
+    last_progress = time.monotonic()
+    try:
+        while True:
+            service.check_alive()
+            granted = int(client.xlen(ledger))
+            now = time.monotonic()
+            samples.append(Sample(now, service.rss_bytes(), granted, service.cpu_seconds()))
+            if granted >= records:
+                return samples
+            if len(samples) > 1 and granted > samples[-2].granted:
+                last_progress = now
+            elif now - last_progress > STALL_S:
+                raise TimeoutError(f"no grant for {STALL_S:.0f} s at {granted:,}/{records:,}")
+            time.sleep(SAMPLE_EVERY_S)
+    finally:
+        client.close()
+
+
+def figures(samples: list[Sample], records: int) -> dict[str, float]:
+    """Peak RSS, RSS at each quarter of the drain, rate and CPU per record after the first
+    grant (the start-up, group join and first fetch are not the drain)."""
+    first = next(s for s in samples if s.granted > 0)
+    last = samples[-1]
+    out = {"peak_rss": max(s.rss for s in samples) / MB}
+    for quarter in QUARTERS:
+        at = next(s for s in samples if s.granted >= quarter * records)
+        out[f"rss_{round(quarter * 100)}pct"] = at.rss / MB
+    counted = last.granted - first.granted
+    out["rate"] = counted / max(last.at - first.at, 1e-9)
+    out["cpu_us"] = (last.cpu_s - first.cpu_s) / max(counted, 1) * 1e6
+    return out
+
+
+# The rows: the defaults, and the defaults without the collector tuning (runtime.tune_gc: a
+# young generation of 50,000 objects), which is what the defaults' RSS grows with.
+VARIANTS: dict[str, dict[str, str]] = {
+    "defaults": {},
+    "WORKER_TUNE_GC=false": {"WORKER_TUNE_GC": "false"},
+}
+
+
+class MemoryGroup:
+    """Rows: the worker's RSS and rate through a drain of the whole backlog, per variant."""
+
+    def __init__(self, options: Options) -> None:
+        self.records = QUICK_RECORDS if options.quick else FULL_RECORDS
+        self.topic = ""
+        self.rows_by_variant = {
+            variant: Row(
+                f"memory, {self.records:,}-record backlog, {variant}",
+                "MB",
+                targets=[Target("peak_rss", 200.0)],
+                units={"rate": "records/s"},
+            )
+            for variant in VARIANTS
+        }
+
+    def prepare(self, stack: BenchStack, progress: Progress) -> None:
+        self.topic = f"backlog-{int(time.time())}"
+        stack.create_topics({self.topic: PARTITIONS})
+        progress(f"memory: producing {self.records:,} payments to {self.topic}")
+        asyncio.run(produce(stack.bootstrap, self.topic, self.records, prefix=self.topic))
+
+    def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
+        for i, (variant, env) in enumerate(VARIANTS.items()):
+            name = f"{self.topic}-m{n}-{i}"
+            stack.flush_redis()
+            try:
+                with ServiceRun(
+                    stack.bootstrap, stack.redis_url, self.topic, group=name, prefix=name, env=env
+                ) as service:
+                    samples = drain(service, self.records)
+            finally:
+                stack.flush_redis()
+            values = figures(samples, self.records)
+            self.rows_by_variant[variant].add(**values)
+            progress(
+                f"memory, {variant}: peak RSS {values['peak_rss']:.0f} MB, "
+                + ", ".join(f"{q:.0%} {values[f'rss_{round(q * 100)}pct']:.0f}" for q in QUARTERS)
+                + f" MB; {values['rate']:,.0f} records/s"
+            )
+
+    def rows(self) -> list[Row]:
+        return list(self.rows_by_variant.values())
+
+    def summary(self) -> list[str]:
+        return [
+            "memory: RSS of the `service run` process (psutil, every 0.25 s) from its start to "
+            "its last grant; rss_Npct = at the first sample with N % of the backlog granted; "
+            "rate (records/s) and cpu_us (µs/rec) from its first grant to its last. Redis is "
+            "flushed before and after each drain. WORKER_TUNE_GC=false turns off the "
+            "collector tuning (freeze + a young generation of 50,000 objects).",
+        ]

@@ -1,0 +1,458 @@
+"""Retry punctuality: does a retry due at 12:00:05 run at 12:00:05 when 100,000 are waiting?
+
+This process parks 100,000 retries in the delay queue with the worker's own ``RetryQueue``
+(the PARK script, as a payment that failed retryably is parked: attempt 2, in its Kafka key's
+chain), due evenly over one minute. Then the worker starts as users run it (``service run``,
+the payments handler, default settings; ``bench.service_process.ServiceRun``) and drains a
+backlog of fresh payments; the first retry falls due some seconds after its first grant. Its
+scheduler claims the retries as they fall due and runs them through the fresh records' path.
+The same again with the scheduler in a process of its own (``service retry-scheduler``, the
+worker's turned off with ``WORKER_RUN_RETRY_SCHEDULER=false``): the deployment that gives it
+an event loop that the fresh records do not share.
+
+Lateness is measured from the worker's own output: each grant's ledger entry carries
+``granted_at`` (the host clock when the handler ran) and ``source`` (the retry's id), and the
+delay queue holds each item's due time (Redis's clock, the same host's). Lateness = granted_at
+- due. The fresh records granted meanwhile are the ledger's length minus the retries that
+left the queue, sampled four times a second; the same worker without retries, over the same
+window after its first grant, is the baseline of the same round.
+
+A retry's coordinates are those of a record that was never fetched (offsets from 10**9 up in
+the topic's partitions), so no fresh record's completion can drop it from the queue. Redis is
+flushed (FLUSHALL) before and after each run: a minute of grants is a million keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import psutil
+import redis.asyncio as aioredis
+
+from bench.report import Progress, Row, Target
+from bench.service_process import ServiceRun, ledger_key, read_grants
+from bench.stack import BenchStack, produce, sample_payment
+from service.engine.keys import RedisKeys
+from service.engine.records import Delivery
+from service.engine.redis_client import RedisOps
+from service.engine.retries import ParkRequest, ParkStatus, RetryQueue
+from service.engine.settings import RedisSettings
+
+if TYPE_CHECKING:
+    from bench.__main__ import Options
+
+PARTITIONS = 6
+HANDLER = "payments"  # the example handler's name, which ``service run`` binds to the topic
+# Parked retries' offsets start here: no fresh record of the backlog has such an offset.
+RETRY_OFFSET_BASE = 10**9
+PARK_CHUNK = 2_000  # retries per park_many call (RetryQueue sends them 500 per PARK script)
+SAMPLE_EVERY_S = 0.25
+FINISH_GRACE_S = 120.0  # after the last due time, how long the retries may take to run
+WINDOW_UNITS = {"window_s": "s", "worker_cpu": "% core", "redis_cpu": "% core"}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    retries: int
+    spread_s: float  # due times evenly over this span
+    # The first is due this long after parking starts: time to park (on an idle Redis), start
+    # the worker, join the group and grant fresh records for a while before the window.
+    lead_s: float
+    fresh: int  # the backlog of fresh payments: enough to last until the span ends
+
+
+FULL = Sizes(retries=100_000, spread_s=60.0, lead_s=30.0, fresh=1_200_000)
+QUICK = Sizes(retries=5_000, spread_s=10.0, lead_s=12.0, fresh=200_000)
+
+
+@dataclass
+class Sample:
+    at: float  # host clock, s
+    ledger: int  # grants so far, fresh and retries
+    parked: int  # retry items still in the queue
+    behind: int  # of those, due and not yet claimed by the scheduler
+    claimed: int  # of those, claimed and not yet finished (in flight)
+    cpu_s: float  # the worker process's CPU time so far
+    redis_cpu_s: float  # redis-server's CPU time so far
+
+
+@dataclass
+class RunResult:
+    samples: list[Sample] = field(default_factory=list)
+    first_grant: float = 0.0  # host clock, s
+    window: tuple[float, float] = (0.0, 0.0)  # host clock, s
+    lateness_ms: list[float] = field(default_factory=list)
+    parking_s: float = 0.0  # how long parking the retries took
+    warm_s: float = 0.0  # the worker's first grant to the first due time
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of an ascending list, nearest rank."""
+    index = min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))
+    return ordered[index]
+
+
+def _between(samples: list[Sample], at: float, pick: str) -> float:
+    """A sampled counter (``ledger``, ``parked`` or ``cpu_s``) at ``at``, interpolated."""
+    before = [s for s in samples if s.at <= at]
+    after = [s for s in samples if s.at >= at]
+    if not before:
+        return float(getattr(samples[0], pick))
+    if not after:
+        return float(getattr(samples[-1], pick))
+    a, b = before[-1], after[0]
+    va, vb = float(getattr(a, pick)), float(getattr(b, pick))
+    return va if b.at == a.at else va + (vb - va) * (at - a.at) / (b.at - a.at)
+
+
+def in_window(result: RunResult, retries: int, backlog: int) -> dict[str, float]:
+    """Over the window (cut short if the backlog ran out): fresh grants per second, the
+    window's length, the worker's CPU per grant (µs, fresh and retries) and the worker's and
+    Redis's CPU use (% of one core)."""
+    start, end = result.window
+    samples = result.samples
+
+    def fresh(at: float) -> float:
+        return _between(samples, at, "ledger") - (retries - _between(samples, at, "parked"))
+
+    def spent(pick: str) -> float:
+        return _between(samples, end, pick) - _between(samples, start, pick)
+
+    ran_out = next((s.at for s in samples if s.ledger - (retries - s.parked) >= backlog), None)
+    if ran_out is not None:
+        end = min(end, ran_out)
+    wall = max(end - start, 1e-9)
+    return {
+        "rate": (fresh(end) - fresh(start)) / wall,
+        "window_s": wall,
+        "cpu_us": spent("cpu_s") / max(spent("ledger"), 1.0) * 1e6,
+        "worker_cpu": spent("cpu_s") / wall * 100,
+        "redis_cpu": spent("redis_cpu_s") / wall * 100,
+    }
+
+
+def retry_delivery(topic: str, keys: RedisKeys, i: int, failed_ms: int, value: bytes) -> Delivery:
+    """Retry ``i`` as the worker parks a payment that failed retryably: its first retry is
+    next (attempt 2), and it waits in its Kafka key's chain (the default key order)."""
+    partition, key = i % PARTITIONS, f"r{i}".encode()
+    return Delivery(
+        topic=topic,
+        partition=partition,
+        offset=RETRY_OFFSET_BASE + i,
+        key=key,
+        value=value,
+        headers=(),
+        timestamp_ms=failed_ms,
+        attempt=2,
+        first_failed_ms=failed_ms,
+        last_error="RetryableError: payment provider timed out (bench)",
+        chain=keys.retry_chain(topic, partition, key),
+    )
+
+
+async def redis_ms(client: aioredis.Redis) -> int:
+    seconds, micros = await client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def park_retries(
+    redis_url: str, prefix: str, topic: str, sizes: Sizes, run: str
+) -> dict[str, int]:
+    """Park the retries due evenly over the span, the first ``lead_s`` after parking starts;
+    returns each retry id's due time (ms) as the queue holds it. Raises if parking did not
+    end well before the first due time (the row would measure parking, not the scheduler)."""
+    settings = RedisSettings(url=redis_url, key_prefix=prefix)
+    client = aioredis.Redis.from_url(redis_url)
+    keys = RedisKeys(prefix)
+    queue = RetryQueue(RedisOps(client, settings), keys)
+    rng = random.Random(7)
+    try:
+        failed_ms = await redis_ms(client) - 1000
+        deliveries = [
+            retry_delivery(topic, keys, i, failed_ms, sample_payment(rng, f"{run}-retry-{i:07d}"))
+            for i in range(sizes.retries)
+        ]
+        first_due = await redis_ms(client) + round(sizes.lead_s * 1000)
+        step = sizes.spread_s * 1000 / sizes.retries
+        due: dict[str, int] = {}
+        for start in range(0, sizes.retries, PARK_CHUNK):
+            chunk = deliveries[start : start + PARK_CHUNK]
+            now = await redis_ms(client)  # PARK adds each delay to its own TIME, a moment later
+            requests = [
+                ParkRequest(
+                    delivery=delivery,
+                    delay_ms=first_due + round((start + j) * step) - now,
+                    idem_key="",  # effects-only: no claim is held when it fails
+                    token="",
+                    handler=HANDLER,
+                )
+                for j, delivery in enumerate(chunk)
+            ]
+            statuses = await queue.park_many(requests)
+            if any(s is not ParkStatus.PARKED for s in statuses):
+                raise RuntimeError(f"not parked: {sorted({str(s) for s in statuses})}")
+            ids = [d.retry_id for d in chunk]
+            scores: list[float | None] = await client.zmscore(keys.retry_due, ids)
+            for retry_id, score in zip(ids, scores, strict=True):
+                if score is None:  # claimed already: it fell due while parking went on
+                    raise RuntimeError(f"retry {retry_id} fell due before parking ended")
+                due[retry_id] = int(score)
+        left_ms = first_due - await redis_ms(client)
+        if left_ms < sizes.lead_s * 1000 / 2:
+            raise RuntimeError(
+                f"parking left {left_ms} ms of the {sizes.lead_s:.0f} s lead: raise the lead"
+            )
+        return due
+    finally:
+        await client.aclose()
+
+
+def read_lateness(redis_url: str, prefix: str, topic: str, due: dict[str, int]) -> list[float]:
+    """granted_at - due (ms) of every retry the ledger shows granted, ascending. Only entries
+    from just before the first due time are read (a stream id is Redis's clock at FINISH)."""
+    after = f"{min(due.values()) - 1000}-0".encode()
+    out: list[float] = []
+    for grant in read_grants(redis_url, prefix, after=after):
+        retry_due = due.get(f"{topic}/{grant.partition}/{grant.offset}")
+        if retry_due is not None and grant.granted_at_ms is not None:
+            out.append(grant.granted_at_ms - retry_due)
+    return sorted(out)
+
+
+async def sample_until(
+    workers: list[ServiceRun],
+    client: aioredis.Redis,
+    redis_process: psutil.Process,
+    result: RunResult,
+    deadline: float,
+    *,
+    until_unparked: bool,
+) -> None:
+    """Sample grants, parked items and CPU until the host clock reaches ``deadline`` or,
+    with ``until_unparked``, until no retry is left in the queue after the window opened.
+    The CPU is the sum over ``workers`` (the consumer, and the scheduler when separate)."""
+    keys = RedisKeys(workers[0].prefix)
+    ledger = ledger_key(workers[0].prefix)
+    while True:
+        for worker in workers:
+            worker.check_alive()
+        pipe = client.pipeline(transaction=True)  # the counts of one moment
+        pipe.xlen(ledger)
+        pipe.hlen(keys.retry_items)
+        pipe.zcount(keys.retry_due, "-inf", int(time.time() * 1000))  # same host: same clock
+        pipe.zcard(keys.retry_inflight)
+        grants, parked, behind, claimed = await pipe.execute()
+        redis_cpu = redis_process.cpu_times()
+        now = time.time()
+        result.samples.append(
+            Sample(
+                at=now,
+                ledger=int(grants),
+                parked=int(parked),
+                behind=int(behind),
+                claimed=int(claimed),
+                cpu_s=sum(worker.cpu_seconds() for worker in workers),
+                redis_cpu_s=redis_cpu.user + redis_cpu.system,
+            )
+        )
+        if now >= deadline or (until_unparked and parked == 0 and now > result.window[0]):
+            return
+        await asyncio.sleep(SAMPLE_EVERY_S)
+
+
+async def first_grant(worker: ServiceRun, client: aioredis.Redis, timeout_s: float) -> float:
+    """The host time of the worker's first grant (polled every 50 ms)."""
+    ledger = ledger_key(worker.prefix)
+    deadline = time.monotonic() + timeout_s
+    while not await client.xlen(ledger):
+        worker.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no grant within {timeout_s:.0f} s of /readyz")
+        await asyncio.sleep(0.05)
+    return time.time()
+
+
+async def measure(
+    workers: list[ServiceRun],
+    stack: BenchStack,
+    sizes: Sizes,
+    due: dict[str, int] | None,
+    window_at: float,
+) -> RunResult:
+    """One run on started, ready workers (the consumer first). With the retries' ``due``
+    times the window is their span, and the run lasts until all ran; without, the window
+    opens ``window_at`` s after the first grant and is as long (the baseline)."""
+    client = aioredis.Redis.from_url(stack.redis_url)
+    assert stack.redis.pid is not None
+    redis_process = psutil.Process(stack.redis.pid)
+    consumer = workers[0]
+    result = RunResult()
+    try:
+        result.first_grant = await first_grant(consumer, client, 120.0)
+        if due is None:
+            opens = result.first_grant + window_at
+            result.window = (opens, opens + sizes.spread_s)
+            await sample_until(
+                workers, client, redis_process, result, result.window[1], until_unparked=False
+            )
+            return result
+        result.window = (min(due.values()) / 1000, max(due.values()) / 1000)
+        result.warm_s = result.window[0] - result.first_grant
+        if result.warm_s < 1.0:
+            raise RuntimeError(
+                f"the worker's first grant came {-result.warm_s:.1f} s after the first due "
+                "time: raise the lead"
+            )
+        deadline = result.window[1] + FINISH_GRACE_S
+        await sample_until(workers, client, redis_process, result, deadline, until_unparked=True)
+        for worker in workers:
+            worker.stop()
+        result.lateness_ms = read_lateness(stack.redis_url, consumer.prefix, consumer.topic, due)
+        return result
+    finally:
+        await client.aclose()
+
+
+class RetryPunctualityGroup:
+    """Rows: lateness of 100,000 parked retries with the scheduler in the worker (as
+    ``service run`` runs it) and in a process of its own (``service retry-scheduler``), and
+    the worker's fresh throughput meanwhile, beside a baseline without retries."""
+
+    def __init__(self, options: Options) -> None:
+        self.sizes = QUICK if options.quick else FULL
+        self.topic = ""
+        parked = f"{self.sizes.retries:,} parked over {self.sizes.spread_s:.0f} s"
+        self.lateness = {
+            False: lateness_row(f"retry lateness, {parked}, scheduler in `service run`"),
+            True: lateness_row(f"retry lateness, {parked}, `service retry-scheduler`"),
+        }
+        self.fresh = {
+            False: Row("fresh records meanwhile, scheduler in `service run`", "records/s"),
+            True: Row("fresh records meanwhile, `service retry-scheduler`", "records/s"),
+        }
+        self.baseline = Row("fresh records, no retries (baseline)", "records/s")
+        for row in (*self.fresh.values(), self.baseline):
+            row.units.update(WINDOW_UNITS)
+
+    def prepare(self, stack: BenchStack, progress: Progress) -> None:
+        self.topic = f"retries-{int(time.time())}"
+        stack.create_topics({self.topic: PARTITIONS})
+        progress(f"retries: producing {self.sizes.fresh:,} fresh payments to {self.topic}")
+        asyncio.run(produce(stack.bootstrap, self.topic, self.sizes.fresh, prefix=self.topic))
+
+    def _run(
+        self, stack: BenchStack, name: str, *, separate: bool, window_at: float | None
+    ) -> RunResult:
+        """Redis flushed; the retries parked (unless ``window_at`` is given: the baseline);
+        then one worker (fresh group and prefix), and with ``separate`` a ``service
+        retry-scheduler`` beside it, the worker's own scheduler turned off."""
+        stack.flush_redis()
+        due: dict[str, int] | None = None
+        parking_s = 0.0
+        if window_at is None:
+            started = time.monotonic()
+            due = asyncio.run(park_retries(stack.redis_url, name, self.topic, self.sizes, name))
+            parking_s = time.monotonic() - started
+
+        def worker(command: str, env: dict[str, str]) -> ServiceRun:
+            return ServiceRun(
+                stack.bootstrap,
+                stack.redis_url,
+                self.topic,
+                group=name,
+                prefix=name,
+                env=env,
+                command=command,
+            )
+
+        off = {"WORKER_RUN_RETRY_SCHEDULER": "false"}
+        workers = [worker("run", off if separate else {})]
+        if separate:
+            workers.append(worker("retry-scheduler", {}))
+        try:
+            for run in workers:
+                run.start()
+            for run in workers:
+                run.wait_ready()
+            result = asyncio.run(measure(workers, stack, self.sizes, due, window_at or 0.0))
+            result.parking_s = parking_s
+            return result
+        finally:
+            for run in workers:
+                run.stop()
+            stack.flush_redis()
+
+    def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
+        retries = self.sizes.retries
+        window_at = 0.0
+        for separate in (False, True):
+            where = "`service retry-scheduler`" if separate else "the worker's scheduler"
+            progress(f"retries: {retries:,} parked retries, {where}")
+            name = f"{self.topic}-r{n}-{'separate' if separate else 'inline'}"
+            result = self._run(stack, name, separate=separate, window_at=None)
+            window_at = result.warm_s
+            late = result.lateness_ms
+            if late:
+                self.lateness[separate].add(
+                    p50=percentile(late, 0.50),
+                    p99=percentile(late, 0.99),
+                    max=late[-1],
+                    run=len(late),
+                    behind_max=max(s.behind for s in result.samples),
+                    in_flight_max=max(s.claimed for s in result.samples),
+                    parking_s=result.parking_s,
+                    warm_s=result.warm_s,
+                )
+            fresh = in_window(result, retries, self.sizes.fresh)
+            self.fresh[separate].add(**fresh)
+            p99 = f"{percentile(late, 0.99):,.0f} ms" if late else "n/a"
+            progress(
+                f"retries: {len(late):,}/{retries:,} ran, p99 late {p99}; "
+                f"fresh {fresh['rate']:,.0f}/s"
+            )
+        progress("retries: baseline, the worker without retries")
+        name = f"{self.topic}-r{n}-baseline"
+        base = self._run(stack, name, separate=False, window_at=window_at)
+        values = in_window(base, 0, self.sizes.fresh)
+        self.baseline.add(**values)
+        progress(f"retries: baseline fresh {values['rate']:,.0f}/s")
+
+    def rows(self) -> list[Row]:
+        return [*self.lateness.values(), *self.fresh.values(), self.baseline]
+
+    def summary(self) -> list[str]:
+        return [
+            "retries: lateness = the grant's granted_at (the payments handler's clock as it "
+            "ran) - the retry's due time in the delay queue; run = retries granted within "
+            f"{FINISH_GRACE_S:.0f} s of the last due time; behind_max = the most retries due "
+            "and not yet claimed at once, in_flight_max the most claimed and not yet finished "
+            "(sampled 4/s); parking_s = parking them, before the "
+            "worker starts; warm_s = the worker's first grant to the first due time. "
+            "Scheduler settings are the defaults (WORKER_RETRY__POLL_INTERVAL_MS 250, "
+            "__CLAIM_BATCH 200, __LEASE_MS 60000; at most WORKER_MAX_IN_FLIGHT/4 retries in "
+            "flight).",
+            "retries: fresh records/s = ledger growth minus the retries that left the queue, "
+            "over the due times' span (window_s; shorter if the backlog ran out); cpu_us = "
+            "worker CPU per grant there (fresh and retries; both processes when the scheduler "
+            "is separate); worker_cpu, redis_cpu = % of one core. The baseline's window opens "
+            "as long after its first grant. Redis is flushed before and after each run.",
+        ]
+
+
+def lateness_row(label: str) -> Row:
+    return Row(
+        label,
+        "ms",
+        targets=[Target("p99", 250.0)],
+        units={
+            "run": "retries",
+            "behind_max": "retries",
+            "in_flight_max": "retries",
+            "parking_s": "s",
+            "warm_s": "s",
+        },
+    )
