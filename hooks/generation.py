@@ -28,8 +28,8 @@ from typing import Any
 TEMPLATE_DIR = "{{cookiecutter.project_slug}}"
 # Copied from the template checkout into every generated project.
 SHARED = ("service", "tests", "docs", "deploy", "Dockerfile", ".dockerignore", ".gitignore")
-# Inside SHARED, but about the template itself: never copied.
-TEMPLATE_ONLY = ("tests/template",)
+# Inside SHARED, but about the template itself (or bench/, which stays in it): never copied.
+TEMPLATE_ONLY = ("tests/template", "tests/benchmarks")
 # Dropped when the answer is "no".
 OPTIONAL = {
     "include_k8s": ("deploy/k8s",),
