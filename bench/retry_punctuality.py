@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import psutil
 import redis.asyncio as aioredis
 
+from bench.latency import percentiles
 from bench.report import Progress, Row, Target
 from bench.service_process import ServiceRun, ledger_key, read_grants
 from bench.stack import BenchStack, produce, sample_payment
@@ -85,15 +86,9 @@ class RunResult:
     samples: list[Sample] = field(default_factory=list)
     first_grant: float = 0.0  # host clock, s
     window: tuple[float, float] = (0.0, 0.0)  # host clock, s
-    lateness_ms: list[float] = field(default_factory=list)
+    lateness_ms: list[int] = field(default_factory=list)
     parking_s: float = 0.0  # how long parking the retries took
     warm_s: float = 0.0  # the worker's first grant to the first due time
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of an ascending list, nearest rank."""
-    index = min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))
-    return ordered[index]
 
 
 def _between(samples: list[Sample], at: float, pick: str) -> float:
@@ -113,8 +108,9 @@ def in_window(result: RunResult, retries: int, backlog: int) -> dict[str, float]
     """Over the window (cut short if the backlog ran out): fresh grants per second, the
     window's length, the worker's CPU per grant (µs, fresh and retries) and the worker's and
     Redis's CPU use (% of one core)."""
-    start, end = result.window
     samples = result.samples
+    ran_out = next((s.at for s in samples if s.ledger - (retries - s.parked) >= backlog), None)
+    start, end = result.window[0], min(result.window[1], ran_out or result.window[1])
 
     def fresh(at: float) -> float:
         return _between(samples, at, "ledger") - (retries - _between(samples, at, "parked"))
@@ -122,9 +118,6 @@ def in_window(result: RunResult, retries: int, backlog: int) -> dict[str, float]
     def spent(pick: str) -> float:
         return _between(samples, end, pick) - _between(samples, start, pick)
 
-    ran_out = next((s.at for s in samples if s.ledger - (retries - s.parked) >= backlog), None)
-    if ran_out is not None:
-        end = min(end, ran_out)
     wall = max(end - start, 1e-9)
     return {
         "rate": (fresh(end) - fresh(start)) / wall,
@@ -211,11 +204,11 @@ async def park_retries(
         await client.aclose()
 
 
-def read_lateness(redis_url: str, prefix: str, topic: str, due: dict[str, int]) -> list[float]:
+def read_lateness(redis_url: str, prefix: str, topic: str, due: dict[str, int]) -> list[int]:
     """granted_at - due (ms) of every retry the ledger shows granted, ascending. Only entries
     from just before the first due time are read (a stream id is Redis's clock at FINISH)."""
     after = f"{min(due.values()) - 1000}-0".encode()
-    out: list[float] = []
+    out: list[int] = []
     for grant in read_grants(redis_url, prefix, after=after):
         retry_due = due.get(f"{topic}/{grant.partition}/{grant.offset}")
         if retry_due is not None and grant.granted_at_ms is not None:
@@ -396,11 +389,10 @@ class RetryPunctualityGroup:
             result = self._run(stack, name, separate=separate, window_at=None)
             window_at = result.warm_s
             late = result.lateness_ms
-            if late:
+            cuts = percentiles(late) if len(late) > 1 else {}
+            if cuts:
                 self.lateness[separate].add(
-                    p50=percentile(late, 0.50),
-                    p99=percentile(late, 0.99),
-                    max=late[-1],
+                    **cuts,
                     run=len(late),
                     behind_max=max(s.behind for s in result.samples),
                     in_flight_max=max(s.claimed for s in result.samples),
@@ -409,7 +401,7 @@ class RetryPunctualityGroup:
                 )
             fresh = in_window(result, retries, self.sizes.fresh)
             self.fresh[separate].add(**fresh)
-            p99 = f"{percentile(late, 0.99):,.0f} ms" if late else "n/a"
+            p99 = f"{cuts['p99']:,.0f} ms" if cuts else "n/a"
             progress(
                 f"retries: {len(late):,}/{retries:,} ran, p99 late {p99}; "
                 f"fresh {fresh['rate']:,.0f}/s"
