@@ -35,11 +35,12 @@ MIN_TICK_S = 0.005
 class Slot:
     """One runner's view of its current call: the deadline it must finish by."""
 
-    __slots__ = ("_task", "_timeout_s", "due", "expired")
+    __slots__ = ("_task", "_timeout_s", "busy", "due", "expired")
 
     def __init__(self, task: asyncio.Task[None]) -> None:
         self._task = task
         self._timeout_s = 0.0
+        self.busy = False  # a call is taken, whether or not it has entered its deadline yet
         self.due = math.inf  # monotonic time the call must end by; inf when none runs
         self.expired = False  # set by the watchdog just before it cancels the runner
 
@@ -160,13 +161,18 @@ class HandlerPool:
         self._runners[runner] = Slot(runner)
 
     async def _watch(self) -> None:
-        """Cancel the runners whose call is past its deadline; ends when all are idle."""
+        """Cancel the runners whose call is past its deadline; ends when all are idle.
+
+        Idle means no call taken, not merely no deadline running: a call may await
+        (renew its leases) before it enters its deadline, and a watchdog gone by then
+        would leave a hanging handler uncancelled.
+        """
         while True:
             await asyncio.sleep(self._tick_s)
             now = time.monotonic()
             running = False
             for runner, slot in self._runners.items():
-                if slot.due == math.inf:
+                if not slot.busy:
                     continue
                 running = True
                 if slot.due <= now and not slot.expired:
@@ -191,6 +197,7 @@ class HandlerPool:
                 if group.cancelled:
                     continue
                 group.running.add(me)
+                slot.busy = True
                 try:
                     await call(slot)
                 except asyncio.CancelledError:
@@ -201,6 +208,7 @@ class HandlerPool:
                     group.fail(exc)
                     continue
                 finally:
+                    slot.busy = False
                     group.running.discard(me)
                 group.left -= 1
                 if group.left == 0 and not group.done.done():

@@ -138,3 +138,23 @@ async def test_closing_fails_waiting_callers_instead_of_leaving_them_hanging() -
 def test_a_pool_needs_a_runner() -> None:
     with pytest.raises(ValueError, match="at least one"):
         HandlerPool(0)
+
+
+async def test_watchdog_exits_while_a_call_awaits_before_its_deadline(pool: HandlerPool) -> None:
+    """The defect: a call that awaits something before entering its deadline (the worker
+    renews its leases in Redis there) left the watchdog seeing no deadline and no queued
+    call, so it ended; the handler that then hung was never cancelled until another
+    batch happened to start a watchdog. Seen on CI as a retry that outlived its lease and
+    ran a fourth time with max_attempts=3."""
+    seen: list[str] = []
+
+    async def renews_then_hangs(slot: Slot) -> None:
+        await asyncio.sleep(0.05)  # a Redis round trip: ten of the watchdog's ticks
+        try:
+            with slot.deadline(0.05):
+                await asyncio.Event().wait()
+        except TimeoutError:
+            seen.append("timeout")
+
+    await asyncio.wait_for(pool.run([renews_then_hangs], shortest_timeout_s=0.05), timeout=5)
+    assert seen == ["timeout"]
