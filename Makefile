@@ -21,8 +21,12 @@ $(BENCH_STAMP): $(STAMP)
 run: $(STAMP)  ## the worker on the embedded broker and Redis, processing sample payments
 	$(BIN)/service demo
 
+# The suite mostly waits (sessions expiring, brokers electing, outages running out), so it
+# runs on more workers than cores; TEST_WORKERS=0 runs it in this process, one test at a time.
+TEST_WORKERS ?= 3
+
 test: $(STAMP)  ## every test: units, real-server integration, chaos (bounded), pipeline, deploy
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

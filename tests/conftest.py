@@ -18,6 +18,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ from service.dev.broker import Broker
 from service.dev.postgres_server import PostgresServer
 from service.dev.redis_server import RedisServer
 from service.dev.tansu import TansuBroker
-from tests.helpers import on_ci
+from tests.helpers import on_ci, replay_lines
 
 # Tests that use these fixtures talk to real servers and are marked `integration` automatically,
 # so `pytest -m "not integration"` stays fast and needs no binaries.
@@ -41,6 +42,12 @@ SERVER_FIXTURES = frozenset(
     }
 )
 INTEGRATION_DIR = Path(__file__).parent / "integration"
+# `make test` spreads the suite over pytest-xdist workers a module at a time (a module's
+# tests share its fixtures, and some build on the one before), and each of these folders
+# whole on one worker: the pipeline's tests share a Spark session (and Ivy's cache is not
+# safe for two at once), tests/kafka its 3-node clusters, and the chaos tests each load
+# both cores (two at once would only measure the machine).
+ONE_WORKER_FOLDERS = ("tests/pipeline/", "tests/kafka/", "tests/chaos/")
 
 BROKER_ENV = "WORKER_TEST_BROKER"
 BROKER_CHOICES = ("auto", "kafka", "tansu")
@@ -68,14 +75,34 @@ def pytest_terminal_summary(
     if note is not None:
         terminalreporter.write_sep("-", "broker")
         terminalreporter.write_line(note)
+    replays = replay_lines(terminalreporter.stats)
+    if replays:
+        terminalreporter.write_sep("-", "replay (randomized tests' seeds)")
+        for line in replays:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        fixtures = getattr(item, "fixturenames", ())
         in_integration_dir = INTEGRATION_DIR in Path(str(item.path)).parents
-        uses_servers = bool(SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+        uses_servers = bool(SERVER_FIXTURES.intersection(fixtures))
         if in_integration_dir or uses_servers:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Modules by module, ``ONE_WORKER_FOLDERS`` by folder: pytest-xdist's loadscope with
+    our scopes (its loadgroup marks no longer reach the scheduler under pytest 9.2)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FolderScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return next((f for f in ONE_WORKER_FOLDERS if module.startswith(f)), module)
+
+    return FolderScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

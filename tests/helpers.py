@@ -1,4 +1,5 @@
-"""Polling helpers for tests: wait for a condition with a deadline instead of sleeping blindly."""
+"""Polling helpers for tests: wait for a condition with a deadline instead of sleeping blindly;
+and the replay lines of randomized tests, listed at the end of the run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, cast, overload
+
+import pytest
 
 T = TypeVar("T")
 
@@ -78,3 +81,29 @@ async def await_until(
 def on_ci() -> bool:
     """CI (``CI=true``) runs everything: a test whose tool is missing fails there, not skips."""
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+REPLAY = "replay"
+"""The ``user_properties`` key of a line that replays a randomized test (its seed)."""
+
+
+def announce_replay(node: pytest.Item, line: str) -> None:
+    """Keep how to replay this run; the summary at the end lists it, passed or failed.
+
+    A report's ``user_properties`` travel from pytest-xdist's workers to the terminal,
+    where a print from a worker never arrives.
+    """
+    node.user_properties.append((REPLAY, line))
+
+
+def replay_lines(stats: dict[str, list[object]]) -> list[str]:
+    """The replay lines of every test's call report, failed and passed alike."""
+    lines: list[str] = []
+    for reports in stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call":
+                continue
+            for key, value in getattr(report, "user_properties", ()):
+                if key == REPLAY and value not in lines:
+                    lines.append(str(value))
+    return lines

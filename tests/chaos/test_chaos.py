@@ -22,6 +22,7 @@ import pytest
 from service.dev.broker import Broker
 from service.dev.redis_server import RedisServer
 from tests.chaos.engine import SEED_ENV, ChaosConfig, ChaosReport, run_chaos, seed_from_env
+from tests.helpers import announce_replay
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +32,10 @@ def chaos_seed() -> int:
 
 
 @pytest.fixture
-def announced_seed(
-    chaos_seed: int, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
-) -> int:
-    """Print the seed even when the test passes, so any run can be replayed."""
-    with capsys.disabled():
-        print(f"\n[chaos] {SEED_ENV}={chaos_seed} pytest '{request.node.nodeid}'")
+def announced_seed(chaos_seed: int, request: pytest.FixtureRequest) -> int:
+    """The seed, listed at the end of the run even when the test passes, so any run can be
+    replayed."""
+    announce_replay(request.node, f"[chaos] {SEED_ENV}={chaos_seed} pytest '{request.node.nodeid}'")
     return chaos_seed
 
 

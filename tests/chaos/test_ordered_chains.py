@@ -40,7 +40,7 @@ from service.engine.kafka_client import connection_kwargs
 from service.engine.settings import Settings
 from tests.chaos.engine import SEED_ENV, current_assignment, seed_from_env
 from tests.chaos.outside import TP, Outside, View, Where, ledger_key, wait_settled
-from tests.helpers import await_until
+from tests.helpers import announce_replay, await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import WorkerProcess, worker_processes
 
@@ -247,12 +247,13 @@ async def test_per_key_order_survives_kills_and_rebalances_mid_chain(
     redis_server: RedisServer,
     unique_name: str,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
     seed = seed_from_env()
     keys = int(os.environ.get(KEYS_ENV, "") or 40)
-    with capsys.disabled():
-        print(f"\n[chains] {SEED_ENV}={seed} {KEYS_ENV}={keys}")
+    announce_replay(
+        request.node, f"[chains] {SEED_ENV}={seed} {KEYS_ENV}={keys} pytest '{request.node.nodeid}'"
+    )
     settings = chain_settings(kafka_broker.bootstrap, redis_server.url, unique_name)
     await prepare_topics(settings, partitions=PARTITIONS)
     waves = make_waves(unique_name, keys, random.Random(seed))

@@ -43,7 +43,7 @@ from tests.chaos.postgres import (
     steady_state,
     wait_pg_settled,
 )
-from tests.helpers import await_until
+from tests.helpers import announce_replay, await_until
 from tests.integration.harness import prepare_topics
 from tests.integration.procs import HangWatch, WorkerProcess, worker_processes
 
@@ -88,11 +88,12 @@ async def test_purchases_are_granted_once_through_kills_restarts_and_rebalances(
     postgres_url: str,
     unique_name: str,
     tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
     seed = seed_from_env()
-    with capsys.disabled():
-        print(f"\n[postgres chaos] CHAOS_SEED={seed}")
+    announce_replay(
+        request.node, f"[postgres chaos] CHAOS_SEED={seed} pytest '{request.node.nodeid}'"
+    )
     settings = pg_chaos_settings(
         kafka_broker.bootstrap, redis_server.url, postgres_url, unique_name
     )

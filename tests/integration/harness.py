@@ -224,6 +224,10 @@ async def observe(settings: Settings, postgres_url: str | None = None) -> RunSta
     return RunState(offsets, dict(grants), dead, retry_depth)
 
 
+OBSERVATION_TIMEOUT_S = 30.0
+"""One observation's reads normally take well under a second."""
+
+
 async def wait_settled(
     settings: Settings,
     timeout: float = 60,  # noqa: ASYNC109
@@ -235,14 +239,30 @@ async def wait_settled(
     them; a second, identical observation shows nothing was moving.
     """
     last: list[RunState] = []
+    hung = 0
 
     async def check() -> bool:
-        state = await observe(settings, postgres_url)
+        nonlocal hung
+        try:
+            # aiokafka retries a read (OffsetFetch above all) for as long as the broker
+            # keeps answering "try again": bound each observation, then take a fresh one.
+            async with asyncio.timeout(OBSERVATION_TIMEOUT_S):
+                state = await observe(settings, postgres_url)
+        except TimeoutError:
+            hung += 1
+            last.clear()
+            return False
         previous = last[0] if last else None
         last[:] = [state]
         return state.settled() and previous is not None and previous == state
 
-    await await_until(check, timeout, interval=0.3, message=lambda: f"not settled: {last}")
+    def why() -> str:
+        if not hung:
+            return f"not settled: {last}"
+        limit = f"{OBSERVATION_TIMEOUT_S:g} s"
+        return f"not settled: {last}; {hung} observation(s) unanswered in {limit}"
+
+    await await_until(check, timeout, interval=0.3, message=why)
     return last[0]
 
 
