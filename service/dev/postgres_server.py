@@ -162,6 +162,9 @@ class PostgresServer(ManagedServer):
             check=False,
             env=self.env() | {"LC_ALL": "C"},
         )
+        # Kept beside the server's log: a cluster that starts but lacks its databases was
+        # once seen under load, and initdb's own account is the first thing to read then.
+        (self.work_dir / "initdb.log").write_text(result.stdout + result.stderr)
         if result.returncode != 0:
             raise DevStackError(f"initdb failed: {(result.stderr or result.stdout)[-1500:]}")
 
