@@ -357,9 +357,12 @@ class ApacheKafkaCluster:
         timeout: float = 60.0,  # noqa: ASYNC109 (a polling deadline)
     ) -> None:
         """Create topics (name -> partitions; default replication: every node, at most 3)
-        and return once every partition has a leader and a full ISR."""
+        and return once every node's metadata shows every partition with a leader and a
+        full ISR. Asking one node is not enough: a node that has not caught up yet answers
+        as if a new topic did not exist (seen on CI as a durability check finding none)."""
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
         from aiokafka.errors import for_code
+        from aiokafka.protocol.metadata import MetadataRequest
 
         rf = replication_factor or min(len(self.nodes), 3)
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
@@ -374,15 +377,18 @@ class ApacheKafkaCluster:
                         f"creating topic {name!r}: {for_code(code).__name__} {message or ''}"
                     )
             deadline = time.monotonic() + timeout
+            nodes = [b.nodeId for b in admin._client.cluster.brokers()]  # private: per node
             while True:
-                described = await admin.describe_topics(list(topics))
-                ready = {
-                    t["topic"]
-                    for t in described
-                    if t["error_code"] == 0
-                    and len(t["partitions"]) == topics[t["topic"]]
-                    and all(p["leader"] >= 0 and len(p["isr"]) == rf for p in t["partitions"])
-                }
+                ready = set(topics)
+                for node in nodes:
+                    answer = await admin._send_request(MetadataRequest(list(topics)), node)
+                    ready &= {
+                        t["topic"]
+                        for t in answer.to_object()["topics"]
+                        if t["error_code"] == 0
+                        and len(t["partitions"]) == topics[t["topic"]]
+                        and all(p["leader"] >= 0 and len(p["isr"]) == rf for p in t["partitions"])
+                    }
                 if ready == set(topics):
                     return
                 if time.monotonic() >= deadline:
