@@ -84,9 +84,8 @@ def pytest_terminal_summary(
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        fixtures = getattr(item, "fixturenames", ())
         in_integration_dir = INTEGRATION_DIR in Path(str(item.path)).parents
-        uses_servers = bool(SERVER_FIXTURES.intersection(fixtures))
+        uses_servers = bool(SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())))
         if in_integration_dir or uses_servers:
             item.add_marker(pytest.mark.integration)
 
