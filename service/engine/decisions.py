@@ -259,6 +259,12 @@ class Decisions:
         )
         job.fate, job.reason = Fate.HOLD, error
 
+    def requeue(self, job: Job, why: str) -> None:
+        """Back to the delay queue at the same attempt, soon: the record did not fail (its
+        work was in a postgres transaction a wave-mate's handler broke), so no attempt is
+        spent and no breaker hears of it."""
+        job.park(job.delivery.attempt, why, self._settings.retry.busy_delay_ms)
+
     def retry_or_give_up(self, job: Job, error: str) -> None:
         """Park for another run, unless the handler's retry policy is spent."""
         error = record_text(error)  # e.g. a Redis error echoing an effect's arguments

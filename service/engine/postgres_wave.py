@@ -1,16 +1,23 @@
 """A wave's postgres records through their handlers: one transaction, a savepoint each.
 
 Called by processing.py in place of the handler runners for handlers declared
-``store="postgres"``; the transaction itself is ``inbox.py``'s. First the inbox rows of the
-whole wave in one INSERT (an existing row: a duplicate, or a conflict). Then per record, in
-offset order on the wave's one connection: stretch its leases, open its savepoint, run the
-handler on ``ctx.db`` under its timeout, release the savepoint (or roll back to it and delete
-its inbox row on failure: the record's decision is made as for any handler, its wave-mates
-unharmed).
+``store="postgres"``; the transaction itself is ``inbox.py``'s. Per record, in offset order
+on the wave's one connection: stretch its leases, open its savepoint and insert its inbox
+row there (an existing row: a duplicate, or a conflict), run the handler on ``ctx.db`` under
+its timeout, then keep its savepoint for release (or roll back to it on failure, its inbox
+row with it: the record's decision is made as for any handler, its wave-mates unharmed).
 Then one commit. Only a committed record goes on to FINISH as succeeded (or duplicate);
 when the connection or the commit fails, every record still waiting on it is a retryable
 failure (counted by its circuit breaker, so an outage opens the circuit and holds records
 instead of burning their retries), because nothing of theirs is known to be kept.
+
+A handler caught ending, replacing or splitting the wave's transaction (``inbox.py``'s
+proof, ``HandlerBrokeTransaction``) is dead-lettered ``permanent``, its reason naming the
+rule and what of it may have stayed durable; the wave is abandoned. Its wave-mates are kept
+when the handler's own COMMIT committed them, else back to the delay queue at the same
+attempt (they did not fail). When the handler may have committed anything (it left the
+wave's transaction), its record's inbox row is made durable, so that no redelivery or
+redrive runs it a second time.
 
 With ``fault_injection`` on, the ``x-fault`` header (faults.py) works here as for any
 handler, inside the record's savepoint (a hang holds the wave's transaction open for the
@@ -35,11 +42,14 @@ from service.engine.decisions import Decisions
 from service.engine.errors import RetryableError
 from service.engine.inbox import (
     STALL,
+    HandlerBrokeTransaction,
     InboxRow,
     InboxStore,
     StoreUnavailable,
     Verdict,
+    WaveFate,
     WaveTransaction,
+    transaction_control_refused,
 )
 from service.engine.inbox import is_connection_error as _is_connection_error
 from service.engine.jobs import Job, log_fields
@@ -94,28 +104,26 @@ class PostgresWaves:
     async def _run_transaction(self, jobs: list[Job]) -> None:
         waiting: list[Job] = []  # released into the transaction, not yet committed
         try:
-            async with self._store.begin() as tx:
-                limit = max(self._timeout_of(j) for j in jobs)
-                await tx.conn.execute(
-                    f"SET LOCAL statement_timeout = {int(limit * 1000)}"  # a hung query ends
-                )
-                rows = {id(job): _row(job) for job in jobs}
-                verdicts = await tx.insert_rows(list(rows.values()))
-                for job in jobs:
+            limit = max(self._timeout_of(j) for j in jobs)
+            async with self._store.begin(limit) as tx:
+                try:
+                    for job in jobs:
+                        if tx.broken is not None:
+                            break
+                        if await self._one(tx, job):
+                            waiting.append(job)
                     if tx.broken is not None:
-                        break
-                    row = rows[id(job)]
-                    verdict, stored = verdicts[(row.handler, row.dedupe_key)]
-                    if await self._one(tx, job, row, verdict, stored):
-                        waiting.append(job)
-                if tx.broken is not None:
-                    raise tx.broken
-                if waiting:
-                    started = time.perf_counter()
-                    await self._store.commit(tx)
-                    self._metrics.postgres_commit_seconds.observe(time.perf_counter() - started)
-                    if self._inject:
-                        _crash_after_commit(waiting)
+                        raise tx.broken
+                    if waiting:
+                        started = time.perf_counter()
+                        await self._store.commit(tx)
+                        self._metrics.postgres_commit_seconds.observe(time.perf_counter() - started)
+                        if self._inject:
+                            _crash_after_commit(waiting)
+                except HandlerBrokeTransaction as broken:
+                    await self._abandon(tx, broken, jobs, waiting)
+                    self._metrics.postgres_transactions.labels("failed").inc()
+                    return
         except Exception as exc:
             self._metrics.postgres_transactions.labels("failed").inc()
             if isinstance(exc, StoreUnavailable) or _is_connection_error(exc):
@@ -131,16 +139,30 @@ class PostgresWaves:
         for job in waiting:
             job.committed = True
 
-    async def _one(
-        self, tx: WaveTransaction, job: Job, row: InboxRow, verdict: Verdict, stored: str
-    ) -> bool:
-        """One record in its savepoint; True when its work (or its duplicate) awaits commit."""
+    async def _one(self, tx: WaveTransaction, job: Job) -> bool:
+        """One record in its savepoint; True when its work (or its duplicate) awaits commit.
+
+        Raises ``HandlerBrokeTransaction`` when this record's handler, or the last one's
+        (found as this record's savepoint opens), broke the wave's transaction.
+        """
         assert job.handler is not None and job.payload is not None
         limit_s = self._timeout_of(job)
+        row = _row(job)
+        try:
+            if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
+                return False  # parked: its claim or retry lease was lost meanwhile
+            verdict, stored = await tx.enter(row)
+        except HandlerBrokeTransaction:
+            raise
+        except Exception as exc:
+            tx.broken = exc
+            return False
         if verdict is Verdict.DUPLICATE:
+            tx.skip()
             job.inbox_duplicate = True
             return True  # FINISH still marks the key done and drops a retry item
         if verdict is Verdict.CONFLICT:
+            tx.skip()
             # Its key's Redis marker must keep the committed payload's fingerprint (a claim
             # found Redis empty, e.g. after a restart): the original's redelivery stays a
             # duplicate there, and this payload a conflict.
@@ -150,14 +172,6 @@ class PostgresWaves:
                 f"dedupe key {job.dedupe_key!r} was already committed in PostgreSQL for a "
                 f"different payload (inbox fingerprint {stored[:16]}…)",
             )
-            return False
-        try:
-            if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
-                await tx.forget(row)  # parked: its claim or retry lease was lost meanwhile
-                return False
-            await tx.enter()
-        except Exception as exc:
-            tx.broken = exc
             return False
         ctx = self._context_of(job)
         ctx.db = tx.conn
@@ -180,17 +194,22 @@ class PostgresWaves:
             self._observe(job.name, time.perf_counter() - started)
         if error is None:
             try:
-                await tx.release()
+                tx.release(row)
                 # Counted now, as its wave-mates' failures are: counting successes only at
                 # COMMIT would show the breaker a wave's failures alone (a commit that fails
                 # later counts every record of the wave as failed, _fail_all).
                 if breaker is not None:
                     breaker.record_success()
                 return True
+            except HandlerBrokeTransaction:
+                raise
             except Exception as exc:  # e.g. the handler swallowed an SQL error: aborted
                 error = exc
+        error = transaction_control_refused(error) or error
         try:
             await tx.rollback(row)
+        except HandlerBrokeTransaction:
+            raise
         except Exception as exc:
             tx.broken = exc
         if tx.broken is not None or _is_connection_error(error):
@@ -204,6 +223,40 @@ class PostgresWaves:
         else:
             self._decisions.handler_failed(job, error, breaker=breaker)
         return False
+
+    async def _abandon(
+        self,
+        tx: WaveTransaction,
+        broken: HandlerBrokeTransaction,
+        jobs: list[Job],
+        waiting: list[Job],
+    ) -> None:
+        """A handler broke the wave's transaction: its record is dead-lettered ``permanent``,
+        the records the transaction committed (by that handler's COMMIT) are kept, and the
+        others go back to the delay queue at the same attempt."""
+        offender = next(j for j in jobs if _row(j) == broken.row)
+        may_have_committed = broken.left is not False
+        keep = broken.row if may_have_committed else None
+        try:
+            fate = await tx.abandon(keep)
+            kept_error = ""
+        except Exception as exc:  # PostgreSQL failed now too: nothing more is known
+            log.exception("abandoning a wave a handler broke", extra=log_fields(offender))
+            fate, kept_error = WaveFate.UNKNOWN, describe_error(exc)
+        offender.inbox_duplicate = False
+        offender.dead_letter("permanent", _broke_the_rule(broken, fate, keep, kept_error))
+        why = (
+            f"retried: the handler of a wave-mate (offset {offender.delivery.offset}) broke "
+            "the postgres transaction this record's work was in"
+        )
+        for job in jobs:
+            if job.fate is not None:
+                continue
+            if fate is WaveFate.COMMITTED and job in waiting:
+                job.committed = True  # the handler's own COMMIT kept it with its inbox row
+                continue
+            job.inbox_duplicate = False
+            self._decisions.requeue(job, why)
 
     def _fail_all(self, jobs: list[Job], exc: BaseException) -> None:
         """The transaction is gone: every record it held (or would have) is retried."""
@@ -220,6 +273,41 @@ def _row(job: Job) -> InboxRow:
     return InboxRow(
         job.name, job.dedupe_key or "", job.fingerprint, d.topic, d.partition, d.offset, d.attempt
     )
+
+
+def _broke_the_rule(
+    broken: HandlerBrokeTransaction, fate: WaveFate, keep: InboxRow | None, kept_error: str
+) -> str:
+    """The dead letter's reason: the rule, what the handler did, what of it may stay."""
+    if keep is None:
+        after = "Nothing of it was committed: once the handler is fixed, a redrive runs it again."
+    elif kept_error:
+        after = (
+            "What it committed itself, if anything, stays and cannot be undone; writing its "
+            f"inbox row failed ({kept_error}), so a redrive would run it again: check its "
+            "effects first."
+        )
+    elif fate is WaveFate.COMMITTED:
+        after = (
+            "What the handler wrote until then stays and cannot be undone; its inbox row was "
+            "committed with it, so no redelivery or redrive runs it again: check its effects "
+            "by hand."
+        )
+    else:
+        after = (
+            "What it committed itself after ending the wave's transaction, if anything, "
+            "stays and cannot be undone; its inbox row is written, so no redelivery or "
+            "redrive runs it again: check its effects by hand (delete its kafka_inbox row "
+            "to let a redrive run it)."
+        )
+    return f"{broken}; {_FATES[fate]}. {after}"
+
+
+_FATES = {
+    WaveFate.COMMITTED: "its COMMIT committed the wave's transaction",
+    WaveFate.ABORTED: "the wave's transaction was rolled back",
+    WaveFate.UNKNOWN: "what became of the wave's transaction is not known",
+}
 
 
 def _crash_after_commit(committed: list[Job]) -> None:
