@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 INBOX = "kafka_inbox"
 SAVEPOINT = "record"
-GUARD = "kafka_inbox_guard"  # sql/0002_inbox_guard.sql
+GUARD = "kafka_inbox_guard"  # sql/0002_inbox_guard.sql: the proof, raising when it fails
+ENTER = "kafka_inbox_enter"  # the same: a record's inbox row, after the last record's proof
 # The SQLSTATEs the guard raises, and PostgreSQL's for a savepoint that is not there.
 LEFT_WAVE = "KI001"  # the session is in another transaction than the wave's
 ROW_LOST = "KI002"  # the record's inbox row is gone: its savepoint was rolled back
@@ -54,12 +55,14 @@ ROW_KEPT = "KI003"  # the row outlived the rollback to its savepoint: the savepo
 NO_SAVEPOINT = "3B001"  # invalid_savepoint_specification
 
 _COLUMNS = "handler, dedupe_key, fingerprint, topic, partition, record_offset, attempt"
+
 # Parameters bound client-side (AsyncClientCursor): the statements of one round trip go as
-# one simple query, which the extended protocol (server-side parameters) cannot carry.
+# one simple query, which the extended protocol (server-side parameters) cannot carry. The
+# SQL behind them is in functions (sql/0002_inbox_guard.sql), whose plans PostgreSQL keeps
+# per session: planned afresh for each record, the INSERT doubled PostgreSQL's CPU.
 _ENTER = (
-    f"SAVEPOINT {SAVEPOINT}; WITH inserted AS (INSERT INTO {INBOX} ({_COLUMNS}) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (handler, dedupe_key) DO NOTHING "
-    "RETURNING 1) SELECT EXISTS (SELECT 1 FROM inserted), txid_current()"
+    f"SAVEPOINT {SAVEPOINT}; SELECT inserted, transaction_id FROM {ENTER}"
+    "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
 _GUARD = f"SELECT {GUARD}(%s, %s, %s, %s)"
 _RELEASE = f"RELEASE SAVEPOINT {SAVEPOINT}"
@@ -216,7 +219,10 @@ REPLACED = (
     "its handler replaced the worker's savepoint, taking the work before it out of the "
     "record's rollback"
 )
-GONE = "its handler left the worker's savepoint gone (released, or the transaction ended)"
+GONE = (
+    "its handler left the worker's savepoint gone (it released the savepoint, or ended the "
+    "wave's transaction)"
+)
 
 
 class StoreUnavailable(Exception):
@@ -272,18 +278,17 @@ class WaveTransaction:
 
     Round trips per record are what a wave costs (psycopg's CPU per ``execute`` dominates,
     docs/performance.md), so each record costs one simple query before its handler
-    (``enter``): the proof that the last handler left the transaction and its record's
-    inbox row as they were (the guard), that record's RELEASE, this record's SAVEPOINT and
-    its inbox row's INSERT. The last record's proof and RELEASE go with the COMMIT
-    (``commit``); a record that fails is rolled back to its savepoint with its proof in one
-    round trip too (``rollback``). Python-side checks (the session still in a transaction,
-    autocommit off) cost no round trip.
+    (``enter``): the last record's RELEASE, this record's SAVEPOINT, and one call of
+    ``kafka_inbox_enter`` proving the last handler left the transaction and its record's
+    inbox row as they were, then inserting this record's inbox row. The last record's proof, before
+    its RELEASE, goes with the COMMIT (``commit``); a record that fails is rolled back to
+    its savepoint with its proofs in one round trip too (``rollback``). Python-side checks
+    (the session still in a transaction, autocommit off) cost no round trip.
 
-    A guard that fails raises, so what follows it in the string (the RELEASE, the COMMIT)
-    never runs, and the wave is abandoned (``HandlerBrokeTransaction``). Even a savepoint
-    only rolled back is not repaired in place: the handler may have written after its
-    rollback into a savepoint of the same name, which no rollback of the worker's would
-    then reach.
+    A failed proof raises, so nothing after it in the string runs (above all no COMMIT),
+    and the wave is abandoned (``HandlerBrokeTransaction``). Even a savepoint only rolled
+    back is not repaired in place: the handler may have written after its rollback into a
+    savepoint of the same name, which no rollback of the worker's would then reach.
     """
 
     def __init__(self, conn: AsyncConnection[Any], statement_timeout_ms: int) -> None:
@@ -294,27 +299,32 @@ class WaveTransaction:
         self.broken: BaseException | None = None  # set once the connection failed
         self.wave_xid: int | None = None  # txid_current() as the first savepoint opened
         self.discard = False  # the session may carry a handler's changes: close, not reuse
-        # The record whose handler returned into the transaction: its proof and RELEASE are
-        # sent with the next record's SAVEPOINT, or with the COMMIT.
+        # The record whose handler returned into the transaction: its RELEASE and proof
+        # are sent with the next record's SAVEPOINT, or (proof first) with the COMMIT.
         self._returned: InboxRow | None = None
         # The last record's savepoint is open but needs no proof (no handler ran in it).
         self._release_pending = False
 
     async def enter(self, row: InboxRow) -> tuple[Verdict, str]:
-        """Prove the last record intact and release it, open this record's savepoint and
-        insert its inbox row: one round trip. Returns the verdict and, for an existing row,
-        its fingerprint. Raises ``HandlerBrokeTransaction`` for the last record's handler."""
+        """Release the last record, open this record's savepoint, insert its inbox row and
+        prove the last record intact: one round trip. Returns the verdict and, for an
+        existing row, its fingerprint. Raises ``HandlerBrokeTransaction`` for the last
+        record's handler."""
         statements: list[str] = []
-        params: list[Any] = []
         if self.wave_xid is None:  # the wave's first statement: a hung query ends
             statements.append(f"SET LOCAL statement_timeout = {self._statement_timeout_ms}")
-        statements += self._release(params)
+        if self._returned is not None or self._release_pending:
+            statements.append(_RELEASE)
         statements.append(_ENTER)
-        params += row.values()
+        last = self._returned
+        proof = (self.wave_xid, last.handler, last.dedupe_key) if last else (self.wave_xid,)
+        params = [*row.values(), *proof, *[None] * (3 - len(proof))]
         try:
             await self._cursor.execute("; ".join(statements), params)
         except Exception as exc:
-            self._judge_returned(exc)
+            # A savepoint gone at its RELEASE: released by the handler, or the wave's
+            # transaction ended; which one, the proof after it did not get to tell.
+            self._judge_returned(exc, gone=GONE, left=None)
             raise
         self._returned, self._release_pending = None, True
         while self._cursor.nextset():  # the INSERT's row is the last result
@@ -368,44 +378,40 @@ class WaveTransaction:
         """
         psycopg, _ = _driver()
         self._check_session(row)
-        assert self.wave_xid is not None
         statements: list[str] = []
         params: list[Any] = []
+        left: bool | None = None  # whether a savepoint found gone means the session left
         if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
             # Still the wave's transaction? (An aborted one cannot be asked before the
             # rollback.) Then a savepoint found gone was released inside it, nothing more.
             statements.append(_GUARD)
             params += [self.wave_xid, None, None, False]
-        left = None if not statements else False
+            left = False
         statements += [_ROLLBACK_TO, _GUARD, _RELEASE]
         params += [self.wave_xid, row.handler, row.dedupe_key, False]
         self._returned, self._release_pending = None, False
         try:
             await self._cursor.execute("; ".join(statements), params)
         except Exception as exc:
-            state = getattr(exc, "sqlstate", None)
-            if state == LEFT_WAVE:
-                raise HandlerBrokeTransaction(row, ENDED, left=True) from exc
-            if state == NO_SAVEPOINT:
-                raise HandlerBrokeTransaction(row, GONE, left=left) from exc
-            if state == ROW_KEPT:
-                raise HandlerBrokeTransaction(row, REPLACED, left=False) from exc
+            self._judge(exc, row, gone=GONE, left=left)
             raise
 
     async def commit(self) -> None:
         """Prove the transaction is still the wave's (and the last record intact), release
         the last savepoint and COMMIT: one round trip, the COMMIT only behind the proof."""
-        assert self.wave_xid is not None
-        params: list[Any] = []
-        statements = self._release(params)
-        if self._returned is None:  # prove the transaction even when no record needs it
-            statements.insert(0, _GUARD)
-            params[:0] = [self.wave_xid, None, None, True]
+        last = self._returned
+        statements = [_GUARD]
+        params = [self.wave_xid, last.handler if last else None, last.dedupe_key if last else None]
+        params.append(True)
+        if last is not None or self._release_pending:
+            statements.append(_RELEASE)
         statements.append("COMMIT")
         try:
             await self._cursor.execute("; ".join(statements), params)
         except Exception as exc:
-            self._judge_returned(exc)
+            # The proof passed, so the session is in the wave's transaction: a savepoint
+            # gone at its RELEASE was released by the handler.
+            self._judge_returned(exc, gone=RELEASED, left=False)
             raise
         self._returned, self._release_pending = None, False
 
@@ -446,27 +452,25 @@ class WaveTransaction:
             str(status), WaveFate.UNKNOWN
         )
 
-    def _release(self, params: list[Any]) -> list[str]:
-        """The statements releasing the last record's savepoint, its proof first."""
+    def _judge_returned(self, exc: BaseException, *, gone: str, left: bool | None) -> None:
+        """``_judge`` for the record whose handler returned last (none: nothing to judge)."""
         if self._returned is not None:
-            row = self._returned
-            params += [self.wave_xid, row.handler, row.dedupe_key, True]
-            return [_GUARD, _RELEASE]
-        return [_RELEASE] if self._release_pending else []
+            self._judge(exc, self._returned, gone=gone, left=left)
 
-    def _judge_returned(self, exc: BaseException) -> None:
-        """Raise ``HandlerBrokeTransaction`` when ``exc`` is the failed proof of the record
-        whose handler returned last; any other failure is the caller's to raise."""
-        row = self._returned
+    @staticmethod
+    def _judge(exc: BaseException, row: InboxRow, *, gone: str, left: bool | None) -> None:
+        """Raise ``HandlerBrokeTransaction`` when ``exc`` says ``row``'s handler broke the
+        rule (a failed proof, its savepoint gone: then ``gone`` and ``left`` say what that
+        means here); any other failure is the caller's to raise."""
         state = getattr(exc, "sqlstate", None)
-        if row is None:
-            return
         if state == LEFT_WAVE:
             raise HandlerBrokeTransaction(row, ENDED, left=True) from exc
         if state == ROW_LOST:
             raise HandlerBrokeTransaction(row, ROLLED_BACK, left=False) from exc
-        if state == NO_SAVEPOINT:  # the guard before it proved the session in the wave's
-            raise HandlerBrokeTransaction(row, RELEASED, left=False) from exc
+        if state == ROW_KEPT:
+            raise HandlerBrokeTransaction(row, REPLACED, left=False) from exc
+        if state == NO_SAVEPOINT:
+            raise HandlerBrokeTransaction(row, gone, left=left) from exc
 
     def _check_session(self, row: InboxRow) -> None:
         """What the connection tells without a round trip, after the record's handler."""
