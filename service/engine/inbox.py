@@ -1,12 +1,12 @@
 """The postgres effects store: one transaction per wave, a savepoint and an inbox row per record.
 
 A handler declared ``store="postgres"`` does its own SQL on ``ctx.db``. The worker opens one
-transaction for the postgres records of a wave (``InboxStore.begin``) and, per record, sets
-a savepoint, inserts the record's inbox row (handler, dedupe key, fingerprint, coordinates,
-attempt) inside it and runs the handler. A handler failure rolls back to its savepoint,
-taking its SQL and its inbox row with it; its wave-mates stay in. The wave commits once (one
-WAL flush for the batch) before the Redis FINISH marks the keys done, and the offsets
-complete only after both.
+transaction for the postgres records of a wave (``InboxStore.begin``), inserts their inbox
+rows (handler, dedupe key, fingerprint, coordinates, attempt) in one statement and, per
+record, sets a savepoint and runs the handler. A handler failure rolls back to its savepoint
+and deletes its inbox row; its wave-mates stay in. The wave commits once (one WAL flush for
+the batch) before the Redis FINISH marks the keys done, and the offsets complete only after
+both.
 
 The inbox row is the authority on "done": a crash after the commit and before FINISH
 leaves the Redis claim to expire, and the redelivery finds the row (a duplicate). An
@@ -14,13 +14,15 @@ existing row with another fingerprint is a conflict, dead-lettered, its original
 Two deliveries racing past Redis (a zombie) meet at the table's primary key: the second
 waits for the first's transaction, then finds its row.
 
-The transaction is the worker's, and a handler's SQL could end it (``COMMIT``, ``ROLLBACK``,
-``END``, ``PREPARE TRANSACTION``, chained or not) or undo the worker's savepoint without any
-Python call to refuse. So the worker proves, in the statements it sends anyway, that the
-transaction a handler returns into is the one it began (``txid_current()`` against the
-wave's, checked by ``kafka_inbox_guard``, sql/0002_inbox_guard.sql) and that the record's
-inbox row is where its savepoint put it; the wave's COMMIT is sent behind the same proof.
-A handler caught breaking it is ``HandlerBrokeTransaction`` (postgres_wave.py decides).
+Only the worker ends the transaction. A handler's SQL could (``COMMIT``, ``ROLLBACK``,
+``END``, ``PREPARE TRANSACTION``, chained or not, or the worker's savepoint released or
+replaced) without any Python call to refuse, so: a COMMIT the worker did not send fails
+(the wave's row in ``kafka_inbox_wave`` and its deferred trigger, sql/0002_inbox_guard.sql),
+taking the whole wave's transaction with it; the worker's own COMMIT goes behind the proof
+that the session is still in the transaction it began (``txid_current()``); the release of
+each record's savepoint proves it is still there; and a rollback to it proves, by a marker
+set inside it, that it is the worker's. A handler caught is ``HandlerBrokeTransaction``
+(postgres_wave.py decides).
 
 psycopg is imported only when a postgres handler is bound (the ``postgres`` extra).
 """
@@ -45,35 +47,37 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INBOX = "kafka_inbox"
-SAVEPOINT = "record"
-GUARD = "kafka_inbox_guard"  # sql/0002_inbox_guard.sql: the proof, raising when it fails
-ENTER = "kafka_inbox_enter"  # the same: a record's inbox row, after the last record's proof
-# The SQLSTATEs the guard raises, and PostgreSQL's for a savepoint that is not there.
+WAVES = "kafka_inbox_wave"  # one row per open wave's transaction: only the worker commits it
+# Distinctive, so that a handler's own savepoints (``ctx.db.transaction()``, or one it
+# names) never share its name: a rollback to it reaches exactly the worker's savepoint.
+SAVEPOINT = "kafka_inbox_record"
+MARK = "kafka_inbox.record"  # set inside each record's savepoint: a rollback undoes it
+AUTHORIZE = "kafka_inbox.commit"  # the wave's txid, set by the worker just before its COMMIT
+GUARD = "kafka_inbox_guard"
+# The SQLSTATEs of sql/0002_inbox_guard.sql, and PostgreSQL's for a savepoint not there.
 LEFT_WAVE = "KI001"  # the session is in another transaction than the wave's
-ROW_LOST = "KI002"  # the record's inbox row is gone: its savepoint was rolled back
-ROW_KEPT = "KI003"  # the row outlived the rollback to its savepoint: the savepoint was replaced
+REPLACED_SAVEPOINT = "KI002"  # the record's marker outlived the rollback to its savepoint
+NOT_THE_WORKERS_COMMIT = "KI003"  # a COMMIT the worker did not send: refused
 NO_SAVEPOINT = "3B001"  # invalid_savepoint_specification
 
-_COLUMNS = "handler, dedupe_key, fingerprint, topic, partition, record_offset, attempt"
-
-# Parameters bound client-side (AsyncClientCursor): the statements of one round trip go as
-# one simple query, which the extended protocol (server-side parameters) cannot carry. The
-# SQL behind them is in functions (sql/0002_inbox_guard.sql), whose plans PostgreSQL keeps
-# per session: planned afresh for each record, the INSERT doubled PostgreSQL's CPU.
-_ENTER = (
-    f"SAVEPOINT {SAVEPOINT}; SELECT inserted, transaction_id FROM {ENTER}"
-    "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)"
+_INSERT_MANY = (
+    f"INSERT INTO {INBOX} (handler, dedupe_key, fingerprint, topic, partition, record_offset, "
+    "attempt) SELECT * FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::int[], "
+    "%s::bigint[], %s::int[]) ON CONFLICT (handler, dedupe_key) DO NOTHING "
+    "RETURNING handler, dedupe_key"
 )
-_GUARD = f"SELECT {GUARD}(%s, %s, %s, %s)"
-_RELEASE = f"RELEASE SAVEPOINT {SAVEPOINT}"
-_ROLLBACK_TO = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
-# A separate statement: a row committed by a transaction that ON CONFLICT waited for is
-# visible only to a snapshot taken after it.
-_STORED = f"SELECT fingerprint FROM {INBOX} WHERE handler = %s AND dedupe_key = %s"
+_EXISTING_MANY = (
+    f"SELECT i.handler, i.dedupe_key, i.fingerprint FROM {INBOX} i "
+    "JOIN unnest(%s::text[], %s::text[]) AS w(handler, dedupe_key) USING (handler, dedupe_key)"
+)
+_DELETE = f"DELETE FROM {INBOX} WHERE handler = %s AND dedupe_key = %s"
+_COLUMNS = "handler, dedupe_key, fingerprint, topic, partition, record_offset, attempt"
 _KEEP = (
     f"INSERT INTO {INBOX} ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
     "ON CONFLICT (handler, dedupe_key) DO NOTHING"
 )
+_RELEASE = f"RELEASE SAVEPOINT {SAVEPOINT}"
+_ROLLBACK_TO = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
 INSTALL_HINT = "pip install '.[postgres]'"
 STALL = "postgres"  # the stall's cause while PostgreSQL does not answer
 RULE = "a postgres handler must not end, replace or split the worker's transaction"
@@ -85,14 +89,6 @@ class Verdict(enum.Enum):
     NEW = "new"  # its row is inserted (uncommitted): run the handler
     DUPLICATE = "duplicate"  # committed before, same payload
     CONFLICT = "conflict"  # committed before, another payload under the same dedupe key
-
-
-class WaveFate(enum.Enum):
-    """What became of a wave's transaction a handler broke (``WaveTransaction.abandon``)."""
-
-    COMMITTED = "committed"  # by the handler's own COMMIT: what it held is kept
-    ABORTED = "aborted"  # nothing of it is kept
-    UNKNOWN = "unknown"  # PostgreSQL did not say: treat its records as not kept
 
 
 class TransactionControlRefused(PermanentError):
@@ -204,17 +200,13 @@ class HandlerBrokeTransaction(Exception):
         self.left = left
 
 
-# What a handler did, as the worker's proof found it.
+# What a handler did, as the worker found it.
 ENDED = (
     "its handler ended the wave's transaction (COMMIT, ROLLBACK, END or PREPARE TRANSACTION, "
-    "chained or not, sent through ctx.db)"
+    "chained or not, sent through ctx.db; a COMMIT is refused and rolls it back)"
 )
 AUTOCOMMIT = "its handler ended the wave's transaction and turned autocommit on"
 RELEASED = f"its handler released the worker's savepoint (RELEASE SAVEPOINT {SAVEPOINT})"
-ROLLED_BACK = (
-    f"its handler rolled back the worker's savepoint (ROLLBACK TO SAVEPOINT {SAVEPOINT}), "
-    "dropping the record's inbox row"
-)
 REPLACED = (
     "its handler replaced the worker's savepoint, taking the work before it out of the "
     "record's rollback"
@@ -277,67 +269,86 @@ class WaveTransaction:
     """The open transaction of one wave's postgres records, on one pooled connection.
 
     Round trips per record are what a wave costs (psycopg's CPU per ``execute`` dominates,
-    docs/performance.md), so each record costs one simple query before its handler
-    (``enter``): the last record's RELEASE, this record's SAVEPOINT, and one call of
-    ``kafka_inbox_enter`` proving the last handler left the transaction and its record's
-    inbox row as they were, then inserting this record's inbox row. The last record's proof, before
-    its RELEASE, goes with the COMMIT (``commit``); a record that fails is rolled back to
-    its savepoint with its proofs in one round trip too (``rollback``). Python-side checks
-    (the session still in a transaction, autocommit off) cost no round trip.
-
-    A failed proof raises, so nothing after it in the string runs (above all no COMMIT),
-    and the wave is abandoned (``HandlerBrokeTransaction``). Even a savepoint only rolled
-    back is not repaired in place: the handler may have written after its rollback into a
-    savepoint of the same name, which no rollback of the worker's would then reach.
+    docs/performance.md), so: one statement to begin (the statement timeout, the wave's row
+    in ``kafka_inbox_wave``, its txid), one INSERT of every inbox row of the wave
+    (``insert_rows``), then per record one simple query before its handler (``enter``: the
+    last record's RELEASE, its own SAVEPOINT and the marker set inside it), and the
+    proof-then-COMMIT string (``commit``). A record that fails is rolled back to its
+    savepoint, proven, released and its inbox row deleted in one more (``rollback``).
+    Python-side checks (the session still in a transaction, autocommit off) cost no round
+    trip, and everything sent is in plain SQL: no statement is planned per record beyond
+    what the savepoints were already.
     """
 
-    def __init__(self, conn: AsyncConnection[Any], statement_timeout_ms: int) -> None:
+    def __init__(self, conn: AsyncConnection[Any]) -> None:
         psycopg, _ = _driver()
         self.conn = conn
         self._cursor: AsyncClientCursor[Any] = psycopg.AsyncClientCursor(conn)
-        self._statement_timeout_ms = statement_timeout_ms
         self.broken: BaseException | None = None  # set once the connection failed
-        self.wave_xid: int | None = None  # txid_current() as the first savepoint opened
+        self.wave_xid = 0  # txid_current() of the wave's transaction (``start``)
         self.discard = False  # the session may carry a handler's changes: close, not reuse
-        # The record whose handler returned into the transaction: its RELEASE and proof
-        # are sent with the next record's SAVEPOINT, or (proof first) with the COMMIT.
-        self._returned: InboxRow | None = None
-        # The last record's savepoint is open but needs no proof (no handler ran in it).
+        # The last record's savepoint is still open (released with the next SAVEPOINT, or
+        # at COMMIT); ``_returned`` is its record when its handler ran and returned.
         self._release_pending = False
+        self._returned: InboxRow | None = None
+        # Records entered so far; the marker's value now, and before this record's savepoint.
+        self._entered = 0
+        self._mark = "0"
+        self._mark_before = "0"
 
-    async def enter(self, row: InboxRow) -> tuple[Verdict, str]:
-        """Release the last record, open this record's savepoint, insert its inbox row and
-        prove the last record intact: one round trip. Returns the verdict and, for an
-        existing row, its fingerprint. Raises ``HandlerBrokeTransaction`` for the last
-        record's handler."""
-        statements: list[str] = []
-        if self.wave_xid is None:  # the wave's first statement: a hung query ends
-            statements.append(f"SET LOCAL statement_timeout = {self._statement_timeout_ms}")
-        if self._returned is not None or self._release_pending:
-            statements.append(_RELEASE)
-        statements.append(_ENTER)
-        last = self._returned
-        proof = (self.wave_xid, last.handler, last.dedupe_key) if last else (self.wave_xid,)
-        params = [*row.values(), *proof, *[None] * (3 - len(proof))]
+    async def start(self, statement_timeout_ms: int) -> None:
+        """Begin the wave: a hung query ends; its row in ``kafka_inbox_wave`` (only the
+        worker may commit it from now on); the marker; its txid. One round trip."""
+        cur = await self.conn.execute(
+            f"SET LOCAL statement_timeout = {int(statement_timeout_ms)}; "
+            f"SET LOCAL {MARK} = '{self._mark}'; "
+            f"INSERT INTO {WAVES} (wave_xid) VALUES (txid_current()) RETURNING wave_xid"
+        )
+        while cur.nextset():  # the INSERT's row is the last result
+            pass
+        found = await cur.fetchone()
+        self.wave_xid = int(found[0]) if found else 0
+
+    async def insert_rows(self, rows: list[InboxRow]) -> dict[tuple[str, str], tuple[Verdict, str]]:
+        """Insert the wave's inbox rows; per (handler, dedupe key) the verdict and the stored
+        fingerprint. An existing row is committed: ON CONFLICT waits for any transaction
+        writing the same key, and the claims keep one delivery per key in a wave."""
+        if not rows:
+            return {}
+        cur = await self.conn.execute(_INSERT_MANY, _columns(rows))
+        verdicts: dict[tuple[str, str], tuple[Verdict, str]] = {
+            (str(h), str(k)): (Verdict.NEW, "") for h, k in await cur.fetchall()
+        }
+        missing = [r for r in rows if (r.handler, r.dedupe_key) not in verdicts]
+        if missing:
+            cur = await self.conn.execute(
+                _EXISTING_MANY,
+                ([r.handler for r in missing], [r.dedupe_key for r in missing]),
+            )
+            stored = {(str(h), str(k)): str(fp) for h, k, fp in await cur.fetchall()}
+            for r in missing:
+                fp = stored.get((r.handler, r.dedupe_key), "")
+                verdict = Verdict.DUPLICATE if fp == r.fingerprint else Verdict.CONFLICT
+                verdicts[(r.handler, r.dedupe_key)] = (verdict, fp)
+        return verdicts
+
+    async def enter(self) -> None:
+        """Release the last record's savepoint (proving it is still there), open this
+        record's and set the marker inside it: one round trip.
+
+        Raises ``HandlerBrokeTransaction`` when the last record's handler left its savepoint
+        gone: released it, or ended the wave's transaction (a new one has no savepoint).
+        """
+        self._entered += 1
+        statements = [_RELEASE] if self._release_pending else []
+        statements += [f"SAVEPOINT {SAVEPOINT}", f"SET LOCAL {MARK} = '{self._entered}'"]
         try:
-            await self._cursor.execute("; ".join(statements), params)
+            await self.conn.execute("; ".join(statements))
         except Exception as exc:
-            # A savepoint gone at its RELEASE: released by the handler, or the wave's
-            # transaction ended; which one, the proof after it did not get to tell.
             self._judge_returned(exc, gone=GONE, left=None)
             raise
-        self._returned, self._release_pending = None, True
-        while self._cursor.nextset():  # the INSERT's row is the last result
-            pass
-        inserted, xid = await self._cursor.fetchone() or (False, 0)
-        if self.wave_xid is None:
-            self.wave_xid = int(xid)
-        if inserted:
-            return Verdict.NEW, ""
-        cur = await self.conn.execute(_STORED, (row.handler, row.dedupe_key))
-        found = await cur.fetchone()
-        stored = str(found[0]) if found else ""
-        return (Verdict.DUPLICATE if stored == row.fingerprint else Verdict.CONFLICT), stored
+        self._release_pending, self._returned = False, None
+        self._mark_before, self._mark = self._mark, str(self._entered)
 
     @contextmanager
     def handler_running(self) -> Iterator[None]:
@@ -349,12 +360,13 @@ class WaveTransaction:
             self.conn.handler_running = False  # type: ignore[attr-defined]
 
     def release(self, row: InboxRow) -> None:
-        """The record's handler returned: its savepoint's work is to join the transaction.
+        """The record's handler returned: its savepoint's work joins the transaction with
+        the next statement (its RELEASE goes with the next SAVEPOINT, or with COMMIT).
 
-        Checks what the connection itself tells (no round trip); the rest of the proof goes
-        with the next statement. Raises ``HandlerLeftTransactionAborted`` when the handler
-        left the transaction aborted (it caught an SQL error and returned): then its work
-        cannot be kept, and it is rolled back like a failure.
+        Checks what the connection itself tells (no round trip). Raises
+        ``HandlerLeftTransactionAborted`` when the handler left the transaction aborted (it
+        caught an SQL error and returned): then its work cannot be kept, and it is rolled
+        back like a failure.
         """
         self._check_session(row)
         psycopg, _ = _driver()
@@ -363,94 +375,75 @@ class WaveTransaction:
                 "the handler returned after an SQL error it caught: the transaction was "
                 "aborted, so its work cannot be kept (let the error propagate)"
             )
-        self._returned, self._release_pending = row, False
-
-    def skip(self) -> None:
-        """No handler runs in the record's savepoint (a duplicate, a conflict): release it
-        with the next statement, no proof needed."""
-        self._returned, self._release_pending = None, True
+        self._release_pending, self._returned = True, row
 
     async def rollback(self, row: InboxRow) -> None:
-        """Undo the record's work and its inbox row (roll back to its savepoint, then prove
-        the row gone with the savepoint's work): one round trip. Its wave-mates' work stays.
+        """Undo the record's work and delete its inbox row; its wave-mates' stay. One round
+        trip: the rollback to its savepoint, the proof that this undid the marker set inside
+        it (so the savepoint was the worker's: the handler did not release and replace it,
+        leaving its earlier work out of reach), the release, the DELETE.
 
         Raises ``HandlerBrokeTransaction`` when the handler broke the rule on its way out.
         """
         psycopg, _ = _driver()
         self._check_session(row)
+        x = self.wave_xid
         statements: list[str] = []
-        params: list[Any] = []
         left: bool | None = None  # whether a savepoint found gone means the session left
         if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS:
             # Still the wave's transaction? (An aborted one cannot be asked before the
             # rollback.) Then a savepoint found gone was released inside it, nothing more.
-            statements.append(_GUARD)
-            params += [self.wave_xid, None, None, False]
+            statements.append(f"SELECT {_proof(x)}")
             left = False
-        statements += [_ROLLBACK_TO, _GUARD, _RELEASE]
-        params += [self.wave_xid, row.handler, row.dedupe_key, False]
-        self._returned, self._release_pending = None, False
+        statements += [
+            _ROLLBACK_TO,
+            f"SELECT {_proof(x, self._mark_before)}",
+            _RELEASE,
+            _DELETE,
+        ]
+        self._mark = self._mark_before
         try:
-            await self._cursor.execute("; ".join(statements), params)
+            await self._cursor.execute("; ".join(statements), (row.handler, row.dedupe_key))
         except Exception as exc:
             self._judge(exc, row, gone=GONE, left=left)
             raise
 
+    async def forget(self, row: InboxRow) -> None:
+        """Delete a row this transaction inserted for a record that will not run now."""
+        await self.conn.execute(_DELETE, (row.handler, row.dedupe_key))
+
     async def commit(self) -> None:
-        """Prove the transaction is still the wave's (and the last record intact), release
-        the last savepoint and COMMIT: one round trip, the COMMIT only behind the proof."""
-        last = self._returned
-        statements = [_GUARD]
-        params = [self.wave_xid, last.handler if last else None, last.dedupe_key if last else None]
-        params.append(True)
-        if last is not None or self._release_pending:
+        """COMMIT, behind the proof that the session is in the transaction the wave began;
+        the same statement says the COMMIT is the worker's (the wave's row lets no other
+        pass) and removes the row. The last record's savepoint is released after the proof,
+        so a savepoint found gone then was released inside the wave's transaction."""
+        x = self.wave_xid
+        statements = [
+            f"SELECT CASE WHEN txid_current() = {x} THEN set_config('{AUTHORIZE}', '{x}', true) "
+            f"ELSE {GUARD}({x}, NULL) END",
+            f"DELETE FROM {WAVES} WHERE wave_xid = {x}",
+        ]
+        if self._release_pending:
             statements.append(_RELEASE)
         statements.append("COMMIT")
         try:
-            await self._cursor.execute("; ".join(statements), params)
+            await self.conn.execute("; ".join(statements))
         except Exception as exc:
-            # The proof passed, so the session is in the wave's transaction: a savepoint
-            # gone at its RELEASE was released by the handler.
             self._judge_returned(exc, gone=RELEASED, left=False)
             raise
-        self._returned, self._release_pending = None, False
+        self._release_pending, self._returned = False, None
 
-    async def abandon(self, keep: InboxRow | None) -> WaveFate:
-        """After a handler broke the rule: end what is open, find what became of the wave's
-        transaction (a prepared one is rolled back here), and write ``keep``'s inbox row on
-        its own so that its record never runs again. The connection is not reused."""
+    async def abandon(self, keep: InboxRow | None) -> None:
+        """After a handler broke the rule: roll back what is open (the wave's transaction, if
+        the handler left it running), and write ``keep``'s inbox row on its own so that its
+        record never runs again. The connection is not reused."""
         psycopg, _ = _driver()
-        from psycopg import sql
-
         self.discard = True
-        conn = self.conn
-        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-            await conn.rollback()
-        await conn.set_autocommit(True)  # ROLLBACK PREPARED runs outside a transaction
-        fate = await self._wave_status()
-        if fate is None:  # PREPARE TRANSACTION took it out of the session: end it here
-            cur = await conn.execute(
-                "SELECT gid FROM pg_prepared_xacts WHERE transaction::text = %s",
-                (str((self.wave_xid or 0) % 2**32),),
-            )
-            for (gid,) in await cur.fetchall():
-                log.warning("rolling back the wave's transaction a handler prepared (%s)", gid)
-                await conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
-            fate = await self._wave_status() or WaveFate.UNKNOWN
+        if self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            await self.conn.rollback()
         if keep is not None:
-            await conn.execute(_KEEP, keep.values())  # autocommit: durable on its own
-        return fate
-
-    async def _wave_status(self) -> WaveFate | None:
-        """committed or aborted; None while in progress (prepared, or not ended yet)."""
-        cur = await self.conn.execute("SELECT txid_status(%s)", (self.wave_xid,))
-        found = await cur.fetchone()
-        status = found[0] if found else None
-        if status == "in progress":
-            return None
-        return {"committed": WaveFate.COMMITTED, "aborted": WaveFate.ABORTED}.get(
-            str(status), WaveFate.UNKNOWN
-        )
+            await self.conn.set_autocommit(True)
+            await self.conn.execute(_KEEP, keep.values())  # durable on its own
 
     def _judge_returned(self, exc: BaseException, *, gone: str, left: bool | None) -> None:
         """``_judge`` for the record whose handler returned last (none: nothing to judge)."""
@@ -460,14 +453,12 @@ class WaveTransaction:
     @staticmethod
     def _judge(exc: BaseException, row: InboxRow, *, gone: str, left: bool | None) -> None:
         """Raise ``HandlerBrokeTransaction`` when ``exc`` says ``row``'s handler broke the
-        rule (a failed proof, its savepoint gone: then ``gone`` and ``left`` say what that
+        rule (a failed proof; its savepoint gone: then ``gone`` and ``left`` say what that
         means here); any other failure is the caller's to raise."""
         state = getattr(exc, "sqlstate", None)
         if state == LEFT_WAVE:
             raise HandlerBrokeTransaction(row, ENDED, left=True) from exc
-        if state == ROW_LOST:
-            raise HandlerBrokeTransaction(row, ROLLED_BACK, left=False) from exc
-        if state == ROW_KEPT:
+        if state == REPLACED_SAVEPOINT:
             raise HandlerBrokeTransaction(row, REPLACED, left=False) from exc
         if state == NO_SAVEPOINT:
             raise HandlerBrokeTransaction(row, gone, left=left) from exc
@@ -487,6 +478,29 @@ class WaveTransaction:
             psycopg.pq.TransactionStatus.INERROR,
         ):
             raise StoreUnavailable(f"the connection is in an unusable state ({status.name})")
+
+
+def _proof(wave_xid: int, mark: str | None = None) -> str:
+    """SQL that is NULL while the session is in the wave's transaction (and the marker is
+    ``mark``, when given), and else calls the guard, which raises. Plain SQL on the common
+    path: no PL/pgSQL call, nothing to plan but a CASE."""
+    holds = f"txid_current() = {int(wave_xid)}"
+    if mark is not None:
+        holds += f" AND current_setting('{MARK}', true) = '{int(mark)}'"
+    arg = "NULL" if mark is None else f"'{int(mark)}'"
+    return f"CASE WHEN {holds} THEN NULL ELSE {GUARD}({int(wave_xid)}, {arg}) END"
+
+
+def _columns(rows: list[InboxRow]) -> tuple[list[Any], ...]:
+    return (
+        [r.handler for r in rows],
+        [r.dedupe_key for r in rows],
+        [r.fingerprint for r in rows],
+        [r.topic for r in rows],
+        [r.partition for r in rows],
+        [r.offset for r in rows],
+        [r.attempt for r in rows],
+    )
 
 
 class InboxStore:
@@ -538,10 +552,11 @@ class InboxStore:
             conn = await conn_cm.__aenter__()
         except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
             raise StoreUnavailable(f"no PostgreSQL connection: {exc}") from exc
-        tx = WaveTransaction(conn, int(statement_timeout_s * 1000))
+        tx = WaveTransaction(conn)
         try:
             if conn.autocommit:  # every statement its own transaction: never for a wave
                 await conn.set_autocommit(False)
+            await tx.start(int(statement_timeout_s * 1000))
             yield tx
         finally:
             # Roll back whatever was not committed (a failed wave); the pool drops a broken

@@ -1,23 +1,24 @@
 """A wave's postgres records through their handlers: one transaction, a savepoint each.
 
 Called by processing.py in place of the handler runners for handlers declared
-``store="postgres"``; the transaction itself is ``inbox.py``'s. Per record, in offset order
-on the wave's one connection: stretch its leases, open its savepoint and insert its inbox
-row there (an existing row: a duplicate, or a conflict), run the handler on ``ctx.db`` under
-its timeout, then keep its savepoint for release (or roll back to it on failure, its inbox
-row with it: the record's decision is made as for any handler, its wave-mates unharmed).
+``store="postgres"``; the transaction itself is ``inbox.py``'s. First the inbox rows of the
+whole wave in one INSERT (an existing row: a duplicate, or a conflict). Then per record, in
+offset order on the wave's one connection: stretch its leases, open its savepoint, run the
+handler on ``ctx.db`` under its timeout, release the savepoint (or roll back to it and delete
+its inbox row on failure: the record's decision is made as for any handler, its wave-mates
+unharmed).
 Then one commit. Only a committed record goes on to FINISH as succeeded (or duplicate);
 when the connection or the commit fails, every record still waiting on it is a retryable
 failure (counted by its circuit breaker, so an outage opens the circuit and holds records
 instead of burning their retries), because nothing of theirs is known to be kept.
 
-A handler caught ending, replacing or splitting the wave's transaction (``inbox.py``'s
-proof, ``HandlerBrokeTransaction``) is dead-lettered ``permanent``, its reason naming the
-rule and what of it may have stayed durable; the wave is abandoned. Its wave-mates are kept
-when the handler's own COMMIT committed them, else back to the delay queue at the same
-attempt (they did not fail). When the handler may have committed anything (it left the
-wave's transaction), its record's inbox row is made durable, so that no redelivery or
-redrive runs it a second time.
+A handler caught ending, replacing or splitting the wave's transaction (``inbox.py``,
+``HandlerBrokeTransaction``) is dead-lettered ``permanent``, its reason naming the rule and
+what of it may have stayed durable. The wave's transaction is rolled back (a handler cannot
+commit it: only the worker's COMMIT passes), and its other records go back to the delay
+queue at the same attempt: they did not fail. When the handler left the wave's transaction,
+whatever it ran after that was outside the worker's reach and may have been committed, so
+its record's inbox row is written on its own: no redelivery or redrive runs it a second time.
 
 With ``fault_injection`` on, the ``x-fault`` header (faults.py) works here as for any
 handler, inside the record's savepoint (a hang holds the wave's transaction open for the
@@ -47,7 +48,6 @@ from service.engine.inbox import (
     InboxStore,
     StoreUnavailable,
     Verdict,
-    WaveFate,
     WaveTransaction,
     transaction_control_refused,
 )
@@ -107,10 +107,14 @@ class PostgresWaves:
             limit = max(self._timeout_of(j) for j in jobs)
             async with self._store.begin(limit) as tx:
                 try:
+                    rows = {id(job): _row(job) for job in jobs}
+                    verdicts = await tx.insert_rows(list(rows.values()))
                     for job in jobs:
                         if tx.broken is not None:
                             break
-                        if await self._one(tx, job):
+                        row = rows[id(job)]
+                        verdict, stored = verdicts[(row.handler, row.dedupe_key)]
+                        if await self._one(tx, job, row, verdict, stored):
                             waiting.append(job)
                     if tx.broken is not None:
                         raise tx.broken
@@ -121,7 +125,7 @@ class PostgresWaves:
                         if self._inject:
                             _crash_after_commit(waiting)
                 except HandlerBrokeTransaction as broken:
-                    await self._abandon(tx, broken, jobs, waiting)
+                    await self._abandon(tx, broken, jobs)
                     self._metrics.postgres_transactions.labels("failed").inc()
                     return
         except Exception as exc:
@@ -139,7 +143,9 @@ class PostgresWaves:
         for job in waiting:
             job.committed = True
 
-    async def _one(self, tx: WaveTransaction, job: Job) -> bool:
+    async def _one(
+        self, tx: WaveTransaction, job: Job, row: InboxRow, verdict: Verdict, stored: str
+    ) -> bool:
         """One record in its savepoint; True when its work (or its duplicate) awaits commit.
 
         Raises ``HandlerBrokeTransaction`` when this record's handler, or the last one's
@@ -147,22 +153,10 @@ class PostgresWaves:
         """
         assert job.handler is not None and job.payload is not None
         limit_s = self._timeout_of(job)
-        row = _row(job)
-        try:
-            if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
-                return False  # parked: its claim or retry lease was lost meanwhile
-            verdict, stored = await tx.enter(row)
-        except HandlerBrokeTransaction:
-            raise
-        except Exception as exc:
-            tx.broken = exc
-            return False
         if verdict is Verdict.DUPLICATE:
-            tx.skip()
             job.inbox_duplicate = True
             return True  # FINISH still marks the key done and drops a retry item
         if verdict is Verdict.CONFLICT:
-            tx.skip()
             # Its key's Redis marker must keep the committed payload's fingerprint (a claim
             # found Redis empty, e.g. after a restart): the original's redelivery stays a
             # duplicate there, and this payload a conflict.
@@ -172,6 +166,16 @@ class PostgresWaves:
                 f"dedupe key {job.dedupe_key!r} was already committed in PostgreSQL for a "
                 f"different payload (inbox fingerprint {stored[:16]}…)",
             )
+            return False
+        try:
+            if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
+                await tx.forget(row)  # parked: its claim or retry lease was lost meanwhile
+                return False
+            await tx.enter()
+        except HandlerBrokeTransaction:
+            raise
+        except Exception as exc:
+            tx.broken = exc
             return False
         ctx = self._context_of(job)
         ctx.db = tx.conn
@@ -225,38 +229,29 @@ class PostgresWaves:
         return False
 
     async def _abandon(
-        self,
-        tx: WaveTransaction,
-        broken: HandlerBrokeTransaction,
-        jobs: list[Job],
-        waiting: list[Job],
+        self, tx: WaveTransaction, broken: HandlerBrokeTransaction, jobs: list[Job]
     ) -> None:
         """A handler broke the wave's transaction: its record is dead-lettered ``permanent``,
-        the records the transaction committed (by that handler's COMMIT) are kept, and the
-        others go back to the delay queue at the same attempt."""
+        and the wave's other records, their work rolled back with the transaction, go back
+        to the delay queue at the same attempt."""
         offender = next(j for j in jobs if _row(j) == broken.row)
-        may_have_committed = broken.left is not False
-        keep = broken.row if may_have_committed else None
+        keep = broken.row if broken.left is not False else None
+        kept_error = ""
         try:
-            fate = await tx.abandon(keep)
-            kept_error = ""
-        except Exception as exc:  # PostgreSQL failed now too: nothing more is known
+            await tx.abandon(keep)
+        except Exception as exc:  # PostgreSQL failed now too
             log.exception("abandoning a wave a handler broke", extra=log_fields(offender))
-            fate, kept_error = WaveFate.UNKNOWN, describe_error(exc)
+            kept_error = describe_error(exc)
         offender.inbox_duplicate = False
-        offender.dead_letter("permanent", _broke_the_rule(broken, fate, keep, kept_error))
+        offender.dead_letter("permanent", _broke_the_rule(broken, keep, kept_error))
         why = (
             f"retried: the handler of a wave-mate (offset {offender.delivery.offset}) broke "
             "the postgres transaction this record's work was in"
         )
         for job in jobs:
-            if job.fate is not None:
-                continue
-            if fate is WaveFate.COMMITTED and job in waiting:
-                job.committed = True  # the handler's own COMMIT kept it with its inbox row
-                continue
-            job.inbox_duplicate = False
-            self._decisions.requeue(job, why)
+            if job.fate is None:
+                job.inbox_duplicate = False
+                self._decisions.requeue(job, why)
 
     def _fail_all(self, jobs: list[Job], exc: BaseException) -> None:
         """The transaction is gone: every record it held (or would have) is retried."""
@@ -275,39 +270,26 @@ def _row(job: Job) -> InboxRow:
     )
 
 
-def _broke_the_rule(
-    broken: HandlerBrokeTransaction, fate: WaveFate, keep: InboxRow | None, kept_error: str
-) -> str:
+def _broke_the_rule(broken: HandlerBrokeTransaction, keep: InboxRow | None, kept_error: str) -> str:
     """The dead letter's reason: the rule, what the handler did, what of it may stay."""
     if keep is None:
-        after = "Nothing of it was committed: once the handler is fixed, a redrive runs it again."
-    elif kept_error:
-        after = (
-            "What it committed itself, if anything, stays and cannot be undone; writing its "
-            f"inbox row failed ({kept_error}), so a redrive would run it again: check its "
-            "effects first."
+        return (
+            f"{broken}; the wave's transaction was rolled back: nothing of it was committed, "
+            "and once the handler is fixed a redrive runs it again."
         )
-    elif fate is WaveFate.COMMITTED:
-        after = (
-            "What the handler wrote until then stays and cannot be undone; its inbox row was "
-            "committed with it, so no redelivery or redrive runs it again: check its effects "
-            "by hand."
+    done = (
+        f"{broken}; the wave's transaction was rolled back, nothing of it kept. What the "
+        "handler may have committed itself after leaving it stays and cannot be undone"
+    )
+    if kept_error:
+        return (
+            f"{done}; writing its inbox row failed ({kept_error}), so a redrive would run it "
+            "again: check its effects first."
         )
-    else:
-        after = (
-            "What it committed itself after ending the wave's transaction, if anything, "
-            "stays and cannot be undone; its inbox row is written, so no redelivery or "
-            "redrive runs it again: check its effects by hand (delete its kafka_inbox row "
-            "to let a redrive run it)."
-        )
-    return f"{broken}; {_FATES[fate]}. {after}"
-
-
-_FATES = {
-    WaveFate.COMMITTED: "its COMMIT committed the wave's transaction",
-    WaveFate.ABORTED: "the wave's transaction was rolled back",
-    WaveFate.UNKNOWN: "what became of the wave's transaction is not known",
-}
+    return (
+        f"{done}, so its inbox row is written: no redelivery or redrive runs it again. Check "
+        "its effects by hand (delete its kafka_inbox row to let a redrive run it)."
+    )
 
 
 def _crash_after_commit(committed: list[Job]) -> None:

@@ -4,11 +4,11 @@ On real servers (broker, Redis, PostgreSQL): ten records in one wave (one partit
 before the worker starts), one of whose handlers breaks the rule through SQL the refusals of
 ``ctx.db.commit()``/``rollback()`` cannot see: ``COMMIT``/``ROLLBACK``/``END`` sent with
 ``execute``, a chained or a two-statement commit, ``PREPARE TRANSACTION``, the worker's own
-savepoint released or rolled back to, a procedure that commits, autocommit toggled, the
-connection closed. Each run must end with the offender dead-lettered ``permanent`` naming the
-rule, every other record granted exactly once, no grant without its inbox row (so no
-redelivery or redrive of the offender can grant twice), offsets committed and the retry
-queue empty.
+savepoint released or replaced, a procedure that commits, autocommit toggled, the connection
+closed. Each run must end with the offender dead-lettered ``permanent`` naming the rule, every
+other record granted exactly once, no grant without its inbox row (so no redelivery or
+redrive of the offender can grant twice), offsets committed and the retry queue empty. A
+rollback to the worker's savepoint, which holds only the handler's own work, is no breach.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from service import Context, PermanentError, handler
 from service.dev.broker import Broker
 from service.dev.postgres_server import PostgresServer
+from service.engine.inbox import SAVEPOINT
 from service.engine.kafka_client import connection_kwargs
 from service.engine.registry import Registry
 from service.engine.schema import all_migrations, migrate
@@ -69,14 +70,14 @@ def _sql(*statements: str) -> Callable[[Db, str], Awaitable[None]]:
 
 
 async def _rollback_to_the_workers_savepoint(db: Db, order_id: str) -> None:
-    """Drops what the savepoint holds (the record's inbox row), then grants again."""
-    await db.execute("ROLLBACK TO SAVEPOINT record")
+    """Undoes its own grant through the worker's savepoint, then grants again."""
+    await db.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
     await db.execute(GRANT, (order_id, "after"))
 
 
 async def _replace_the_workers_savepoint_then_fail(db: Db, order_id: str) -> None:
     """The grant moves out of the worker's savepoint: its rollback would no longer undo it."""
-    await db.execute("RELEASE SAVEPOINT record; SAVEPOINT record")
+    await db.execute(f"RELEASE SAVEPOINT {SAVEPOINT}; SAVEPOINT {SAVEPOINT}")
     raise PermanentError("refused after replacing the worker's savepoint")
 
 
@@ -98,8 +99,8 @@ BREAKS: dict[str, Callable[[Db, str], Awaitable[None]]] = {
     "ROLLBACK AND CHAIN": _sql("ROLLBACK AND CHAIN"),
     "COMMIT; BEGIN": _sql("COMMIT; BEGIN"),
     "PREPARE TRANSACTION": _sql("PREPARE TRANSACTION 'guard-test'"),
-    "RELEASE SAVEPOINT record": _sql("RELEASE SAVEPOINT record"),
-    "ROLLBACK TO SAVEPOINT record": _rollback_to_the_workers_savepoint,
+    "RELEASE SAVEPOINT": _sql(f"RELEASE SAVEPOINT {SAVEPOINT}"),
+    "ROLLBACK TO SAVEPOINT": _rollback_to_the_workers_savepoint,
     "replaced savepoint, then a failure": _replace_the_workers_savepoint_then_fail,
     "CALL a procedure that commits": _sql("CALL commit_from_inside()"),
     "COMMIT, then autocommit": _commit_then_autocommit,
@@ -198,9 +199,7 @@ async def _produce(settings: Settings, orders: list[Order]) -> None:
 
 
 def _wave(name: str, breaks: str, at: int) -> list[Order]:
-    return [
-        Order(order_id=f"{name}-{i}", breaks=breaks if i == at else "") for i in range(RECORDS)
-    ]
+    return [Order(order_id=f"{name}-{i}", breaks=breaks if i == at else "") for i in range(RECORDS)]
 
 
 def _assert_caught(seen: Observed, orders: list[Order], at: int) -> None:
@@ -283,10 +282,8 @@ NEIGHBOURS = [
     ("ROLLBACK AND CHAIN", 0),
     ("COMMIT; BEGIN", 4),
     ("PREPARE TRANSACTION", 6),
-    ("RELEASE SAVEPOINT record", 4),
-    ("RELEASE SAVEPOINT record", 9),
-    ("ROLLBACK TO SAVEPOINT record", 2),
-    ("ROLLBACK TO SAVEPOINT record", 9),
+    ("RELEASE SAVEPOINT", 4),
+    ("RELEASE SAVEPOINT", 9),
     ("replaced savepoint, then a failure", 5),
     ("CALL a procedure that commits", 2),
     ("COMMIT, then autocommit", 6),
@@ -308,6 +305,24 @@ async def test_a_handler_cannot_end_replace_or_split_the_waves_transaction_unsee
         kafka_broker, redis_url, postgres_url, unique_name, breaks, at
     )
     _assert_caught(seen, orders, at)
+
+
+@pytest.mark.parametrize("at", [2, RECORDS - 1])
+async def test_a_rollback_to_the_workers_savepoint_undoes_only_the_handlers_own_work(
+    kafka_broker: Broker, redis_url: str, postgres_url: str, unique_name: str, at: int
+) -> None:
+    """The record's inbox row is not in its savepoint: rolling back to it is as a savepoint of
+    the handler's own, and what the handler writes after it is granted with its inbox row."""
+    _, orders, seen = await _run_wave(
+        kafka_broker, redis_url, postgres_url, unique_name, "ROLLBACK TO SAVEPOINT", at
+    )
+    assert seen.dead == ()
+    assert seen.grants == {o.order_id: 1 for o in orders}
+    assert seen.inboxed == {o.order_id for o in orders}
+    sources = await postgres_rows(
+        postgres_url, "SELECT source FROM purchases WHERE payment_id = %s", orders[at].order_id
+    )
+    assert sources == [("after",)]
 
 
 @pytest.fixture

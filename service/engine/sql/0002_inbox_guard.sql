@@ -1,69 +1,54 @@
--- The worker's proof that a postgres handler left the wave's transaction as it found it
--- (service/engine/inbox.py, docs/postgres.md "What ctx.db is"). A handler's SQL can end the
--- transaction (COMMIT, ROLLBACK, END, PREPARE TRANSACTION) or undo the worker's savepoint
--- without any call the worker could refuse; these functions catch it in the statements the
--- worker sends anyway, and raise, so that what follows in the same statement string (the
--- RELEASE of the record's savepoint, the wave's COMMIT) never runs.
+-- Only the worker ends a wave's transaction (service/engine/inbox.py, docs/postgres.md
+-- "What ctx.db is"). A postgres handler's SQL could COMMIT it (COMMIT, END, COMMIT AND CHAIN,
+-- PREPARE TRANSACTION sent through ctx.db) without any call the worker could refuse; here
+-- such a commit fails, and the whole wave's transaction rolls back with it.
 --
--- SQLSTATEs (class KI: the kafka inbox):
---   KI001  the session is in another transaction than the wave's: the handler ended it;
---   KI002  the record's inbox row is gone: the handler rolled back the worker's savepoint;
---   KI003  the row outlived the worker's rollback to its savepoint: the handler replaced the
---          savepoint, taking its earlier work out of the rollback's reach.
+-- Each wave's transaction inserts one row here as it begins. The row's deferred constraint
+-- trigger runs at COMMIT (and PREPARE TRANSACTION, and SET CONSTRAINTS ... IMMEDIATE) and
+-- raises unless the worker, in the statement string that ends with its own COMMIT, said so
+-- (set_config('kafka_inbox.commit', <the wave's txid>, true)). The worker deletes the row in
+-- that same string (the trigger still runs for it), so the table stays empty; UNLOGGED, it
+-- costs no WAL.
+--
+-- SQLSTATEs (class KI: the kafka inbox), raised here and by kafka_inbox_guard below:
+--   KI001  the session is in another transaction than the wave's: a handler ended it;
+--   KI002  a record's savepoint marker outlived the worker's rollback to that savepoint:
+--          the handler replaced the savepoint, taking its earlier work out of reach;
+--   KI003  a COMMIT the worker did not send.
+CREATE UNLOGGED TABLE kafka_inbox_wave (
+    wave_xid bigint PRIMARY KEY  -- txid_current() of the wave's transaction
+);
 
--- wave_xid: txid_current() as the wave's transaction began; row_handler, row_key: the record
--- whose handler just ran (NULL: check the transaction only); row_expected: whether its inbox
--- row must be there (true after its handler returned: the row was inserted in its savepoint;
--- false once the worker rolled back to that savepoint).
-CREATE FUNCTION kafka_inbox_guard(
-    wave_xid bigint, row_handler text, row_key text, row_expected boolean
-) RETURNS void LANGUAGE plpgsql AS $$
+CREATE FUNCTION kafka_inbox_wave_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF current_setting('kafka_inbox.commit', true) IS DISTINCT FROM NEW.wave_xid::text THEN
+        RAISE EXCEPTION 'only the worker commits a wave''s transaction: a postgres handler '
+            'must not end, replace or split the worker''s transaction'
+            USING ERRCODE = 'KI003';
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE CONSTRAINT TRIGGER kafka_inbox_wave_commit AFTER INSERT ON kafka_inbox_wave
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION kafka_inbox_wave_commit();
+
+-- Raises when the worker's check failed (the worker tests the condition in plain SQL and calls
+-- this only then): wave_xid is the wave's transaction id; mark, when given, is the value the
+-- worker's savepoint marker (kafka_inbox.record) must have after a rollback to a record's
+-- savepoint.
+CREATE FUNCTION kafka_inbox_guard(wave_xid bigint, mark text) RETURNS text
+LANGUAGE plpgsql AS $$
 BEGIN
     IF txid_current() <> wave_xid THEN
         RAISE EXCEPTION 'the wave''s transaction % was ended by a handler (the session is in %)',
             wave_xid, txid_current() USING ERRCODE = 'KI001';
     END IF;
-    IF row_handler IS NULL THEN
-        RETURN;
+    IF mark IS NOT NULL
+            AND current_setting('kafka_inbox.record', true) IS DISTINCT FROM mark THEN
+        RAISE EXCEPTION 'a record''s savepoint marker outlived the rollback to its savepoint'
+            USING ERRCODE = 'KI002';
     END IF;
-    IF EXISTS (
-        SELECT 1 FROM kafka_inbox WHERE handler = row_handler AND dedupe_key = row_key
-    ) <> row_expected THEN
-        IF row_expected THEN
-            RAISE EXCEPTION 'the record''s inbox row is gone: its savepoint was rolled back'
-                USING ERRCODE = 'KI002';
-        END IF;
-        RAISE EXCEPTION 'the record''s inbox row outlived the rollback of its savepoint'
-            USING ERRCODE = 'KI003';
-    END IF;
-END
-$$;
-
--- A record's step into the wave, in its new savepoint: first the proof for the last record
--- whose handler ran (wave_xid NULL: this is the wave's first record; last_handler NULL: no
--- handler ran since the last proof), then the record's inbox row. Returns whether the row
--- was inserted (false: one exists, a duplicate or a conflict) and the wave's transaction id.
--- A function rather than a statement of the worker's: PostgreSQL keeps its plans for the
--- session, where a statement sent for each record would be planned for each record.
-CREATE FUNCTION kafka_inbox_enter(
-    row_handler text, row_key text, row_fingerprint text, row_topic text, row_partition integer,
-    row_offset bigint, row_attempt integer, wave_xid bigint, last_handler text, last_key text
-) RETURNS TABLE (inserted boolean, transaction_id bigint) LANGUAGE plpgsql AS $$
-BEGIN
-    IF wave_xid IS NOT NULL AND (
-        txid_current() <> wave_xid OR (last_handler IS NOT NULL AND NOT EXISTS (
-            SELECT 1 FROM kafka_inbox WHERE handler = last_handler AND dedupe_key = last_key
-        ))
-    ) THEN
-        PERFORM kafka_inbox_guard(wave_xid, last_handler, last_key, true);
-    END IF;
-    INSERT INTO kafka_inbox (handler, dedupe_key, fingerprint, topic, partition, record_offset,
-                             attempt)
-    VALUES (row_handler, row_key, row_fingerprint, row_topic, row_partition, row_offset,
-            row_attempt)
-    ON CONFLICT (handler, dedupe_key) DO NOTHING;
-    inserted := FOUND;
-    transaction_id := txid_current();
-    RETURN NEXT;
+    RETURN NULL;
 END
 $$;
