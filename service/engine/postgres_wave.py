@@ -234,7 +234,8 @@ class PostgresWaves:
         """A handler broke the wave's transaction: its record is dead-lettered ``permanent``,
         and the wave's other records, their work rolled back with the transaction, go back
         to the delay queue at the same attempt."""
-        offender = next(j for j in jobs if _row(j) == broken.row)
+        key = (broken.row.handler, broken.row.dedupe_key)
+        offender = next(j for j in jobs if (j.name, j.dedupe_key) == key)
         keep = broken.row if broken.left is not False else None
         kept_error = ""
         try:
