@@ -72,7 +72,7 @@ class Evidence(StrEnum):
 
     FIRST_ATTEMPTS = "first_attempts"  # the failure ratio of records' first runs
     NOTHING_SUCCEEDS = "nothing_succeeds"  # every run failing, across keys, one error class
-    RETRY_BUDGET = "retry_budget"  # too many records newly parked for the runs seen
+    RETRY_BUDGET = "retry_budget"  # too many records newly parked for the first attempts seen
     PROBE = "probe"  # a half-open probe failed
 
 
