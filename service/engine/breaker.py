@@ -546,7 +546,8 @@ def _text(error: str) -> str:
 
 
 def _keys(n: int, capped: bool) -> str:
-    return f"{n}{'+' if capped else ''} keys"
+    """``12 keys``; ``64+ keys`` when a bucket held more failing keys than it remembers."""
+    return f"{n}{'+' if capped else ''} {'key' if n == 1 and not capped else 'keys'}"
 
 
 def _classes(classes: Counter[str]) -> str:

@@ -106,3 +106,29 @@ async def test_a_retry_yields_the_probe_to_a_record_waiting_in_another_pass() ->
     assert retry.fate is Fate.PARK and retry.next_attempt == 3  # back to the queue, no run spent
     admitted, wait = await asyncio.wait_for(waiting, DEADLINE_S)
     assert admitted == [fresh] and fresh.probe and wait == []
+
+
+async def test_a_probe_failing_since_before_the_circuit_opened_hands_the_probe_on() -> None:
+    """A retry failing for its own reasons (since long before the outage's evidence) won the
+    probe: its failure must not reopen the circuit and keep the waiting record out."""
+    clock = Clock()
+    gate = _gate(clock, cool_down_s=60)
+    breaker = gate.breakers.for_handler("grants")
+    assert breaker is not None
+    breaker.record_failure(PSP_DOWN)
+    clock.now += 61
+    old_failure_ms = int((time.time() - 3600) * 1000)
+    retry = _job(7, 2, retry=True)
+    admitted, _ = await gate.admit([retry], None)
+    assert admitted == [retry] and retry.probe
+    fresh = _job(0, 1)
+    waiting = asyncio.create_task(gate.admit([fresh], None))
+    await await_until(lambda: breaker.held == 1, DEADLINE_S, interval=0.001)
+    breaker.record_failure(
+        Failure("card issuer busy", "RetryableError", "g-7", False, old_failure_ms)
+    )
+    assert breaker.state is BreakerState.HALF_OPEN
+    admitted, wait = await asyncio.wait_for(waiting, DEADLINE_S)
+    assert admitted == [fresh] and fresh.probe and wait == []
+    breaker.record_failure(Failure("psp down", "ConnectionError", "g-0", first_attempt=True))
+    assert breaker.state is BreakerState.OPEN, "a record failing within the outage reopens it"
