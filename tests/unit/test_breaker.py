@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import pytest
 from pydantic import BaseModel
 
-from service.engine.breaker import Breaker, Breakers, BreakerState, Evidence, Failure
+from service.engine.breaker import (
+    KEYS_PER_BUCKET,
+    Breaker,
+    Breakers,
+    BreakerState,
+    Evidence,
+    Failure,
+)
 from service.engine.context import Context
 from service.engine.errors import ConfigurationError
 from service.engine.metrics import Metrics
@@ -378,6 +385,22 @@ def test_retries_alone_open_it_only_when_nothing_succeeds_across_keys_with_one_c
         "all 4 runs failed in the last 10 s (0 first attempts), across 4 keys; "
         "error classes ConnectionError 4; last: psp down"
     )
+
+
+def test_failing_keys_are_remembered_up_to_a_bound_per_bucket() -> None:
+    """Memory stays O(buckets) at any failure rate; the reason then says "at least"."""
+    clock = Clock()
+    b = make(clock, min_calls=4)
+    b.record_success(first_attempt=False)
+    clock.now += 5.0
+    for i in range(500):
+        fail(b, key=f"many{i}", first=False)
+    assert state_of(b) is BreakerState.CLOSED, "a retry succeeded in the window"
+    assert max(len(seen.keys) for seen in b._seen if seen is not None) == KEYS_PER_BUCKET
+    clock.now += 6.0  # the success leaves the window; the failures stay
+    fail(b, key="one more", first=False)
+    assert b.evidence is Evidence.NOTHING_SUCCEEDS
+    assert "all 501 runs failed" in b.reason and f"across {KEYS_PER_BUCKET + 1}+ keys" in b.reason
 
 
 def test_the_retry_budget_counts_records_newly_parked_not_retries_parked_again() -> None:
