@@ -185,7 +185,7 @@ class PostgresWaves:
                 # COMMIT would show the breaker a wave's failures alone (a commit that fails
                 # later counts every record of the wave as failed, _fail_all).
                 if breaker is not None:
-                    breaker.record_success()
+                    breaker.record_success(first_attempt=job.delivery.attempt == 1)
                 return True
             except Exception as exc:  # e.g. the handler swallowed an SQL error: aborted
                 error = exc

@@ -303,9 +303,10 @@ class Processor:
         inject = self._settings.fault_injection
         later: list[tuple[Job, Context, bool]] = []
         inline = Counter[str]()  # handler name -> inline runs
-        # Inline successes not yet told to their breaker: told once per batch, or before a
-        # failure of the same handler is (the breaker sees the runs in the same order).
-        untold = Counter[str]()
+        # Inline successes not yet told to their breaker, by handler and whether they were
+        # first attempts: told once per batch, or before a failure of the same handler is
+        # (the breaker sees the runs in the same order).
+        untold = Counter[tuple[str, bool]]()
         started = time.perf_counter()
         for job in jobs:
             ctx = self._context(job)
@@ -319,16 +320,18 @@ class Processor:
                 inline[handler.name] += 1
                 job.ran = True
                 handler.run_sync(payload, ctx)
-                untold[handler.name] += 1
+                untold[handler.name, job.delivery.attempt == 1] += 1
             except Exception as exc:
                 job.ran = True
                 breaker = self.breakers.for_handler(handler.name)
-                if breaker is not None and untold[handler.name]:
-                    breaker.record_success(untold.pop(handler.name))
+                if breaker is not None:
+                    for first in (True, False):
+                        if successes := untold.pop((handler.name, first), 0):
+                            breaker.record_success(successes, first_attempt=first)
                 self.decisions.handler_failed(job, exc, breaker=breaker)
-        for name, successes in untold.items():
+        for (name, first), successes in untold.items():
             if successes and (breaker := self.breakers.for_handler(name)):
-                breaker.record_success(successes)
+                breaker.record_success(successes, first_attempt=first)
         if inline:
             # Inline handlers take microseconds: one observation of the batch's mean per
             # handler keeps the histogram honest about them without a per-record cost.
@@ -382,7 +385,7 @@ class Processor:
                 if result is not None:
                     await result
             if breaker is not None:
-                breaker.record_success()
+                breaker.record_success(first_attempt=job.delivery.attempt == 1)
         except TimeoutError as exc:
             self.decisions.handler_failed(
                 job, exc, f"handler timed out after {limit_s:g} s", breaker=breaker
