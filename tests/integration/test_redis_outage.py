@@ -101,9 +101,10 @@ async def test_redis_restart_mid_run(
     assert worker.running
 
 
-# Logged by one worker in a 3 s Redis outage: a warning per failed call (~230 a second).
+# The outage lasts until one call has failed HELD_ATTEMPTS times (it has waited out several
+# backoffs) and HELD_S have passed; the worker summarises it every SUMMARY_INTERVAL_S.
 SUMMARY_INTERVAL_S = 1.0
-HELD_ATTEMPTS = 9  # one call retried this often has waited out several backoffs
+HELD_ATTEMPTS = 9
 HELD_S = 3.0
 
 
@@ -190,7 +191,8 @@ async def test_a_redis_outage_does_not_flood_the_log_with_a_line_per_failed_call
             for r in json_records(worker)
             if r["message"].startswith("redis call failed") and r.get("attempt") == 1
         )
-        assert calls >= 10, f"only {calls} calls failed: not the concurrency this is about"
+        # Three partitions' batches, the retry scheduler, ...: 15-20 calls seen at once.
+        assert calls >= 5, f"only {calls} calls failed: not the concurrency this is about"
         # Nothing fails once grants go on: what is logged about the outage is all there.
         lines = redis_failure_lines(worker)
         assert len(lines) <= 1 + math.ceil((time.monotonic() - down) / SUMMARY_INTERVAL_S), (
