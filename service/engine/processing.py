@@ -151,6 +151,7 @@ class Processor:
             outcomes_topic=settings.outcomes_topic(),
             stalls=stalls,
             outcome_layout=settings.outcomes.layout,
+            outage_summary_interval_s=settings.outage_summary_interval_s,
         )
         retries = RetryQueue(ops, keys)
         if breakers is None:
@@ -482,7 +483,12 @@ async def open_processor(
     the worker's path: same claims, same effects, same dead letters and outcome events.
     """
     client = make_client(settings.redis)
-    ops = RedisOps(client, settings.redis, stalls=stalls)
+    ops = RedisOps(
+        client,
+        settings.redis,
+        stalls=stalls,
+        outage_summary_interval_s=settings.outage_summary_interval_s,
+    )
     producer = make_producer(settings.kafka)
     processor: Processor | None = None
     inbox: InboxStore | None = None

@@ -39,6 +39,7 @@ from aiokafka.errors import (
 )
 from aiokafka.protocol.metadata import MetadataRequest
 
+from service.engine.outages import DEFAULT_SUMMARY_INTERVAL_S, Outage
 from service.engine.outcome_events import Encoded, Event, Layout, encode, partition_of
 from service.engine.records import Delivery
 from service.engine.redaction import record_text
@@ -95,7 +96,8 @@ def _unwritable(exc: BaseException, *, size_is_ours: bool) -> bool:
 
 
 def _note(exc: BaseException, attempt: int) -> None:
-    log.warning("kafka produce failed, retrying", extra={"attempt": attempt, "error": repr(exc)})
+    """One failed try; the outage it belongs to is logged as an episode (``Outage``)."""
+    log.debug("kafka produce failed, retrying", extra={"attempt": attempt, "error": repr(exc)})
 
 
 class Publisher:
@@ -107,6 +109,7 @@ class Publisher:
         outcomes_topic: str | None,
         stalls: Stalls | None = None,
         outcome_layout: Layout = "batch",
+        outage_summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S,
     ) -> None:
         self._producer = producer
         self._dead_letter_topic = dead_letter_topic
@@ -115,6 +118,8 @@ class Publisher:
         # Without the worker's, stalls are still logged loudly, once per episode.
         self._stalls = stalls if stalls is not None else Stalls()
         self._failing: Counter[str] = Counter()  # stall cause -> calls now failing for it
+        self._outage_summary_interval_s = outage_summary_interval_s
+        self._outages: dict[str, Outage] = {}  # topic -> the episode of its writes failing
         self._known_topics: set[str] = set()  # confirmed to exist
         self._queued: list[tuple[list[Encoded], asyncio.Future[None]]] = []
         self._writer: asyncio.Task[None] | None = None
@@ -154,6 +159,7 @@ class Publisher:
                 on_failure=on_failure,
                 first_wait_s=0.1,
                 max_wait_s=5.0,
+                outage=self._outage(topic),
             )
         finally:
             if stalled:
@@ -161,6 +167,15 @@ class Publisher:
                 if self._failing[cause] <= 0:
                     del self._failing[cause]
                     self._stalls.clear(cause)
+
+    def _outage(self, topic: str) -> Outage:
+        """The writes to one topic fail together (the broker is away) or alone (the topic
+        is missing): one episode each."""
+        outage = self._outages.get(topic)
+        if outage is None:
+            outage = Outage(f"kafka:{topic}", summary_interval_s=self._outage_summary_interval_s)
+            self._outages[topic] = outage
+        return outage
 
     async def _check_topic(self, topic: str) -> None:
         """Raise unless ``topic`` exists, asking the broker not to create it.

@@ -424,6 +424,9 @@ class Settings(BaseSettings):
     fault_injection: bool = False
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "console"] = "json"
+    # While Redis or a Kafka topic keeps failing, a summary line this often (one line when it
+    # starts, one when it clears; each failed try only at DEBUG).
+    outage_summary_interval_s: float = Field(default=10.0, gt=0)
 
     @field_validator("topics")
     @classmethod

@@ -146,7 +146,11 @@ class Worker:
             self._http.start()
         self.redis = make_client(s.redis)
         self.ops = RedisOps(
-            self.redis, s.redis, on_error=lambda _: self._redis_failed(), stalls=self.stalls
+            self.redis,
+            s.redis,
+            on_error=lambda _: self._redis_failed(),
+            stalls=self.stalls,
+            outage_summary_interval_s=s.outage_summary_interval_s,
         )
         checked = await self._unless_stopped(
             self.ops.call(functools.partial(check_persistence, self.redis, s.redis)),
