@@ -514,6 +514,19 @@ class Publisher:
 # dedupe key is a digest, a reason 1 KiB: a few KiB at most), and an outcomes topic that
 # takes less than this is a configuration to fix (the worker stalls, loudly).
 MIN_DOCUMENT_BYTES = 16 * 1024
+# Room a topic's max.message.bytes keeps beside a document: the record batch's header (61
+# bytes), a record's framing and its key (a source partition: a topic name, at most 249).
+TOPIC_LIMIT_ROOM = 512
+
+
+def document_bytes_for(max_message_bytes: int | None) -> int:
+    """The size outcome documents are cut to for a topic that takes ``max_message_bytes``
+    (None: not known): ``MAX_DOCUMENT_BYTES`` or less, never below ``MIN_DOCUMENT_BYTES``."""
+    if max_message_bytes is None:
+        return MAX_DOCUMENT_BYTES
+    return max(MIN_DOCUMENT_BYTES, min(MAX_DOCUMENT_BYTES, max_message_bytes - TOPIC_LIMIT_ROOM))
+
+
 # A record's own framing in a Kafka record batch (length, attributes, deltas, key and value
 # lengths, header count: at most 21 bytes of varints), on top of its key and value.
 RECORD_OVERHEAD = 21
