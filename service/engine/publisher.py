@@ -316,6 +316,11 @@ class Publisher:
     def emits_outcomes(self) -> bool:
         return self._outcomes_topic is not None
 
+    @property
+    def document_bytes(self) -> int:
+        """The size outcome documents are cut to now (lowered by a refusal for size)."""
+        return self._document_bytes
+
     async def outcomes(self, events: Sequence[Event], at_ms: int) -> None:
         """What became of a batch's records (durable at ``at_ms``), written and acknowledged.
 

@@ -15,6 +15,7 @@ broker's default limits (1 MiB), the source topic takes the large record.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -26,13 +27,15 @@ from service import Context, handler
 from service.dev.broker import Broker
 from service.engine import long_keys
 from service.engine.kafka_client import connection_kwargs
+from service.engine.publisher import TOPIC_LIMIT_ROOM
 from service.engine.registry import Registry
 from service.engine.settings import Settings
-from service.ops import audit
+from service.ops import audit, trace
 from tests.helpers import await_until
 from tests.hostile import corpus
 from tests.integration.harness import (
     LARGE_RECORDS,
+    create_topics_with_configs,
     make_settings,
     prepare_topics,
     running_worker,
@@ -133,3 +136,47 @@ async def test_a_1_mib_dedupe_key_stalls_no_partition_and_its_event_carries_its_
             False,
         )
     assert max(len(r.value) for r in records) < 64 * 1024
+
+    # `service trace` finds the key's events by the key, and by the digest events show.
+    traced = await trace.trace(settings, registry_for(settings), long_key)
+    (handler_trace,) = traced.handlers
+    assert handler_trace.state == "done"
+    assert [(e["offset"], e["dedupe_key_digested"]) for e in handler_trace.events] == [
+        (offsets[long_key], True)
+    ]
+    by_digest = await trace.outcome_events(settings, long_keys.digest(long_key))
+    assert by_digest == list(handler_trace.events)
+
+
+async def test_outcome_documents_are_cut_to_the_limit_the_outcomes_topic_has_at_start(
+    kafka_broker: Broker, redis_url: str, unique_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outcomes topic that takes 64 KiB: the start-up check reads its max.message.bytes,
+    so a batch's ~180 KB of events goes as documents under it, none refused on the way."""
+    settings = make_settings(kafka_broker.bootstrap, redis_url, unique_name)
+    outcomes = settings.outcomes_topic()
+    assert outcomes is not None
+    limit = 64 * 1024
+    await create_topics_with_configs(
+        settings.kafka.bootstrap_servers, {outcomes: 1}, {"max.message.bytes": str(limit)}
+    )
+    await prepare_topics(settings, partitions=1)  # the outcomes topic is left as it is
+    keys = [f"{i:03d}-" + "n" * 250 for i in range(500)]  # under the bound: written whole
+    producer = AIOKafkaProducer(acks="all", linger_ms=20, **connection_kwargs(settings.kafka))
+    await producer.start()
+    try:
+        sends = [
+            await producer.send(settings.topics["payments"], json.dumps({"note_id": k}).encode())
+            for k in keys
+        ]
+        await asyncio.gather(*sends)
+    finally:
+        await producer.stop()
+    async with running_worker(settings, registry=registry_for(settings)) as worker:
+        assert worker.processor is not None
+        assert worker.processor._publisher.document_bytes == limit - TOPIC_LIMIT_ROOM
+        await committed_to_the_end(settings)
+    records = await audit.read_all(settings.kafka, outcomes)
+    assert sorted(e["dedupe_key"] for e in audit.outcome_events(records)) == keys
+    assert all(len(r.value) <= limit - TOPIC_LIMIT_ROOM for r in records)
+    assert not [r for r in caplog.records if "too large for the outcomes topic" in r.message]

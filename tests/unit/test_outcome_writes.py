@@ -113,7 +113,7 @@ async def test_documents_too_large_for_the_topic_are_written_smaller_and_hold_no
     assert written(producer, 0) == list(enumerate(keys))
     assert written(producer, 1) == [(0, "b")]
     assert max(len(r.value or b"") for r in producer.to(OUT)) <= 40_000
-    assert MIN_DOCUMENT_BYTES <= pub._document_bytes < MAX_DOCUMENT_BYTES
+    assert MIN_DOCUMENT_BYTES <= pub.document_bytes < MAX_DOCUMENT_BYTES
     assert not stalls.active()
 
 
@@ -125,7 +125,7 @@ async def test_an_entry_no_document_size_fits_stalls_its_batch_loudly_until_take
     pub = publisher(producer, stalls)
     held = asyncio.create_task(pub.outcomes(events(0, ["a"], reason="r" * 900), AT_MS))
     await await_until(lambda: OUTCOMES_UNWRITABLE in stalls.active(), 10)
-    assert pub._document_bytes == MIN_DOCUMENT_BYTES and not held.done()
+    assert pub.document_bytes == MIN_DOCUMENT_BYTES and not held.done()
     producer.limit = None
     await asyncio.wait_for(held, 10)
     assert written(producer, 0) == [(0, "a")]
