@@ -22,11 +22,16 @@ DIGEST_PREFIX = "sha256:"
 _ASCII_SURE = LONG_KEY_BYTES  # an ASCII key of at most this many characters is short
 
 
+def sha256_hex(key: str) -> str:
+    """The hex SHA-256 of the key's UTF-8 bytes (a lone surrogate as Python encodes it with
+    ``surrogatepass``: such a key comes from code, never from JSON). The same hash names a
+    long key's idempotency marker in Redis (``keys.RedisKeys.idempotency``)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def digest(key: str) -> str:
-    """``sha256:<hex>`` of the key's UTF-8 bytes (a lone surrogate as Python encodes it with
-    ``surrogatepass``: such a key comes from code, never from JSON)."""
-    raw = key.encode("utf-8", "surrogatepass")
-    return DIGEST_PREFIX + hashlib.sha256(raw).hexdigest()
+    """``sha256:<hex>``: how a long key is written."""
+    return DIGEST_PREFIX + sha256_hex(key)
 
 
 def is_long(key: str) -> bool:
