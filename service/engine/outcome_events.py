@@ -105,6 +105,7 @@ def encode_batch(
     limit that small, or a reason nobody cut) goes alone, its reason cut."""
     groups: dict[tuple[str, int], list[Event]] = {}
     suspects: set[tuple[str, int]] = set()
+    short = _SHORT_ASCII_KEY
     for event in events:
         delivery = event[0]
         where = (delivery.topic, delivery.partition)
@@ -115,7 +116,7 @@ def encode_batch(
             group.append(event)
         # Cheap: most keys are short ASCII; only their groups' keys are looked at again.
         key = event[3]
-        if key is not None and (len(key) > _SHORT_ASCII_KEY or not key.isascii()):
+        if key is not None and (len(key) > short or not key.isascii()):
             suspects.add(where)
     out: list[Encoded] = []
     for where, group in groups.items():
