@@ -242,7 +242,8 @@ def encode_record(
     return key, orjson.dumps(document)
 
 
-# A reason the worker made is at most MAX_ERROR_BYTES of UTF-8: this many characters or fewer.
+# A reason of at most this many characters is at most MAX_ERROR_BYTES of UTF-8: only a
+# longer one (none the worker makes) is measured, and cut.
 _REASON_CHARS = MAX_ERROR_BYTES // 4
 
 

@@ -347,14 +347,7 @@ class Publisher:
         return encode_batch(events, at_ms, self._document_bytes)
 
     async def _write_queued(self) -> None:
-        """Write the queued batches' documents together, each batch released once its own
-        documents are acknowledged.
-
-        A hiccup (a retriable error, a missing or under-replicated topic: the topic's trouble,
-        a stall for all) is retried together. A refusal that is not retriable may be about
-        what a document holds (too large, or a broker's policy): the batches whose documents
-        met it go on alone (``_write_alone``), so one document never holds another batch.
-        """
+        """Write what is queued, a round at a time, until nothing is (``_write_together``)."""
         while self._queued:
             taken, self._queued = self._queued, []
             try:
@@ -365,6 +358,15 @@ class Publisher:
                 continue  # told to the batches still waiting
 
     async def _write_together(self, taken: list[_OutcomeWrite]) -> None:
+        """These batches' documents in one write, each batch released once its own are
+        acknowledged.
+
+        A hiccup (a retriable error, and a missing or under-replicated topic: the topic's
+        trouble, a stall for all) is retried together. A refusal that is not retriable may
+        be about what a document holds (too large, a broker's policy, a record it will not
+        take): the batches whose documents met it go on alone (``_write_alone``), so one
+        batch's documents never hold another's.
+        """
         pending = list(taken)  # not yet acknowledged, and not gone on alone
 
         async def attempt() -> None:
