@@ -21,6 +21,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from service.engine.errors import ConfigurationError
 from service.engine.kafka_client import connection_kwargs
+from service.engine.publisher import MIN_DOCUMENT_BYTES, TOPIC_LIMIT_ROOM
 from service.engine.settings import Settings
 
 MIN_INSYNC = "min.insync.replicas"
@@ -165,9 +166,10 @@ async def check_topic_durability(settings: Settings) -> TopicCheck:
         return TopicCheck()
     facts = await describe(settings, checked_topics(settings))
     limit = next((f.max_message_bytes for f in facts if f.role == "outcomes"), None)
+    small = _too_small_for_outcomes(limit, settings.outcomes_topic())
     problems = [p for f in facts if (p := f.problem(settings.topic_min_insync_replicas))]
     if not problems:
-        return TopicCheck([], limit)
+        return TopicCheck(small, limit)
     if mode == "require":
         why = (
             "WORKER_TOPIC_DURABILITY=require"
@@ -182,4 +184,17 @@ async def check_topic_durability(settings: Settings) -> TopicCheck:
             "Redis dropped its copy (docs/durability.md). Fix the topics, or set "
             "WORKER_TOPIC_DURABILITY=warn to start anyway."
         )
-    return TopicCheck([f"topic durability: {p} (docs/durability.md)" for p in problems], limit)
+    warnings = [f"topic durability: {p} (docs/durability.md)" for p in problems]
+    return TopicCheck(warnings + small, limit)
+
+
+def _too_small_for_outcomes(limit: int | None, topic: str | None) -> list[str]:
+    """A warning when the outcomes topic takes less than the smallest outcome document."""
+    needed = MIN_DOCUMENT_BYTES + TOPIC_LIMIT_ROOM
+    if limit is None or limit >= needed:
+        return []
+    return [
+        f"outcomes topic {topic!r} has {MAX_MESSAGE_BYTES}={limit}: outcome documents are never "
+        f"cut below {MIN_DOCUMENT_BYTES} bytes, so some will be refused and their records held "
+        f"(outcomes_unwritable) until it takes {needed} (docs/contracts.md)"
+    ]

@@ -19,9 +19,16 @@ from aiokafka.errors import CorruptRecordException, MessageSizeTooLargeError
 
 from service.engine import long_keys
 from service.engine.outcome_events import MAX_DOCUMENT_BYTES, Event, decode_all
-from service.engine.publisher import MIN_DOCUMENT_BYTES, OUTCOMES_UNWRITABLE, Publisher
+from service.engine.publisher import (
+    MIN_DOCUMENT_BYTES,
+    OUTCOMES_UNWRITABLE,
+    TOPIC_LIMIT_ROOM,
+    Publisher,
+    document_bytes_for,
+)
 from service.engine.records import Delivery, Outcome
 from service.engine.stalls import Stalls
+from service.engine.topic_check import _too_small_for_outcomes
 from service.testing.producer import InMemoryProducer
 from tests.helpers import await_until
 
@@ -168,3 +175,14 @@ async def test_a_batch_held_alone_ends_when_nobody_waits(stopping: str) -> None:
             await held
     await await_until(lambda: not pub._alone_tasks, 15, message="still retrying")
     assert not stalls.active()
+
+
+def test_documents_are_cut_to_the_limit_the_topic_check_read() -> None:
+    assert document_bytes_for(None) == MAX_DOCUMENT_BYTES  # not read: learnt from a refusal
+    assert document_bytes_for(1_048_588) == MAX_DOCUMENT_BYTES  # Kafka's default
+    assert document_bytes_for(64 * 1024) == 64 * 1024 - TOPIC_LIMIT_ROOM
+    assert document_bytes_for(1000) == MIN_DOCUMENT_BYTES
+    # A topic that takes less than the smallest document is said at start.
+    assert _too_small_for_outcomes(64 * 1024, OUT) == []
+    (warning,) = _too_small_for_outcomes(1000, OUT)
+    assert "max.message.bytes=1000" in warning and "outcomes_unwritable" in warning
