@@ -50,7 +50,7 @@ from service.engine.metrics import Metrics
 from service.engine.policies import BreakerPolicy
 from service.engine.postgres_checks import until_checked
 from service.engine.postgres_wave import PostgresWaves
-from service.engine.publisher import Publisher
+from service.engine.publisher import Publisher, document_bytes_for
 from service.engine.records import Delivery, Outcome
 from service.engine.redaction import describe_error
 from service.engine.redis_client import RedisOps, make_client
@@ -135,11 +135,14 @@ class Processor:
         stalls: Stalls | None = None,
         breakers: Breakers | None = None,
         inbox: InboxStore | None = None,
+        outcomes_max_message_bytes: int | None = None,
     ) -> Processor:
         """The record path over an open Redis client and a started producer.
 
         ``stalls`` hears of what holds progress back outside the records (the worker's,
         so readiness and ``worker_stalled`` see it), e.g. a dead-letter topic that is missing.
+        ``outcomes_max_message_bytes``: the outcomes topic's limit, when the start-up check
+        read it; outcome documents are cut to fit it.
         """
         keys = RedisKeys(settings.redis.key_prefix)
         idempotency = Idempotency(
@@ -152,6 +155,7 @@ class Processor:
             stalls=stalls,
             outcome_layout=settings.outcomes.layout,
             outage_summary_interval_s=settings.outage_summary_interval_s,
+            max_document_bytes=document_bytes_for(outcomes_max_message_bytes),
         )
         retries = RetryQueue(ops, keys)
         if breakers is None:

@@ -173,7 +173,8 @@ class Worker:
             for warning in checked:
                 log.warning(warning)
         durability = until_answered(lambda: check_topic_durability(s), self._stop)
-        for warning in await self._unless_stopped(durability, "checking the Kafka topics"):
+        topics = await self._unless_stopped(durability, "checking the Kafka topics")
+        for warning in topics.warnings:
             log.warning(warning)
         self.processor = Processor.build(
             s,
@@ -184,6 +185,7 @@ class Worker:
             stalls=self.stalls,
             breakers=self.breakers,
             inbox=self.inbox,
+            outcomes_max_message_bytes=topics.outcomes_max_message_bytes,
         )
         self.intake.held_topics = self.breakers.open_topics
         self.health.circuits = self.breakers.snapshot
