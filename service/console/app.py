@@ -2,7 +2,7 @@
 
 Reads are GETs whose filters live in the query string; the actions (retry now, drop,
 redrive) are POSTs that carry the token and the actor (``auth.py``), then call the same
-ops functions as the CLI with ``source="console"``, which write the audit entry.
+ops functions as the CLI with ``source="console"``, which audit them (``action_log``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from service.console.auth import Refusal, authorize
 from service.console.backend import Backend, BackendUnavailable
 from service.engine.registry import Registry
 from service.engine.settings import Settings
+from service.ops.action_log import AuditIncomplete, AuditUnavailable
 from service.ops.retry_admin import RetryFilter
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,12 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         return endpoint
 
     def action(handler: Callable[[Request, FormData, str], Awaitable[dict[str, Any]]]) -> Page:
-        """A POST action: refused (nothing touched) unless the token and an actor came."""
+        """A POST action: refused (nothing touched) unless the token and an actor came.
+
+        The ops function audits it (``action_log.audited``); how it ended is said here:
+        refused when the audit log cannot be written, stopped part-way (a backend that
+        went away, the deadline), or finished without its end entry.
+        """
 
         async def endpoint(request: Request) -> Response:
             form = await request.form()
@@ -125,9 +131,17 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
                 return render(request, "result.html", await handler(request, form, actor))
             except Refusal as exc:
                 return render(request, "refused.html", {"error": exc.message}, exc.status)
+            except AuditUnavailable as exc:
+                log.error("console: %s", exc)
+                return render(request, "refused.html", {"error": str(exc)}, 503)
+            except AuditIncomplete as exc:
+                log.error("console: %s", exc)
+                result = _result(exc.action, actor, {}, exc.counts, "/audit")
+                return render(request, "result.html", {**result, "audit_problem": str(exc)}, 500)
             except BackendUnavailable as exc:
                 log.warning("console: %s", exc)
-                return render(request, "error.html", {"error": str(exc)}, 503)
+                context = {"error": str(exc), "acted": True}
+                return render(request, "error.html", context, 503)
             except filters.FilterError as exc:
                 return render(request, "error.html", {"error": str(exc)}, 400)
 
