@@ -165,6 +165,7 @@ def offsets_reset_command(
 ) -> None:
     """Move the group's committed offsets; refused while the group has live members."""
     from service.ops.action_log import default_actor
+    from service.ops.cli_actions import run_action
     from service.ops.offsets_reset import ResetRefused, ResetTarget, refusal, reset_offsets
 
     settings = _settings()
@@ -173,7 +174,7 @@ def offsets_reset_command(
     except ValueError as exc:
         raise _fail(str(exc), 2) from None
     try:
-        plan = asyncio.run(
+        plan = run_action(
             reset_offsets(
                 settings,
                 group=group or settings.kafka.group_id,
@@ -278,6 +279,7 @@ def dlq_redrive_command(
     offsets seen at start. A record redriven before that failed again is left unless
     --include-redriven (no loops). Every real run is written to the audit log.
     """
+    from service.ops.cli_actions import run_action
     from service.ops.dead_letters import DeadLetterFilter
     from service.ops.redrive import redrive
 
@@ -291,7 +293,7 @@ def dlq_redrive_command(
         since_ms=_ms(since, "--since"),
         until_ms=_ms(until, "--until"),
     )
-    report = asyncio.run(
+    report = run_action(
         redrive(
             settings,
             topic,

@@ -19,6 +19,7 @@ from service.engine.settings import Settings
 from service.ops.audit import read_all, read_from
 
 REASON_HEADER = "x-dlq-reason"
+BASE64_PREFIX = "base64:"  # how bytes that are not UTF-8 are shown (``_show``)
 
 
 def header_text(headers: Iterable[tuple[str, bytes]] | None, name: str) -> str | None:
@@ -121,7 +122,7 @@ def _show(data: bytes | None) -> str | None:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        return "base64:" + base64.b64encode(data).decode("ascii")
+        return BASE64_PREFIX + base64.b64encode(data).decode("ascii")
 
 
 @dataclass(frozen=True)
