@@ -30,6 +30,7 @@ from aiokafka.structs import TopicPartition
 
 from service.engine.keys import escape_part
 from service.engine.offsets import OffsetTracker
+from service.engine.retrying import cancellation_swallowed
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +162,26 @@ class MemberReporter:
         self._wake.set()
 
     async def run(self) -> None:
-        """Report until cancelled; never raises (but for cancellation)."""
+        """Report until cancelled; never raises (but for cancellation).
+
+        ``asyncio.timeout``, not ``wait_for``: on Python 3.11 a ``wait_for`` cancelled just
+        as its inner wait ended (a ``poke`` at shutdown) returns as if not cancelled, and
+        this loop then ran on forever while the shutdown awaited it. A cancel swallowed
+        deeper (redis-py's socket calls) is noticed once the report is written.
+        """
         while True:
             try:
-                await asyncio.wait_for(self.report_once(), timeout=max(1.0, self.interval_s / 2))
+                async with asyncio.timeout(max(1.0, self.interval_s / 2)):
+                    await self.report_once()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down or refusing: the next interval tries again
                 log.debug("member report not written", extra={"error": repr(exc)})
+            if cancellation_swallowed():
+                raise asyncio.CancelledError("cancelled while writing the member report")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
             self._wake.clear()
 
     async def report_once(self) -> None:

@@ -245,14 +245,19 @@ class HttpServer:
         for thread in self._threads:
             thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop serving; threads still answering a slow client get ``timeout_s`` in all
+        (default: one read timeout), then are left to end with the process (daemons)."""
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         for _ in self._threads[1:]:
             self._requests.put(None)
+        deadline = time.monotonic() + (
+            self._read_timeout_s + 1.0 if timeout_s is None else timeout_s
+        )
         for thread in self._threads:
             if thread.ident is not None:
-                thread.join(self._read_timeout_s + 1.0)
+                thread.join(max(0.0, deadline - time.monotonic()))
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.close()
         self._selector.close()
