@@ -82,6 +82,8 @@ class MemberReport:
     started_at_ms: int
     reported_at_ms: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # Its stalls (stalls.py), cause -> the last error or why: no progress, by its own account.
+    stalls: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,6 +97,7 @@ class MemberReport:
             "partitions": [p.to_json() for p in self.partitions],
             "in_flight": self.in_flight,
             "circuits": self.circuits,
+            "stalls": self.stalls,
             "started_at_ms": self.started_at_ms,
             "reported_at_ms": self.reported_at_ms,
         }
@@ -123,6 +126,7 @@ class MemberReport:
             circuits=dict(doc.get("circuits", {})),
             started_at_ms=int(doc.get("started_at_ms", 0)),
             reported_at_ms=int(doc.get("reported_at_ms", 0)),
+            stalls={str(k): str(v) for k, v in dict(doc.get("stalls", {})).items()},
         )
 
 
@@ -141,6 +145,7 @@ class MemberReporter:
         circuits: Callable[[], dict[str, dict[str, object]]],
         consuming: bool,
         interval_s: float = INTERVAL_S,
+        stalls: Callable[[], dict[str, str]] = dict,
     ) -> None:
         self._client = client
         self._client_id = client_id
@@ -148,6 +153,7 @@ class MemberReporter:
         self._consumer = consumer
         self._in_flight = in_flight
         self._circuits = circuits
+        self._stalls = stalls
         self._consuming = consuming
         self.interval_s = interval_s
         self.host = socket.gethostname()
@@ -224,6 +230,7 @@ class MemberReporter:
             circuits={k: dict(v) for k, v in self._circuits().items()},
             started_at_ms=self._started_at_ms,
             reported_at_ms=int(time.time() * 1000),
+            stalls=self._stalls(),
         )
 
 

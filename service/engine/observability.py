@@ -72,6 +72,8 @@ class HealthState:
     stalls: Stalls = field(default_factory=Stalls)
     # The circuit breakers' state for /readyz (an open one is also a stall).
     circuits: Callable[[], dict[str, dict[str, object]]] = dict
+    # Seconds since this member last held a partition, None while it holds some (membership.py).
+    unassigned_s: Callable[[], float | None] = lambda: None
 
     def mark_started(self) -> None:
         """Gaps count from here: connecting at start is the startup probe's business."""
@@ -102,6 +104,7 @@ class HealthState:
             "joined_group": self.joined_group,
             "assigned_partitions": self.assigned_partitions,
             "standby": standby,
+            "unassigned_s": _rounded(self.unassigned_s()),
             "kafka": self.kafka_ok,
             "redis": self.redis_ok,
             "stalled": sorted(self.stalls.active()),
@@ -116,6 +119,10 @@ class HealthState:
             and (not self.consuming or (self.joined_group and self.assigned_partitions > 0))
         )
         return ok, detail
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def make_app(state: HealthState, metrics: Metrics) -> Callable[..., Iterable[bytes]]:

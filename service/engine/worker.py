@@ -31,6 +31,7 @@ from service.engine.intake import Intake
 from service.engine.kafka_client import make_consumer, make_producer
 from service.engine.keys import RedisKeys
 from service.engine.member_report import INTERVAL_S, MemberReporter
+from service.engine.membership import MembershipWatch, read_group_progress
 from service.engine.metrics import Metrics
 from service.engine.observability import HealthState, HttpServer
 from service.engine.offsets import OffsetTracker
@@ -101,6 +102,7 @@ class Worker:
         self.scheduler: RetryScheduler | None = None
         self.inbox: InboxStore | None = None  # the postgres effects store, when one is bound
         self.reporter: MemberReporter | None = None
+        self.membership: MembershipWatch | None = None  # a consuming worker's, once subscribed
         self.member_report_interval_s = INTERVAL_S  # what `service status` reads (tests: less)
         self._steps: ShutdownSteps | None = None  # set once the shutdown has begun
         self._left_group = False
@@ -207,6 +209,14 @@ class Worker:
             )
             self._consumer.subscribe(self.registry.topics, listener=_Rebalance(self))
             self._watch(asyncio.create_task(self._commit_loop(), name="commits"))
+            consumer = self._consumer
+            self.membership = MembershipWatch(
+                self.stalls,
+                session_timeout_s=s.kafka.session_timeout_ms / 1000,
+                read_progress=lambda: read_group_progress(s.kafka, consumer, self.registry.topics),
+            )
+            self.health.unassigned_s = self.membership.unassigned_for
+            self._watch(asyncio.create_task(self.membership.run(self._stop), name="membership"))
         self.health.kafka_ok = True
         self._watch(asyncio.create_task(self._observe_loop(), name="observe"))
         self._watch(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
@@ -218,6 +228,7 @@ class Worker:
             consumer=lambda: self._consumer,
             in_flight=lambda: self.intake.in_flight,
             circuits=self.breakers.snapshot,
+            stalls=lambda: {c: stall.detail for c, stall in self.stalls.active().items()},
             consuming=self.consume,
             interval_s=self.member_report_interval_s,
         )
@@ -294,6 +305,10 @@ class Worker:
     # --- rebalance ---
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        # A rebalance began: this member is out of the group until it is assigned again.
+        self.health.joined_group = False
+        if self.membership is not None:
+            self.membership.rebalancing()
         revoked &= set(self.tracker.partitions())
         if not revoked:
             return
@@ -316,6 +331,8 @@ class Worker:
         self.intake.forget(revoked)
         self._revoked.set()
         self.health.assigned_partitions = len(self.tracker.partitions())
+        if self.membership is not None:
+            self.membership.holding(self.health.assigned_partitions)
         if self.reporter is not None:
             self.reporter.poke()
         log.info("partitions revoked", extra={"partitions": _names(revoked)})
@@ -337,6 +354,8 @@ class Worker:
         self.health.joined_group = True
         self.stalls.clear(GROUP_JOIN_REFUSED)  # the group took us in
         self.health.assigned_partitions = len(self.tracker.partitions())
+        if self.membership is not None:
+            self.membership.joined(self.health.assigned_partitions)
         if self.reporter is not None:
             self.reporter.poke()
         log.info("partitions assigned", extra={"partitions": _names(assigned)})
