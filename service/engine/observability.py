@@ -49,6 +49,13 @@ class HealthState:
     a *standby*: live but not ready, so a rollout never counts it as capacity (see
     deploy/k8s/deployment.yaml). The retry-scheduler-only process has no partitions and
     is ready once connected.
+
+    A member that stays unassigned while its group's records wait, or whose join never
+    completes, is the ``unassigned`` stall (membership.py): a readiness matter. Its poll
+    gap grows meanwhile (``getmany`` waits inside aiokafka for the broker's rebalance) but
+    fails liveness only at ``max_poll_gap_s``: a restart of every member sooner would
+    start more rebalances, while by then the broker drops the member anyway and a fresh
+    join is the remedy.
     """
 
     started: bool = False
