@@ -463,11 +463,14 @@ class Worker:
         if self._consumer is not None:
             await steps.run("leaving the group", self._consumer.stop(), floor_s=1.0)
             self._left_group = True  # nothing can be committed any more
+        # From here a failing Redis or Kafka call ends its batch instead of retrying: the
+        # retries' items stay leased in Redis (the reaper re-queues them), the records are
+        # redelivered to the partitions' next owner.
+        self._stop_retrying()
         if abandoned:
             await steps.run("abandoned records", asyncio.wait(abandoned))
         if self.scheduler is not None:
             await steps.run("retry scheduler", self.scheduler.drain(timeout_s=steps.left()))
-        self._stop_retrying()
         if hasattr(self, "processor"):
             await steps.run("handler runners", self.processor.aclose())
         for task in self._background:

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -27,6 +28,7 @@ import pytest
 from service.dev import sample
 from service.dev.broker import Broker
 from service.dev.redis_server import RedisServer
+from service.dev.servers import free_port
 from service.engine.faults import HEADER as FAULT_HEADER
 from service.ops.status import describe_group
 from tests.helpers import await_until
@@ -115,3 +117,77 @@ async def test_a_sigterm_after_a_stop_past_the_session_a_redis_restart_and_an_op
         assert f"shutdown: {step} ended" in log, f"no line for the step {step!r}\n{log}"
     assert "did not end within" not in log, log
     assert worker.log_count("worker stopped") == 1
+
+
+@pytest.mark.timeout(240)
+async def test_a_sigterm_while_redis_is_down_with_records_in_flight_exits_within_the_grace(
+    kafka_broker: Broker,
+    redis_server: RedisServer,
+    unique_name: str,
+    spawn_worker: Callable[..., WorkerProcess],
+) -> None:
+    """Every batch retries its Redis calls, the retry scheduler too: the shutdown abandons
+    them at the grace, commits nothing new, leaves the group and exits."""
+    port = free_port()
+    settings = make_settings(
+        kafka_broker.bootstrap,
+        redis_server.url,
+        unique_name,
+        kafka={"session_timeout_ms": SESSION_MS, "heartbeat_interval_ms": 1_000},
+        http={"enabled": True, "host": "127.0.0.1", "port": port},
+        shutdown_grace_s=GRACE_S,
+    )
+    await prepare_topics(settings, partitions=2)
+    worker = spawn_worker(settings)
+    client_id = settings.kafka.client_id
+
+    async def member_ids() -> list[str]:
+        view = await describe_group(settings.kafka, settings.kafka.group_id)
+        return [m.member_id for m in view.members if m.client_id == client_id]
+
+    await await_until(
+        lambda: worker.log_count("partitions assigned") >= 1 or not worker.running,
+        60,
+        message=lambda: f"the worker was never assigned\n{worker.tail()}",
+    )
+    assert worker.running, worker.tail()
+    redis_server.stop()
+    try:
+        plain = sample.Mix(transient=0, permanent=0, malformed=0)
+        await produce(settings, sample.generate(50, plain))
+        await await_until(
+            lambda: _in_flight(port) > 0,
+            60,
+            interval=0.5,
+            message=lambda: f"no record ever waited for Redis\n{worker.tail()}",
+        )
+        worker.terminate()
+        stopped = time.monotonic()
+        try:
+            code: int | None = await asyncio.to_thread(worker.wait, GRACE_S + SLACK_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - stopped
+        assert code == 0, (
+            f"SIGTERM with Redis down: still running {took:.1f} s later (grace {GRACE_S} s, "
+            f"exit code {code})\n{worker.tail()}"
+        )
+        assert not await member_ids(), "the worker exited without leaving its group"
+        assert worker.log_count("shutdown grace over; in-flight records left") == 1, worker.tail()
+        assert worker.log_count("shutdown: leaving the group ended") == 1, worker.tail()
+        assert worker.log_count("worker stopped") == 1
+    finally:
+        redis_server.start()
+
+
+def _in_flight(port: int) -> float:
+    """The worker's ``worker_inflight_records`` gauge (records fetched, not yet done); 0 unread."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("worker_inflight_records "):
+            return float(line.split()[1])
+    return 0.0
