@@ -485,7 +485,8 @@ class Worker:
             await steps.run("Redis close", self.redis.aclose())
         if self._http is not None:
             self._http.stop(timeout_s=max(steps.left(), MIN_STEP_S))
-        self._exit_deadline.cancel()
+        # The exit deadline stays armed: the event loop still cancels and awaits the tasks
+        # left (an abandoned step among them) as it closes.
         log.info("worker stopped", extra={"took_s": round(steps.elapsed(), 3)})
 
     async def _in_flight_settled(self) -> None:

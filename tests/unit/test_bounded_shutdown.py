@@ -11,6 +11,8 @@ tests/integration/test_shutdown_leaves_group.py.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 
 import fakeredis
@@ -125,3 +127,26 @@ def test_a_shutdown_that_ends_in_time_is_not_ended_by_force() -> None:
     assert deadline._timer is not None
     deadline._timer.join(DEADLINE_S)
     assert exited == []
+
+
+async def test_sigterm_arms_the_exit_deadline() -> None:
+    """The process's own SIGTERM handler starts the clock that ends it by force."""
+    settings = Settings(
+        kafka={"bootstrap_servers": "127.0.0.1:1"},
+        redis={"url": "redis://127.0.0.1:1/0"},
+        topics={"payments": "payments.v1"},
+        shutdown_grace_s=0.05,
+    )
+    worker = Worker(settings)
+    exited: list[int] = []
+    worker._exit_deadline = ExitDeadline(0.05, slack_s=0.05, exit=exited.append)
+    loop = asyncio.get_running_loop()
+    worker.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await await_until(lambda: exited, DEADLINE_S, message="the deadline was never armed")
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    assert exited == [FORCED_EXIT_CODE]
+    assert worker._stop.is_set()
