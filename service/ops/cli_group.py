@@ -95,7 +95,7 @@ def status_command(as_json: JsonOption = False) -> None:
         )
     out.print(parts)
     members = Table(title="members")
-    for col in ("name", "member id", "partitions", "in flight", "reported"):
+    for col in ("name", "member id", "partitions", "in flight", "stalled", "reported"):
         members.add_column(col)
     for m in status.members:
         members.add_row(
@@ -103,9 +103,17 @@ def status_command(as_json: JsonOption = False) -> None:
             escape(_show(m.member_id)),
             escape(", ".join(f"{p.topic}[{p.partition}]" for p in m.partitions) or "-"),
             str(m.in_flight),
+            f"[red]{escape(', '.join(sorted(m.stalls)))}[/]" if m.stalls else "-",
             _when(m.reported_at_ms),
         )
     out.print(members)
+    if status.stalled:
+        stalled = Table(title="stalled members")
+        for col in ("member", "cause", "detail"):
+            stalled.add_column(col)
+        for row in status.stalled:
+            stalled.add_row(escape(row["member"]), escape(row["cause"]), escape(row["detail"]))
+        out.print(stalled)
     r = status.retries
     out.print(
         f"retries: due {r.due}, in flight {r.in_flight} (soonest lease end "
