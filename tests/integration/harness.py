@@ -56,6 +56,9 @@ def make_settings(
         # and tests/unit/test_breaker.py are its own).
         "breaker": {"enabled": False},
         "handler_timeout_s": 2.0,
+        # A handler ignoring its cancellation is given up on this long after its timeout
+        # (the default 5 s would make every claim's lease need stretching as a handler starts).
+        "handler_cancel_grace_s": 1.0,
         "commit_interval_ms": 100,
         "http": {"enabled": False},
         "fault_injection": True,
