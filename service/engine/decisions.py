@@ -272,6 +272,10 @@ class Decisions:
         )
         job.fate, job.reason = Fate.HOLD, error
 
+    def requeue(self, job: Job, why: str) -> None:
+        """Park briefly at the same attempt: it did not run through no fault of its own."""
+        job.park(job.delivery.attempt, why, self._settings.retry.busy_delay_ms)
+
     def retry_or_give_up(self, job: Job, error: str) -> None:
         """Park for another run, unless the handler's retry policy is spent."""
         error = record_text(error)  # e.g. a Redis error echoing an effect's arguments

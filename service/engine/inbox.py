@@ -287,9 +287,12 @@ class InboxStore:
             yield tx
         finally:
             # Roll back whatever was not committed (a failed wave); the pool drops a broken
-            # connection on its own.
+            # connection on its own. A closed one was discarded under a handler that ignored
+            # its cancellation (postgres_wave.py) and may still hold its lock: the server
+            # rolled it back as it closed, and waiting for that lock could last forever.
             try:
-                if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                status = conn.info.transaction_status
+                if not conn.closed and status != psycopg.pq.TransactionStatus.IDLE:
                     await conn.rollback()
             except Exception:
                 log.debug("rolling back a wave on a broken connection", exc_info=True)

@@ -406,6 +406,10 @@ class Settings(BaseSettings):
     commit_interval_ms: int = Field(default=1000, ge=10)
     commit_every_records: int = Field(default=5000, ge=1)
     handler_timeout_s: float = Field(default=30.0, gt=0)
+    # A handler past its timeout is cancelled again on every watchdog tick; one that still
+    # runs this much later (it ignores cancellation) is abandoned: its record is retried or
+    # dead-lettered as for a timeout, and the handler_stuck stall lasts while it still runs.
+    handler_cancel_grace_s: float = Field(default=5.0, gt=0)
     max_record_bytes: int = Field(default=1_048_576, ge=1)
     revoke_grace_s: float = Field(default=10.0, ge=0)
     shutdown_grace_s: float = Field(default=25.0, ge=0)
