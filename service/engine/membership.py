@@ -32,6 +32,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 
+from service.engine.group_check import GROUP_JOIN_REFUSED
 from service.engine.kafka_client import connection_kwargs
 from service.engine.settings import KafkaSettings
 from service.engine.stalls import Stalls
@@ -39,6 +40,8 @@ from service.engine.stalls import Stalls
 log = logging.getLogger(__name__)
 
 UNASSIGNED = "unassigned"
+# What the stall means while it lasts (its log line): nothing of this member is uncommitted.
+UNASSIGNED_MEANS = "this member processes nothing until the group assigns it partitions"
 # How many session timeouts a member may go unassigned (or unjoined) before it is a stall.
 PATIENCE_SESSIONS = 3
 # Partitions named in the stall's detail, at most.
@@ -158,11 +161,14 @@ class MembershipWatch:
         if progress is not None:
             self._previous = progress
         now = self._clock()
+        if GROUP_JOIN_REFUSED in self._stalls.active():
+            return  # the broker refuses the join: that stall already names the cause
         if self.joining_since is not None and now - self.joining_since >= self.patience_s:
             self._stalls.report(
                 UNASSIGNED,
                 f"no group join completed for {now - self.joining_since:.0f} s: the group has "
                 f"not taken this member in (joined_group false), and its members wait",
+                UNASSIGNED_MEANS,
             )
             return
         if unassigned_s < self.patience_s or previous is None or progress is None:
@@ -184,6 +190,7 @@ class MembershipWatch:
             f"this member has held no partition for {unassigned_s:.0f} s while "
             f"{sum(progress[tp].lag for tp in stuck)} records wait in {names} and no "
             f"commit moved them in {self.interval_s:.0f} s",
+            UNASSIGNED_MEANS,
         )
 
     async def _progress(self) -> GroupProgress | None:

@@ -9,8 +9,12 @@ tests/integration/test_unassigned_member.py.
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 from aiokafka.structs import TopicPartition
 
+from service.engine.group_check import GROUP_JOIN_REFUSED
 from service.engine.membership import (
     PATIENCE_SESSIONS,
     UNASSIGNED,
@@ -136,3 +140,31 @@ async def test_a_member_holding_partitions_reads_nothing() -> None:
     await look(w, clock, 3 * PATIENCE_SESSIONS)
     assert group.reads == 0
     assert not stalls.active()
+
+
+async def test_a_refused_join_is_one_stall_not_two() -> None:
+    """The broker refusing the join is already the ``group_join_refused`` stall, naming the
+    cause (session timeout out of range, no authorisation): a second, vaguer ``unassigned``
+    stall for the same episode only doubled the alert."""
+    group = Group({TP0: PartitionProgress(100, 6_000)})
+    w, stalls, clock = watch(group)
+    w.rebalancing()
+    stalls.report(GROUP_JOIN_REFUSED, "GroupAuthorizationFailedError")
+    await look(w, clock, 3 * PATIENCE_SESSIONS)
+    assert set(stalls.active()) == {GROUP_JOIN_REFUSED}
+
+
+async def test_the_unassigned_stall_does_not_claim_records_are_held_uncommitted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The shared stall line said "records stay uncommitted and are retried": none of this
+    member's are; it holds none. Its line says what the stall means instead."""
+    group = Group({TP0: PartitionProgress(100, 6_000)})
+    w, stalls, clock = watch(group)
+    w.joined(0)
+    with caplog.at_level(logging.ERROR, logger="service.engine.stalls"):
+        await look(w, clock, PATIENCE_SESSIONS)
+    assert UNASSIGNED in stalls.active()
+    (line,) = [r.getMessage() for r in caplog.records if UNASSIGNED in r.getMessage()]
+    assert "uncommitted" not in line
+    assert "until the group assigns it partitions" in line
