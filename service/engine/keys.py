@@ -69,7 +69,12 @@ class RedisKeys:
             inline = False  # a lone surrogate cannot be sent to Redis as text: hashed
         if inline:
             return f"{self.prefix}:idem:{handler}:={dedupe_key}"
-        return f"{self.prefix}:idem:{handler}:#{long_keys.sha256_hex(dedupe_key)}"
+        return self.idempotency_hashed(handler, long_keys.sha256_hex(dedupe_key))
+
+    def idempotency_hashed(self, handler: str, sha256_hex: str) -> str:
+        """The marker of a key too long to name inline, by its hex SHA-256: what an operator
+        holding only a long key's digest (``sha256:<hex>``, as events show it) can find."""
+        return f"{self.prefix}:idem:{handler}:#{sha256_hex}"
 
     def retry_chain(self, topic: str, partition: int, key: bytes) -> str:
         """The chain of a Kafka key's records waiting in the delay queue, in offset order.

@@ -15,10 +15,12 @@ rule to the keys it holds (reconcile to source records, dead letters and ledger 
 from __future__ import annotations
 
 import hashlib
+import re
 
 LONG_KEY_BYTES = 256
 """A key of more UTF-8 bytes than this is written as its digest."""
 DIGEST_PREFIX = "sha256:"
+_HEX = re.compile(r"[0-9a-f]{64}")
 _ASCII_SURE = LONG_KEY_BYTES  # an ASCII key of at most this many characters is short
 
 
@@ -32,6 +34,14 @@ def sha256_hex(key: str) -> str:
 def digest(key: str) -> str:
     """``sha256:<hex>``: how a long key is written."""
     return DIGEST_PREFIX + sha256_hex(key)
+
+
+def digested_hex(text: str) -> str | None:
+    """The hex of a written digest (``sha256:<64 hex>``), or None when ``text`` is not one."""
+    hex_part = text.removeprefix(DIGEST_PREFIX)
+    if hex_part is text or len(hex_part) != 64 or not _HEX.fullmatch(hex_part):
+        return None
+    return hex_part
 
 
 def is_long(key: str) -> bool:
@@ -52,3 +62,11 @@ def written(key: str) -> tuple[str, bool]:
     if is_long(key):
         return digest(key), True
     return key, False
+
+
+def named_by(key: str | None, names: frozenset[str]) -> bool:
+    """Whether an operator's ``names`` pick out ``key``: by the key itself, or, for a long
+    key, by the digest every reader shows of it (the key may be a megabyte to type)."""
+    if key is None:
+        return False  # an item whose key cannot be read is named by no key
+    return key in names or (is_long(key) and digest(key) in names)

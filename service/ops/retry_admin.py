@@ -26,7 +26,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from service.engine import lua_claims
+from service.engine import long_keys, lua_claims
 from service.engine.decoding import DecodeFailure, decode
 from service.engine.idempotency import DeadRequest, TokenSource, fingerprint
 from service.engine.jobs import BLOCKED
@@ -169,7 +169,9 @@ class RetryFilter:
             return False
         if self.reasons is not None and item.reason not in self.reasons:
             return False
-        if self.dedupe_keys is not None and item.dedupe_key not in self.dedupe_keys:
+        if self.dedupe_keys is not None and not long_keys.named_by(
+            item.dedupe_key, self.dedupe_keys
+        ):
             return False
         if self.states is not None and item.state not in self.states:
             return False

@@ -195,6 +195,19 @@ async def _marker_of(client: aioredis.Redis, key: str) -> Marker:
     return _marker(value, int(pttl))
 
 
+async def _marker_for(
+    client: aioredis.Redis, keys: RedisKeys, handler: str, dedupe_key: str
+) -> Marker:
+    """The key's marker; given a long key's digest (``sha256:<hex>``), the marker of the
+    key it stands for, kept under the same hex (a short key that reads like a digest is
+    looked up as itself first)."""
+    marker = await _marker_of(client, keys.idempotency(handler, dedupe_key))
+    hex_part = long_keys.digested_hex(dedupe_key)
+    if marker.state == "free" and hex_part is not None:
+        return await _marker_of(client, keys.idempotency_hashed(handler, hex_part))
+    return marker
+
+
 async def ledger_for(settings: Settings, dedupe_key: str) -> list[dict[str, str]]:
     """The payments example's ledger entries for the key (its grant, its refund)."""
     out: list[dict[str, str]] = []
@@ -219,9 +232,7 @@ async def trace(
     keys = RedisKeys(settings.redis.key_prefix)
     client = make_client(settings.redis)
     try:
-        markers = {
-            h.name: await _marker_of(client, keys.idempotency(h.name, dedupe_key)) for _, h in bound
-        }
+        markers = {h.name: await _marker_for(client, keys, h.name, dedupe_key) for _, h in bound}
     finally:
         await client.aclose()
     retries = await list_retries(

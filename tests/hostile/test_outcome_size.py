@@ -146,6 +146,13 @@ async def test_a_1_mib_dedupe_key_stalls_no_partition_and_its_event_carries_its_
     ]
     by_digest = await trace.outcome_events(settings, long_keys.digest(long_key))
     assert by_digest == list(handler_trace.events)
+    # ... and the whole trace by the digest (what an operator copies from an event, the
+    # key itself being a megabyte): the marker is found under its hashed Redis name.
+    (digest_trace,) = (
+        await trace.trace(settings, registry_for(settings), long_keys.digest(long_key))
+    ).handlers
+    assert (digest_trace.marker.state, digest_trace.state) == ("done", "done")
+    assert list(digest_trace.events) == list(handler_trace.events)
 
 
 async def test_outcome_documents_are_cut_to_the_limit_the_outcomes_topic_has_at_start(
