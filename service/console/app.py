@@ -43,6 +43,7 @@ from service.console.auth import (
 )
 from service.console.backend import Backend, BackendUnavailable
 from service.console.privacy import shown
+from service.engine import long_keys
 from service.engine.registry import Registry
 from service.engine.settings import Settings
 from service.ops.action_log import AuditIncomplete, AuditUnavailable
@@ -89,6 +90,9 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["when"] = _when
+    # A long dedupe key as every reader shows it, its digest: the link to its trace and the
+    # text stay short (a megabyte key would be a megabyte URL); the trace finds it by that.
+    env.filters["written_key"] = lambda key: long_keys.written(key)[0] if key else key
     return env
 
 
