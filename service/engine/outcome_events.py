@@ -1,7 +1,7 @@
 """The outcome events' wire format: how the audit trail is written, and the one way to read it.
 
 Each record the worker finishes has an outcome event (docs/contracts.md, "Outcome event").
-Since issue 19 they travel as one Kafka record per finished batch and source partition
+They travel as one Kafka record per finished batch and source partition
 (layout 2): the fields every record of the batch shares (source topic and partition, the
 time the batch became durable, the worker) are written once, and each record adds one entry
 to seven arrays. A Kafka record per event (layout 1, written before) cost the worker and the
@@ -63,7 +63,7 @@ DOCUMENT_FIELDS = (
 
 Layout = Literal["batch", "record"]
 """``batch``: a document per batch and source partition (layout 2, the default);
-``record``: a Kafka record per event (layout 1, as written before issue 19)."""
+``record``: a Kafka record per event (layout 1, as written before layout 2)."""
 
 Event = tuple[Delivery, Outcome, str, str | None, str | None]
 """What became of one record, as the worker hands it over: the record, its outcome, its

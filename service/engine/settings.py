@@ -221,7 +221,7 @@ class OutcomeSettings(BaseModel):
     enabled: bool = True
     topic: str | None = None
     # batch: a document per finished batch and source partition; record: a Kafka record per
-    # event, as before issue 19, for outside readers not yet able to read documents.
+    # event, as layout 1 did, for outside readers not yet able to read documents.
     layout: Layout = "batch"
 
     @field_validator("topic")
