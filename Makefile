@@ -47,5 +47,5 @@ dev-down: $(STAMP)
 	$(BIN)/service dev down
 
 clean:
-	-$(BIN)/service dev down 2>/dev/null
+	-$(BIN)/service dev down --purge 2>/dev/null
 	rm -rf $(VENV) .devstack .pytest_cache .mypy_cache .ruff_cache

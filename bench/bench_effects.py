@@ -318,7 +318,9 @@ def servers(tmp: Path) -> Iterator[tuple[str, RedisServer, PostgresServer]]:
         pg = PostgresServer(tmp / "postgres").start()
         yield broker.bootstrap, redis_server, pg
     finally:
-        for server in (pg, redis_server, broker):
+        if pg is not None:
+            pg.close()  # and its cluster
+        for server in (redis_server, broker):
             if server is not None:
                 server.stop()
 

@@ -188,13 +188,14 @@ def redis_url(redis_server: RedisServer) -> str:
 
 @pytest.fixture
 def postgres_server(tmp_path: Path) -> Iterator[PostgresServer]:
-    """A fresh real PostgreSQL (the pgserver wheel's; fsync on) with its cluster in tmp_path."""
+    """A fresh real PostgreSQL (the pgserver wheel's; fsync on), its log in tmp_path; its
+    cluster, in a directory made for it (never below pytest's temp dirs), is removed after."""
     server = PostgresServer(tmp_path / "postgres")
     try:
         server.start()
         yield server
     finally:
-        server.stop()
+        server.close()
 
 
 @pytest.fixture

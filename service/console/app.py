@@ -2,7 +2,10 @@
 
 Reads are GETs whose filters live in the query string; the actions (retry now, drop,
 redrive) are POSTs that carry the token and the actor (``auth.py``), then call the same
-ops functions as the CLI with ``source="console"``, which write the audit entry.
+ops functions as the CLI with ``source="console"``, which audit them (``action_log``).
+Record content (values, headers, keys, error text, a trace's ledger and events) is shown
+redacted (``privacy.py``) unless the viewer signed in with the token (``/login``) or sends
+it in an ``Authorization: Bearer`` header.
 """
 
 from __future__ import annotations
@@ -21,16 +24,29 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from service.console import filters
-from service.console.auth import Refusal, authorize
+from service.console.auth import (
+    NOT_SIGNED_IN,
+    SESSION_COOKIE,
+    SESSION_S,
+    Refusal,
+    authorize,
+    bearer,
+    session_valid,
+    session_value,
+    token_matches,
+)
 from service.console.backend import Backend, BackendUnavailable
+from service.console.privacy import shown
+from service.engine import long_keys
 from service.engine.registry import Registry
 from service.engine.settings import Settings
+from service.ops.action_log import AuditIncomplete, AuditUnavailable
 from service.ops.retry_admin import RetryFilter
 
 log = logging.getLogger(__name__)
@@ -38,6 +54,10 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 LIST_LIMIT = 200  # rows a list page shows (the newest); the CLI pages further
 AUDIT_LIMIT = 200
+READ_ONLY_VIEW = (
+    "this console has no token (WORKER_CONSOLE__TOKEN): nobody can sign in, record content "
+    "stays redacted"
+)
 # The pages load nothing from elsewhere and run no inline script.
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
@@ -70,6 +90,9 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["when"] = _when
+    # A long dedupe key as every reader shows it, its digest: the link to its trace and the
+    # text stay short (a megabyte key would be a megabyte URL); the trace finds it by that.
+    env.filters["written_key"] = lambda key: long_keys.written(key)[0] if key else key
     return env
 
 
@@ -87,11 +110,19 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
     token = settings.console.token
     templates = Jinja2Templates(env=_environment())
 
+    def sees_values(request: Request) -> bool:
+        """Whether the request comes from the token holder: a session, or the header."""
+        return session_valid(token, request.cookies.get(SESSION_COOKIE)) or token_matches(
+            token, bearer(request.headers.get("authorization"))
+        )
+
     def render(
         request: Request, name: str, context: Mapping[str, Any], status_code: int = 200
     ) -> Response:
         base = {
             "read_only": token is None,
+            "sees_values": sees_values(request),
+            "can_sign_in": token is not None,
             "refresh_s": settings.console.refresh_s,
             "group": settings.kafka.group_id,
             "topics": data.topics,
@@ -116,7 +147,12 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         return endpoint
 
     def action(handler: Callable[[Request, FormData, str], Awaitable[dict[str, Any]]]) -> Page:
-        """A POST action: refused (nothing touched) unless the token and an actor came."""
+        """A POST action: refused (nothing touched) unless the token and an actor came.
+
+        The ops function audits it (``action_log.audited``); how it ended is said here:
+        refused when the audit log cannot be written, stopped part-way (a backend that
+        went away, the deadline), or finished without its end entry.
+        """
 
         async def endpoint(request: Request) -> Response:
             form = await request.form()
@@ -125,9 +161,17 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
                 return render(request, "result.html", await handler(request, form, actor))
             except Refusal as exc:
                 return render(request, "refused.html", {"error": exc.message}, exc.status)
+            except AuditUnavailable as exc:
+                log.error("console: %s", exc)
+                return render(request, "refused.html", {"error": str(exc)}, 503)
+            except AuditIncomplete as exc:
+                log.error("console: %s", exc)
+                result = _result(exc.action, actor, {}, exc.counts, "/audit")
+                return render(request, "result.html", {**result, "audit_problem": str(exc)}, 500)
             except BackendUnavailable as exc:
                 log.warning("console: %s", exc)
-                return render(request, "error.html", {"error": str(exc)}, 503)
+                context = {"error": str(exc), "acted": True}
+                return render(request, "error.html", context, 503)
             except filters.FilterError as exc:
                 return render(request, "error.html", {"error": str(exc)}, 400)
 
@@ -147,7 +191,7 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         selection = filters.retry_filter(params)
         items = await data.retries(selection, LIST_LIMIT)
         return {
-            "items": [item.to_json() for item in items],
+            "items": shown([item.to_json() for item in items], sees_values=sees_values(request)),
             "limit": LIST_LIMIT,
             "params": filters.kept(params, filters.RETRY_FIELDS),
             "states": filters.RETRY_STATES,
@@ -158,7 +202,8 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         item = await data.retry(retry_id)
         if item is None:
             raise HTTPException(404, f"no retry item {retry_id!r} (finished, or never parked)")
-        return {"item": item.to_json(with_value=True), "retry_id": retry_id}
+        item_doc = shown(item.to_json(with_value=True), sees_values=sees_values(request))
+        return {"item": item_doc, "retry_id": retry_id}
 
     async def dlq(request: Request) -> dict[str, Any]:
         params = dict(request.query_params)
@@ -167,7 +212,10 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         letters = await data.dead_letters(topic, selection, LIST_LIMIT)
         return {
             "topic": topic,
-            "letters": [letter.to_json() for letter in reversed(letters)],
+            "letters": shown(
+                [letter.to_json() for letter in reversed(letters)],
+                sees_values=sees_values(request),
+            ),
             "limit": LIST_LIMIT,
             "params": filters.kept(params, filters.DLQ_FIELDS),
             "qs": _dlq_query(topic, params),
@@ -194,14 +242,47 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         letter = await data.dead_letter(topic, partition, offset)
         if letter is None:
             raise HTTPException(404, f"no dead letter at {partition}/{offset} for {topic!r}")
-        return {"topic": topic, "letter": letter.to_json(with_value=True)}
+        letter_doc = shown(letter.to_json(with_value=True), sees_values=sees_values(request))
+        return {"topic": topic, "letter": letter_doc}
 
     async def trace_page(request: Request) -> dict[str, Any]:
         key = request.query_params.get("key", "").strip()
-        return {"key": key, "trace": await data.trace(key) if key else None}
+        found = await data.trace(key) if key else None
+        return {"key": key, "trace": shown(found, sees_values=sees_values(request))}
 
     async def audit(request: Request) -> dict[str, Any]:
-        return {"actions": [a.to_json() for a in await data.actions(AUDIT_LIMIT)]}
+        actions = [a.to_json() for a in await data.actions(AUDIT_LIMIT)]
+        if not sees_values(request):  # the filters may name customers (dedupe keys)
+            actions = [{**a, "filters": shown(a["filters"], sees_values=False)} for a in actions]
+        return {"actions": actions}
+
+    async def login(request: Request) -> Response:
+        """GET: the sign-in form; POST: the token, checked, then a session cookie."""
+        if token is None:
+            return render(request, "login.html", {"next": "/", "error": READ_ONLY_VIEW}, 403)
+        if request.method == "GET":
+            return render(request, "login.html", {"next": _local(request.query_params)})
+        form = await request.form()
+        target = _local(form)
+        if not token_matches(token, _field(form, "token")):
+            context = {"next": target, "error": NOT_SIGNED_IN}
+            return render(request, "login.html", context, 403)
+        response = RedirectResponse(target, status_code=303)
+        response.set_cookie(
+            SESSION_COOKIE,
+            session_value(token),
+            max_age=SESSION_S,
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        return response
+
+    async def logout(request: Request) -> Response:
+        response = RedirectResponse("/", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+        return response
 
     async def do_retry_now(request: Request, form: FormData, actor: str) -> dict[str, Any]:
         selection = _retry_selection(form)
@@ -243,6 +324,8 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         Route("/dlq/{topic}/{partition:int}/{offset:int}", page("dead_letter.html", dead_letter)),
         Route("/trace", page("trace.html", trace_page)),
         Route("/audit", page("audit.html", audit)),
+        Route("/login", login, methods=["GET", "POST"]),
+        Route("/logout", logout, methods=["POST"]),
         Route("/actions/retry-now", action(do_retry_now), methods=["POST"]),
         Route("/actions/drop", action(do_drop), methods=["POST"]),
         Route("/actions/redrive", action(do_redrive), methods=["POST"]),
@@ -254,6 +337,14 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         middleware=[Middleware(_Headers)],
         exception_handlers={HTTPException: not_found, Exception: crashed},
     )
+
+
+def _local(params: Mapping[str, Any]) -> str:
+    """Where to go after signing in: a path on this console, never another site."""
+    target = params.get("next")
+    if not isinstance(target, str) or not target.startswith("/") or target.startswith("//"):
+        return "/"
+    return "/" if "\\" in target or any(ord(c) < 0x20 for c in target) else target
 
 
 def _field(form: FormData, name: str) -> str | None:

@@ -37,6 +37,14 @@ class DevStackError(RuntimeError):
     """A dev server could not be found, started or stopped."""
 
 
+class PortTaken(DevStackError):
+    """Another process holds the port: a start on a port of our choosing may try another."""
+
+
+# What a server says when its bind fails (strerror(EADDRINUSE)); Tansu says it and exits 0.
+_ADDRESS_IN_USE = "Address already in use"
+
+
 def binary_from_env(env_var: str) -> Path | None:
     """An explicit override is never silently ignored: a bad one is an error."""
     override = os.environ.get(env_var)
@@ -63,6 +71,18 @@ def free_port() -> int:
         sock.bind((LOOPBACK, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing is bound to ``port`` on loopback. SO_REUSEADDR as the servers set it: the
+    connections of a server that just died, left in TIME_WAIT, do not count."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+        return True
 
 
 def die_with_parent_preexec(new_session: bool = False) -> Callable[[], None] | None:
@@ -189,8 +209,18 @@ class ManagedServer(abc.ABC):
     def is_running(self) -> bool:
         return self._executor is not None and self._executor.running()
 
+    @property
+    def run_dir(self) -> Path:
+        """The server process's working directory."""
+        return self.work_dir
+
     def start(self) -> Self:
-        """Start the server and return once it answers; retries a lost port race."""
+        """Start the server and return once it answers.
+
+        Only a lost port race (``PortTaken``: another process bound the port we picked
+        between our pick and the server's bind) is tried again, on a new port; any other
+        error is the server's, and starting it again would only repeat or hide it.
+        """
         if self.is_running():
             return self
         attempts = 3 if self._port_is_ours_to_choose else 1
@@ -199,7 +229,7 @@ class ManagedServer(abc.ABC):
                 self._port = free_port()
             try:
                 self._start_once()
-            except DevStackError:
+            except PortTaken:
                 if attempt == attempts:
                     raise
                 continue
@@ -212,12 +242,13 @@ class ManagedServer(abc.ABC):
         started = time.monotonic()
         argv = self.command()
         with self.log_path.open("ab") as log:
+            said_before = log.tell()  # this start's own words come after
             self._executor = _Executor(
                 argv,
                 self.port,
                 self.probe_pid,
                 self.env(),
-                cwd=str(self.work_dir),
+                cwd=str(self.run_dir),
                 timeout=self.start_timeout,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -228,13 +259,25 @@ class ManagedServer(abc.ABC):
             except AlreadyRunning:
                 self._executor = None
                 message = f"{what}: port {self.port} is answered by another process"
-                raise DevStackError(message) from None
+                raise PortTaken(message) from None
             except (ExecutorError, DevStackError) as error:
                 self.kill()
                 reason = str(error).splitlines()[0]
                 tail = log_tail(self.log_path)
-                raise DevStackError(f"{what}: {reason}\n--- {self.log_path} ---\n{tail}") from None
+                failure = PortTaken if self._lost_port(said_before) else DevStackError
+                raise failure(f"{what}: {reason}\n--- {self.log_path} ---\n{tail}") from None
         self.last_start_seconds = time.monotonic() - started
+
+    def _lost_port(self, log_offset: int) -> bool:
+        """The start failed because another process holds the port: the server said so in
+        its log (past ``log_offset``), or the port is bound now that the server is gone."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(log_offset)
+                said = log.read().decode(errors="replace")
+        except OSError:
+            said = ""
+        return _ADDRESS_IN_USE in said or not port_is_free(self.port)
 
     def stop(self) -> None:
         """Graceful stop: SIGTERM, then SIGKILL once the start timeout has passed again."""

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from service.dev.postgres_server import PostgresServer
+from service.dev.postgres_server import PostgresServer, clusters_dir
 from service.dev.redis_server import RedisServer
 from service.dev.servers import (
     DEFAULT_START_TIMEOUT_S,
@@ -32,6 +32,7 @@ from service.dev.servers import (
     ManagedServer,
     free_port,
     log_tail,
+    port_is_free,
 )
 from service.dev.tansu import TansuBroker, kafka_metadata_ok
 
@@ -135,10 +136,10 @@ class DevStack:
     state directory (default `./.devstack`), and an embedded PostgreSQL when asked for.
 
     Redis keeps its AOF in `<state_dir>/redis` and PostgreSQL its cluster in
-    `<state_dir>/postgres`, so retry queues, grants and applied migrations survive
-    `down`/`up`; the broker starts empty every time (Tansu is memory-only; Kafka's data
-    directory is formatted anew). state.json records which broker runs and whether
-    PostgreSQL does, so `down` and `status` need not be told.
+    `postgres_cluster_dir(state_dir)` (its log in `<state_dir>/postgres`), so retry queues,
+    grants and applied migrations survive `down`/`up`; the broker starts empty every time
+    (Tansu is memory-only; Kafka's data directory is formatted anew). state.json records
+    which broker runs and whether PostgreSQL does, so `down` and `status` need not be told.
     """
 
     @staticmethod
@@ -217,17 +218,19 @@ class DevStack:
     ) -> bool:
         """Stop every server and forget them; True if a stack was recorded.
 
-        `purge` also deletes the state directory, including Redis's and PostgreSQL's data.
+        `purge` also deletes the state directory and PostgreSQL's cluster (kept outside
+        it), with all of Redis's and PostgreSQL's data.
         """
         state_dir = cls._resolve(state_dir)
-        if not state_dir.exists():
-            return False
-        with _state_lock(state_dir):
-            state = cls._read_state(state_dir)
-            if state is not None:
-                cls._stop_records(state, timeout)
-            (state_dir / STATE_FILE_NAME).unlink(missing_ok=True)
+        state = None
+        if state_dir.exists():
+            with _state_lock(state_dir):
+                state = cls._read_state(state_dir)
+                if state is not None:
+                    cls._stop_records(state, timeout)
+                (state_dir / STATE_FILE_NAME).unlink(missing_ok=True)
         if purge:
+            shutil.rmtree(postgres_cluster_dir(state_dir), ignore_errors=True)
             shutil.rmtree(state_dir, ignore_errors=True)
         return state is not None
 
@@ -350,13 +353,27 @@ def _postgres_url(port: int) -> str:
     return f"postgresql://postgres@{LOOPBACK}:{port}/postgres"
 
 
+def postgres_cluster_dir(state_dir: Path) -> Path:
+    """Where the stack of ``state_dir`` keeps its PostgreSQL cluster: in the embedded
+    PostgreSQL's own folder (service/dev/postgres_server.py says why not in the checkout),
+    named after the state directory's path."""
+    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:16]
+    return clusters_dir() / f"devstack-{digest}"
+
+
 def _postgres_server(
     state_dir: Path,
     port: int,
     timeout: float = DEFAULT_START_TIMEOUT_S,
     bin_dir: Path | None = None,
 ) -> PostgresServer:
-    return PostgresServer(state_dir / "postgres", port, bin_dir=bin_dir, start_timeout=timeout)
+    return PostgresServer(
+        state_dir / "postgres",
+        port,
+        cluster_dir=postgres_cluster_dir(state_dir),
+        bin_dir=bin_dir,
+        start_timeout=timeout,
+    )
 
 
 def _start_postgres(state_dir: Path, port: int | None, timeout: float) -> _ServerRecord:
@@ -397,7 +414,7 @@ def _start_detached(server: ManagedServer, timeout: float) -> _ServerRecord:
     devnull_fd = os.open(os.devnull, os.O_RDONLY)
     previous_cwd = os.getcwd()
     try:
-        os.chdir(server.work_dir)  # posix_spawn has no cwd parameter before Python 3.13
+        os.chdir(server.run_dir)  # posix_spawn has no cwd parameter before Python 3.13
         # No Popen: nothing warns "subprocess still running" when this process moves on.
         pid = os.posix_spawn(
             program,
@@ -448,15 +465,8 @@ def _terminate(
 
 
 def _reusable(port: int) -> int | None:
-    """`port` if nothing listens on it. SO_REUSEADDR as the servers set it: connections of
-    a killed server left in TIME_WAIT do not keep its successor off the port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((LOOPBACK, port))
-        except OSError:
-            return None
-        return port
+    """`port` if nothing holds it (a killed server's connections in TIME_WAIT do not)."""
+    return port if port_is_free(port) else None
 
 
 @contextlib.contextmanager

@@ -2,16 +2,28 @@
 
 A handler whose database or payment API is down fails every record with a retryable
 error. Parking each one spends its retry policy against an outage and fills the delay
-queue; a breaker instead notices the failure rate (or a retry budget spent) and opens,
-and the worker holds that handler's records where they are: not run, not parked, not
-committed. After a cool-down one record goes through as a probe (half-open); its success
-closes the circuit, its failure reopens it for twice as long, up to a cap.
+queue; a breaker instead notices the outage and opens, and the worker holds that
+handler's records where they are: not run, not parked, not committed. After a cool-down
+one record goes through as a probe (half-open); its success closes the circuit, its
+failure reopens it for twice as long, up to a cap.
+
+Records that fail for reasons of their own must not look like an outage: nearly every due
+retry is such a record, so a backlog of them fails at a high ratio while the dependency
+answers everyone else. The evidence is therefore split. A dependency that is down fails
+*first attempts* (records that never ran before) across many keys; records failing on
+their own show as retries failing while first attempts mostly succeed. So the failure
+ratio counts first attempts only; retries count only when nothing at all succeeds in the
+window (fresh records, if any, failing too), across ``min_calls`` distinct keys, mostly with
+one error class; and the retry budget counts only parks that add an item to the delay
+queue (a retry parked again replaces its own). A failed probe whose record was failing
+before the evidence that opened the circuit is no evidence either: another record probes.
 
 This module is the state machine only, with no I/O: processing asks it what may run and
 tells it how runs ended; intake pauses the partitions of open circuits. Counts live in a
 ring of fixed time buckets, so memory is O(buckets) whatever the record rate and the
-per-record cost is one bucket update. Everything but :meth:`Breaker.snapshot` is meant
-for the event loop's thread; the snapshot only reads, so the HTTP threads may call it.
+per-record cost of a success is one bucket update (a failure also notes its key and error
+class in its bucket, bounded). Everything but :meth:`Breaker.snapshot` is meant for the
+event loop's thread; the snapshot only reads, so the HTTP threads may call it.
 """
 
 from __future__ import annotations
@@ -20,7 +32,9 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -39,6 +53,12 @@ MIN_BUCKETS = 10
 MAX_BUCKETS = 600
 # The last error in an opening reason: enough to recognise it, short enough for /readyz.
 REASON_ERROR_BYTES = 200
+# Failing keys a bucket remembers (at least min_calls): enough to tell "many keys" from "a
+# few records retrying", bounded whatever the failure rate.
+KEYS_PER_BUCKET = 64
+# Error classes a bucket tells apart; more (a handler raising dynamic types) count as one.
+CLASSES_PER_BUCKET = 16
+OTHER_CLASSES = "(other classes)"
 
 
 class BreakerState(StrEnum):
@@ -47,11 +67,61 @@ class BreakerState(StrEnum):
     OPEN = "open"
 
 
+class Evidence(StrEnum):
+    """What tripped a circuit: named in its log line, its reason and ``snapshot()``."""
+
+    FIRST_ATTEMPTS = "first_attempts"  # the failure ratio of records' first runs
+    NOTHING_SUCCEEDS = "nothing_succeeds"  # every run failing, across keys, one error class
+    RETRY_BUDGET = "retry_budget"  # too many records newly parked for the first attempts seen
+    PROBE = "probe"  # a half-open probe failed
+
+
 STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 # Module constants: reading ``BreakerState.CLOSED`` costs an enum lookup per record.
 _CLOSED, _HALF_OPEN, _OPEN = BreakerState.CLOSED, BreakerState.HALF_OPEN, BreakerState.OPEN
 
 OnChange = Callable[["Breaker", BreakerState, BreakerState], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One run that failed retryably, as the breaker weighs it."""
+
+    error: str  # its text (bounded and redacted in a reason)
+    error_class: str  # the exception's type name: an outage fails many keys the same way
+    key: str  # the record's dedupe key (or coordinates): a few records retrying are few keys
+    first_attempt: bool  # the record had never run before: outage evidence on its own
+    # Wall-clock ms of the record's first failure before this run (None: this is its first).
+    # A probe failing since before the circuit's evidence began says nothing new.
+    failing_since_ms: int | None = None
+
+
+class _Seen:
+    """One bucket's failures: their error classes and keys, of every run and of first ones."""
+
+    __slots__ = ("classes", "first_classes", "first_keys", "keys")
+
+    def __init__(self) -> None:
+        self.classes: Counter[str] = Counter()
+        self.first_classes: Counter[str] = Counter()
+        self.keys: set[str] = set()
+        self.first_keys: set[str] = set()
+
+    def add(self, failure: Failure, keys_cap: int) -> None:
+        _count(self.classes, failure.error_class)
+        if len(self.keys) < keys_cap:
+            self.keys.add(failure.key)
+        if failure.first_attempt:
+            _count(self.first_classes, failure.error_class)
+            if len(self.first_keys) < keys_cap:
+                self.first_keys.add(failure.key)
+
+
+def _count(classes: Counter[str], name: str) -> None:
+    if name in classes or len(classes) < CLASSES_PER_BUCKET:
+        classes[name] += 1
+    else:
+        classes[OTHER_CLASSES] += 1
 
 
 class Breaker:
@@ -64,8 +134,12 @@ class Breaker:
         "_cool_down_s",
         "_epoch",
         "_event",
+        "_evidence_from_ms",
         "_failures",
+        "_first",
+        "_first_failures",
         "_inv_width",
+        "_keys_cap",
         "_metrics",
         "_min_calls",
         "_n",
@@ -76,13 +150,18 @@ class Breaker:
         "_probe_out",
         "_ratio",
         "_runs",
+        "_seen",
         "_slot",
         "_stalls",
         "_stamp",
         "_state",
         "_total_failures",
+        "_total_first",
+        "_total_first_failures",
         "_total_parks",
         "_total_runs",
+        "_wall",
+        "evidence",
         "held",
         "name",
         "policy",
@@ -95,6 +174,7 @@ class Breaker:
         policy: BreakerPolicy,
         *,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         on_change: OnChange | None = None,
         metrics: Metrics | None = None,
         stalls: Stalls | None = None,
@@ -102,8 +182,10 @@ class Breaker:
         self.name = name
         self.policy = policy
         self.reason = ""
+        self.evidence: Evidence | None = None
         self.held = 0
         self._clock = clock
+        self._wall = wall  # compared with records' first-failure times (wall-clock ms)
         self._on_change = on_change
         self._metrics = metrics
         self._stalls = stalls
@@ -114,8 +196,10 @@ class Breaker:
         self._ratio = policy.failure_ratio
         self._budget_min = policy.retry_budget_min
         self._budget_ratio = policy.retry_budget_ratio
+        self._keys_cap = max(KEYS_PER_BUCKET, policy.min_calls)
         self._open_until = 0.0
         self._opened_at = 0.0
+        self._evidence_from_ms = 0
         self._probe_out = False
         self._event: asyncio.Event | None = None
         n = min(max(math.ceil(policy.window_s), MIN_BUCKETS), MAX_BUCKETS)
@@ -124,10 +208,14 @@ class Breaker:
         self._epoch = self._epoch_at(clock())
         self._slot = self._epoch % n
         self._stamp = [self._epoch] * n  # the epoch each slot's counts belong to
-        self._runs = [0] * n
-        self._failures = [0] * n
-        self._parks = [0] * n
+        self._runs = [0] * n  # every run that ended
+        self._failures = [0] * n  # of which failed retryably
+        self._first = [0] * n  # runs of records on their first attempt
+        self._first_failures = [0] * n  # of which failed retryably
+        self._parks = [0] * n  # records newly parked (an item added to the delay queue)
+        self._seen: list[_Seen | None] = [None] * n
         self._total_runs = self._total_failures = self._total_parks = 0
+        self._total_first = self._total_first_failures = 0
         if metrics is not None:
             metrics.circuit_state.labels(name).set(0)
             metrics.circuit_held.labels(name).set(0)
@@ -151,12 +239,16 @@ class Breaker:
             self._reset_window(epoch)
             return
         runs, failures, parks, stamp = self._runs, self._failures, self._parks, self._stamp
+        first, first_failures, seen = self._first, self._first_failures, self._seen
         for e in range(self._epoch + 1, epoch + 1):
             s = e % n
             self._total_runs -= runs[s]
             self._total_failures -= failures[s]
+            self._total_first -= first[s]
+            self._total_first_failures -= first_failures[s]
             self._total_parks -= parks[s]
-            runs[s] = failures[s] = parks[s] = 0
+            runs[s] = failures[s] = first[s] = first_failures[s] = parks[s] = 0
+            seen[s] = None
             stamp[s] = e
         self._epoch = epoch
         self._slot = epoch % n
@@ -164,10 +256,11 @@ class Breaker:
     def _reset_window(self, epoch: int) -> None:
         n = self._n
         self._stamp[:] = [epoch] * n
-        self._runs[:] = [0] * n
-        self._failures[:] = [0] * n
-        self._parks[:] = [0] * n
+        for counts in (self._runs, self._failures, self._first, self._first_failures, self._parks):
+            counts[:] = [0] * n
+        self._seen[:] = [None] * n
         self._total_runs = self._total_failures = self._total_parks = 0
+        self._total_first = self._total_first_failures = 0
         self._epoch = epoch
         self._slot = epoch % n
 
@@ -186,22 +279,26 @@ class Breaker:
             return 0.0
         return max(0.0, self._open_until - self._clock())
 
-    def record_success(self, runs: int = 1) -> None:
+    def record_success(self, runs: int = 1, *, first_attempt: bool) -> None:
         """A run (or ``runs`` of them) returned, or failed permanently: either way the
-        dependency answered. Inline handlers' successes come once per batch."""
+        dependency answered. ``first_attempt``: of records that never ran before. Inline
+        handlers' successes come once per batch."""
         if self._state is _CLOSED:  # the hot path: inlined
             epoch = math.floor(self._clock() * self._inv_width)
             if epoch > self._epoch:
                 self._advance(epoch)
             self._runs[self._slot] += runs
             self._total_runs += runs
+            if first_attempt:
+                self._first[self._slot] += runs
+                self._total_first += runs
         elif self.state is _HALF_OPEN:
             self._reset_window(self._epoch_at(self._clock()))
             self._cool_down_s = self.policy.cool_down_s
             self._move(_CLOSED)
         # OPEN: a run admitted before it opened; the probe decides, not this one.
 
-    def record_failure(self, error: str) -> None:
+    def record_failure(self, failure: Failure) -> None:
         """A run failed with a retryable error (or timed out)."""
         if self._state is _CLOSED:
             slot = self._slot_now()
@@ -209,33 +306,103 @@ class Breaker:
             self._failures[slot] += 1
             self._total_runs += 1
             self._total_failures += 1
-            runs, failures = self._total_runs, self._total_failures
-            if runs >= self._min_calls and failures >= self._ratio * runs:
-                self._open(
-                    f"{failures} of {runs} runs failed in the last {self.policy.window_s:g} s: "
-                    f"{record_text(error, REASON_ERROR_BYTES)}",
-                    self.policy.cool_down_s,
-                )
+            if failure.first_attempt:
+                self._first[slot] += 1
+                self._first_failures[slot] += 1
+                self._total_first += 1
+                self._total_first_failures += 1
+            seen = self._seen[slot]
+            if seen is None:
+                seen = self._seen[slot] = _Seen()
+            seen.add(failure, self._keys_cap)
+            self._judge(failure)
         elif self.state is _HALF_OPEN:
+            since = failure.failing_since_ms
+            if since is not None and since < self._evidence_from_ms:
+                # A record failing since before the outage's evidence began: its failure is
+                # its own as likely as the dependency's. It spent an attempt; another probes.
+                log.info(
+                    "circuit %s: the probe failed, but its record has been failing since "
+                    "before the circuit opened; another record probes",
+                    self.name,
+                    extra={"circuit": self.name, "circuit_state": self._state.value},
+                )
+                self.probe_unused()
+                return
             cool_down = min(self._cool_down_s * 2, self.policy.max_cool_down_s)
-            self._open(f"probe failed: {record_text(error, REASON_ERROR_BYTES)}", cool_down)
+            self._open(
+                Evidence.PROBE,
+                f"probe failed: {_text(failure.error)}",
+                cool_down,
+            )
         # OPEN: already open; failures of runs admitted before it opened change nothing.
 
-    def try_park(self) -> bool:
+    def _judge(self, failure: Failure) -> None:
+        """Open on outage evidence, not on records failing for reasons of their own."""
+        ratio, min_calls = self._ratio, self._min_calls
+        first, first_failed = self._total_first, self._total_first_failures
+        if failure.first_attempt and first >= min_calls and first_failed >= ratio * first:
+            classes, keys, capped = self._window_failures(first_only=True)
+            self._open(
+                Evidence.FIRST_ATTEMPTS,
+                f"{first_failed} of {first} first attempts failed in the last "
+                f"{self.policy.window_s:g} s, across {_keys(keys, capped)}; "
+                f"error classes {_classes(classes)}; last: {_text(failure.error)}",
+                self.policy.cool_down_s,
+            )
+            return
+        failed = self._total_failures
+        if failed < self._total_runs or failed < min_calls:
+            return  # something answered in the window: retries fail on their own
+        classes, keys, capped = self._window_failures(first_only=False)
+        top = classes.most_common(1)[0][1] if classes else 0
+        if keys >= min_calls and top >= ratio * failed:
+            self._open(
+                Evidence.NOTHING_SUCCEEDS,
+                f"all {failed} runs failed in the last {self.policy.window_s:g} s "
+                f"({first_failed} first attempts), across {_keys(keys, capped)}; "
+                f"error classes {_classes(classes)}; last: {_text(failure.error)}",
+                self.policy.cool_down_s,
+            )
+
+    def _window_failures(self, *, first_only: bool) -> tuple[Counter[str], int, bool]:
+        """(error classes, distinct failing keys, whether a bucket's keys were capped)."""
+        classes: Counter[str] = Counter()
+        keys: set[str] = set()
+        capped = False
+        for seen in self._seen:
+            if seen is None:
+                continue
+            bucket_keys = seen.first_keys if first_only else seen.keys
+            classes.update(seen.first_classes if first_only else seen.classes)
+            keys |= bucket_keys
+            capped = capped or len(bucket_keys) >= self._keys_cap
+        return classes, len(keys), capped
+
+    def try_park(self, *, new_item: bool) -> bool:
         """May a retryable failure be parked? False: hold the record instead.
 
-        Counts the park when it fits the retry budget; the park that would exceed it opens
-        the circuit, so a slow-burning failure below the ratio cannot fill the delay queue.
+        ``new_item``: the record is not in the delay queue yet (a retry parked again
+        replaces its own item, so it cannot flood the queue and is not counted). The park
+        that would exceed the budget, ``max(retry_budget_min, retry_budget_ratio * first
+        attempts)`` per window, opens the circuit: a slow-burning failure of fresh records
+        below the ratio cannot fill the delay queue.
         """
         if self._state is not _CLOSED:  # a due half-open is no better: it parks nothing
             return False
+        if not new_item:
+            return True
         slot = self._slot_now()
         parks = self._total_parks + 1
-        if parks > self._budget_min and parks > self._budget_ratio * self._total_runs:
-            budget = max(self._budget_min, math.floor(self._budget_ratio * self._total_runs))
+        first = self._total_first
+        if parks > self._budget_min and parks > self._budget_ratio * first:
+            budget = max(self._budget_min, math.floor(self._budget_ratio * first))
             policy = self.policy
             self._open(
-                f"retry budget spent: {parks} parks in {policy.window_s:g} s (budget {budget})",
+                Evidence.RETRY_BUDGET,
+                f"retry budget spent: {parks} records newly parked in {policy.window_s:g} s "
+                f"(budget {budget}; {first} first attempts, "
+                f"{self._total_first_failures} of them failed)",
                 policy.cool_down_s,
             )
             return False
@@ -253,7 +420,8 @@ class Breaker:
         return 1
 
     def probe_unused(self) -> None:
-        """The admitted probe ended without running the handler: another record may probe."""
+        """The admitted probe told nothing (it never ran the handler, or failed on its own):
+        another record may probe."""
         if self._probe_out:
             self._probe_out = False
             self._wake()
@@ -300,16 +468,20 @@ class Breaker:
         return {
             "state": state.value,
             "reason": self.reason,
+            "evidence": self.evidence.value if self.evidence is not None else None,
             "retry_in_s": round(max(0.0, self._open_until - now), 3) if state is _OPEN else 0.0,
             "held": self.held,
             "runs": sum(self._runs[s] for s in live),
             "failures": sum(self._failures[s] for s in live),
+            "first_attempts": sum(self._first[s] for s in live),
+            "first_attempt_failures": sum(self._first_failures[s] for s in live),
             "parks": sum(self._parks[s] for s in live),
         }
 
     # --- transitions ----------------------------------------------------------------
 
-    def _open(self, reason: str, cool_down_s: float) -> None:
+    def _open(self, evidence: Evidence, reason: str, cool_down_s: float) -> None:
+        self.evidence = evidence
         self.reason = reason
         self._cool_down_s = cool_down_s
         self._open_until = self._clock() + cool_down_s
@@ -326,12 +498,22 @@ class Breaker:
         if to is _OPEN:
             if before is _CLOSED:
                 self._opened_at = now
+                # Records failing since before this window's evidence began were failing
+                # while the dependency answered others: their failed probes prove nothing.
+                self._evidence_from_ms = int((self._wall() - self.policy.window_s) * 1000)
+            evidence = self.evidence.value if self.evidence is not None else None
             log.warning(
-                "circuit %s open for %.1f s: %s",
+                "circuit %s open for %.1f s (%s): %s",
                 self.name,
                 self._cool_down_s,
+                evidence,
                 self.reason,
-                extra={**extra, "reason": self.reason, "cool_down_s": self._cool_down_s},
+                extra={
+                    **extra,
+                    "reason": self.reason,
+                    "evidence": evidence,
+                    "cool_down_s": self._cool_down_s,
+                },
             )
             if self._stalls is not None:
                 self._stalls.report(stall, self.reason)
@@ -359,6 +541,22 @@ class Breaker:
             event.set()
 
 
+def _text(error: str) -> str:
+    return record_text(error, REASON_ERROR_BYTES)
+
+
+def _keys(n: int, capped: bool) -> str:
+    """``12 keys``; ``64+ keys`` when a bucket held more failing keys than it remembers."""
+    return f"{n}{'+' if capped else ''} {'key' if n == 1 and not capped else 'keys'}"
+
+
+def _classes(classes: Counter[str]) -> str:
+    """The most common error classes and their counts, e.g. ``ConnectError 18, Timeout 2``."""
+    top = classes.most_common(3)
+    text = ", ".join(f"{name} {count}" for name, count in top)
+    return text + (", …" if len(classes) > len(top) else "")
+
+
 class Breakers:
     """Every breaker of a worker, found by handler name."""
 
@@ -370,6 +568,7 @@ class Breakers:
         metrics: Metrics | None = None,
         stalls: Stalls | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         on_change: OnChange | None = None,
     ) -> None:
         # dependency (or handler name) -> (first handler declaring it, its effective policy)
@@ -398,6 +597,7 @@ class Breakers:
                     circuit,
                     policy,
                     clock=clock,
+                    wall=wall,
                     on_change=on_change,
                     metrics=metrics,
                     stalls=stalls,

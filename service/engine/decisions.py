@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from service.engine.breaker import Breaker, BreakerState
+from service.engine.breaker import Breaker, BreakerState, Failure
 from service.engine.decoding import DecodeFailure, decode
 from service.engine.idempotency import (
     ClaimRequest,
@@ -215,22 +215,35 @@ class Decisions:
     ) -> None:
         """A handler error: dead-letter if permanent or out of attempts, else park; or hold.
 
-        A retryable failure counts against the handler's circuit breaker. When the breaker
-        is open, or parking would spend more than its retry budget, the record is held
+        A retryable failure counts against the handler's circuit breaker, which weighs a
+        record's first attempt apart from its retries (breaker.py: records failing on their
+        own are not an outage). When the breaker is open, or parking a record not yet in the
+        delay queue would spend more than its retry budget, the record is held
         (Fate.HOLD): the dependency is down, and neither a park nor an attempt is spent.
         Its text is recorded (dead-letter header, log, retry item, outcome event) only as
         ``describe_error`` makes it: public message if declared, redacted, bounded.
         """
         assert job.handler is not None
         error = error or describe_error(exc)
+        d = job.delivery
         if job.handler.classify(exc) == "fail":
             job.dead_letter("permanent", error)
-            if breaker is not None:
-                breaker.record_success()  # the dependency answered; the record is wrong
+            if breaker is not None:  # the dependency answered; the record is wrong
+                breaker.record_success(first_attempt=d.attempt == 1)
             return
         if breaker is not None:
-            breaker.record_failure(error)
-            if breaker.state is not BreakerState.CLOSED or not breaker.try_park():
+            breaker.record_failure(
+                Failure(
+                    error,
+                    type(exc).__name__,
+                    job.idem_key or d.retry_id,
+                    first_attempt=d.attempt == 1,
+                    failing_since_ms=d.first_failed_ms,
+                )
+            )
+            if breaker.state is not BreakerState.CLOSED or not breaker.try_park(
+                new_item=not d.is_retry
+            ):
                 self._hold(job, error)
                 return
         self.retry_or_give_up(job, error)
@@ -260,9 +273,10 @@ class Decisions:
         job.fate, job.reason = Fate.HOLD, error
 
     def requeue(self, job: Job, why: str) -> None:
-        """Back to the delay queue at the same attempt, soon: the record did not fail (its
-        work was in a postgres transaction a wave-mate's handler broke), so no attempt is
-        spent and no breaker hears of it."""
+        """Back to the delay queue at the same attempt, soon: the record did not fail through
+        a fault of its own (its postgres transaction was broken by a wave-mate's handler, or
+        lost with the connection of a call abandoned past its timeout), so no attempt is spent
+        and no breaker hears of it."""
         job.park(job.delivery.attempt, why, self._settings.retry.busy_delay_ms)
 
     def retry_or_give_up(self, job: Job, error: str) -> None:

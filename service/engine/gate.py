@@ -9,6 +9,8 @@ mid-run (Fate.HOLD) come back to wait again, their claims released.
 A failed probe counts as an attempt of the record that probed, so probes rotate: the probe
 is the waiting record that has run the fewest times, across every partition's pass and the
 retries, or a long outage would spend one record's attempts while the others wait free.
+A probe whose record has been failing since before the circuit's evidence began tells
+nothing when it fails: the breaker frees the probe for the next record (breaker.py).
 """
 
 from __future__ import annotations

@@ -359,6 +359,15 @@ class WaveTransaction:
         finally:
             self.conn.handler_running = False  # type: ignore[attr-defined]
 
+    async def close_now(self) -> None:
+        """Close the wave's connection at once, the handler still running: the call was
+        abandoned past its timeout (stuck_calls.py) and still holds ``ctx.db``. Nothing it
+        sends afterwards reaches a transaction, and the pool never hands the connection out
+        again. The worker's own close, so the guard against a handler's ``close()`` steps
+        aside for it."""
+        self.conn.handler_running = False  # type: ignore[attr-defined]
+        await self.conn.close()
+
     def release(self, row: InboxRow) -> None:
         """The record's handler returned: its savepoint's work joins the transaction with
         the next statement (its RELEASE goes with the next SAVEPOINT, or with COMMIT).
@@ -561,9 +570,13 @@ class InboxStore:
         finally:
             # Roll back whatever was not committed (a failed wave); the pool drops a broken
             # connection on its own, and one a handler may have reconfigured (autocommit,
-            # session settings) is closed so that the pool drops it too.
+            # session settings) is closed so that the pool drops it too. A closed one was
+            # discarded under a handler that ignored its cancellation (postgres_wave.py) and
+            # may still hold its lock: the server rolled it back as it closed, and waiting for
+            # that lock could last forever.
             try:
-                if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                status = conn.info.transaction_status
+                if not conn.closed and status != psycopg.pq.TransactionStatus.IDLE:
                     await conn.rollback()
                 if tx.discard:
                     await conn.close()

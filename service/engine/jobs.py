@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from service.engine import long_keys
 from service.engine.context import Effects
 from service.engine.records import Delivery, Outcome
 from service.engine.registry import Handler
@@ -105,11 +106,17 @@ def key_waves(jobs: list[Job]) -> list[list[Job]]:
 
 
 def log_fields(job: Job) -> dict[str, object]:
+    """A record's coordinates and key for a log line; a long key as its digest (a megabyte
+    key would otherwise be repeated in every line about the record)."""
     d = job.delivery
-    return {
+    fields: dict[str, object] = {
         "topic": d.topic,
         "partition": d.partition,
         "offset": d.offset,
         "attempt": d.attempt,
         "dedupe_key": job.dedupe_key,
     }
+    if job.dedupe_key is not None and long_keys.is_long(job.dedupe_key):
+        fields["dedupe_key"] = long_keys.digest(job.dedupe_key)
+        fields["dedupe_key_digested"] = True
+    return fields

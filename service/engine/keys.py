@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 
+from service.engine import long_keys
+
 MAX_INLINE_KEY_BYTES = 160
 # Every namespace the engine writes, or may write, under the key prefix: idempotency
 # markers, the delay queue, the durability fence (redis_durability.fence_key), redrive state,
@@ -62,14 +64,17 @@ class RedisKeys:
 
     def idempotency(self, handler: str, dedupe_key: str) -> str:
         try:
-            raw = dedupe_key.encode("utf-8")
+            inline = len(dedupe_key.encode("utf-8")) <= MAX_INLINE_KEY_BYTES
         except UnicodeEncodeError:
-            # A lone surrogate cannot be sent to Redis as text: hash its lossless bytes.
-            raw = dedupe_key.encode("utf-8", "surrogatepass")
-            return f"{self.prefix}:idem:{handler}:#{hashlib.sha256(raw).hexdigest()}"
-        if len(raw) <= MAX_INLINE_KEY_BYTES:
+            inline = False  # a lone surrogate cannot be sent to Redis as text: hashed
+        if inline:
             return f"{self.prefix}:idem:{handler}:={dedupe_key}"
-        return f"{self.prefix}:idem:{handler}:#{hashlib.sha256(raw).hexdigest()}"
+        return self.idempotency_hashed(handler, long_keys.sha256_hex(dedupe_key))
+
+    def idempotency_hashed(self, handler: str, sha256_hex: str) -> str:
+        """The marker of a key too long to name inline, by its hex SHA-256: what an operator
+        holding only a long key's digest (``sha256:<hex>``, as events show it) can find."""
+        return f"{self.prefix}:idem:{handler}:#{sha256_hex}"
 
     def retry_chain(self, topic: str, partition: int, key: bytes) -> str:
         """The chain of a Kafka key's records waiting in the delay queue, in offset order.

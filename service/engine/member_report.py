@@ -30,6 +30,7 @@ from aiokafka.structs import TopicPartition
 
 from service.engine.keys import escape_part
 from service.engine.offsets import OffsetTracker
+from service.engine.retrying import cancellation_swallowed
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class MemberReport:
     started_at_ms: int
     reported_at_ms: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # Its stalls (stalls.py), cause -> the last error or why: no progress, by its own account.
+    stalls: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +97,7 @@ class MemberReport:
             "partitions": [p.to_json() for p in self.partitions],
             "in_flight": self.in_flight,
             "circuits": self.circuits,
+            "stalls": self.stalls,
             "started_at_ms": self.started_at_ms,
             "reported_at_ms": self.reported_at_ms,
         }
@@ -122,6 +126,7 @@ class MemberReport:
             circuits=dict(doc.get("circuits", {})),
             started_at_ms=int(doc.get("started_at_ms", 0)),
             reported_at_ms=int(doc.get("reported_at_ms", 0)),
+            stalls={str(k): str(v) for k, v in dict(doc.get("stalls", {})).items()},
         )
 
 
@@ -140,6 +145,7 @@ class MemberReporter:
         circuits: Callable[[], dict[str, dict[str, object]]],
         consuming: bool,
         interval_s: float = INTERVAL_S,
+        stalls: Callable[[], dict[str, str]] = dict,
     ) -> None:
         self._client = client
         self._client_id = client_id
@@ -147,6 +153,7 @@ class MemberReporter:
         self._consumer = consumer
         self._in_flight = in_flight
         self._circuits = circuits
+        self._stalls = stalls
         self._consuming = consuming
         self.interval_s = interval_s
         self.host = socket.gethostname()
@@ -161,16 +168,26 @@ class MemberReporter:
         self._wake.set()
 
     async def run(self) -> None:
-        """Report until cancelled; never raises (but for cancellation)."""
+        """Report until cancelled; never raises (but for cancellation).
+
+        ``asyncio.timeout``, not ``wait_for``: on Python 3.11 a ``wait_for`` cancelled just
+        as its inner wait ended (a ``poke`` at shutdown) returns as if not cancelled, and
+        this loop then ran on forever while the shutdown awaited it. A cancel swallowed
+        deeper (redis-py's socket calls) is noticed once the report is written.
+        """
         while True:
             try:
-                await asyncio.wait_for(self.report_once(), timeout=max(1.0, self.interval_s / 2))
+                async with asyncio.timeout(max(1.0, self.interval_s / 2)):
+                    await self.report_once()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down or refusing: the next interval tries again
                 log.debug("member report not written", extra={"error": repr(exc)})
+            if cancellation_swallowed():
+                raise asyncio.CancelledError("cancelled while writing the member report")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
             self._wake.clear()
 
     async def report_once(self) -> None:
@@ -213,6 +230,7 @@ class MemberReporter:
             circuits={k: dict(v) for k, v in self._circuits().items()},
             started_at_ms=self._started_at_ms,
             reported_at_ms=int(time.time() * 1000),
+            stalls=self._stalls(),
         )
 
 

@@ -104,6 +104,20 @@ class Metrics:
             ["cause"],
             registry=r,
         )
+        # Handler calls given up on past their timeout and cancel grace (engine/stuck_calls.py).
+        self.handler_abandoned = Gauge(
+            "worker_handler_abandoned_calls",
+            "Handler calls abandoned (past their timeout, they ignored cancellation for the "
+            "cancel grace) whose tasks still run: leaked until they end or the worker restarts",
+            ["handler"],
+            registry=r,
+        )
+        self.handler_runners_short = Gauge(
+            "worker_handler_runners_short",
+            "Runners the async handler pool lacks because more abandoned calls still run than "
+            "max_concurrent_handlers (the bound): it runs this many short until they end",
+            registry=r,
+        )
         # Circuit breakers (engine/breaker.py): one series per circuit, set from the start.
         self.circuit_state = Gauge(
             "worker_circuit_state",

@@ -49,6 +49,13 @@ class HealthState:
     a *standby*: live but not ready, so a rollout never counts it as capacity (see
     deploy/k8s/deployment.yaml). The retry-scheduler-only process has no partitions and
     is ready once connected.
+
+    A member that stays unassigned while its group's records wait, or whose join never
+    completes, is the ``unassigned`` stall (membership.py): a readiness matter. Its poll
+    gap grows meanwhile (``getmany`` waits inside aiokafka for the broker's rebalance) but
+    fails liveness only at ``max_poll_gap_s``: a restart of every member sooner would
+    start more rebalances, while by then the broker drops the member anyway and a fresh
+    join is the remedy.
     """
 
     started: bool = False
@@ -72,6 +79,8 @@ class HealthState:
     stalls: Stalls = field(default_factory=Stalls)
     # The circuit breakers' state for /readyz (an open one is also a stall).
     circuits: Callable[[], dict[str, dict[str, object]]] = dict
+    # Seconds since this member last held a partition, None while it holds some (membership.py).
+    unassigned_s: Callable[[], float | None] = lambda: None
 
     def mark_started(self) -> None:
         """Gaps count from here: connecting at start is the startup probe's business."""
@@ -102,6 +111,7 @@ class HealthState:
             "joined_group": self.joined_group,
             "assigned_partitions": self.assigned_partitions,
             "standby": standby,
+            "unassigned_s": _rounded(self.unassigned_s()),
             "kafka": self.kafka_ok,
             "redis": self.redis_ok,
             "stalled": sorted(self.stalls.active()),
@@ -116,6 +126,10 @@ class HealthState:
             and (not self.consuming or (self.joined_group and self.assigned_partitions > 0))
         )
         return ok, detail
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def make_app(state: HealthState, metrics: Metrics) -> Callable[..., Iterable[bytes]]:
@@ -245,14 +259,19 @@ class HttpServer:
         for thread in self._threads:
             thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop serving; threads still answering a slow client get ``timeout_s`` in all
+        (default: one read timeout), then are left to end with the process (daemons)."""
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         for _ in self._threads[1:]:
             self._requests.put(None)
+        deadline = time.monotonic() + (
+            self._read_timeout_s + 1.0 if timeout_s is None else timeout_s
+        )
         for thread in self._threads:
             if thread.ident is not None:
-                thread.join(self._read_timeout_s + 1.0)
+                thread.join(max(0.0, deadline - time.monotonic()))
         for sock in (self._listener, self._wake_r, self._wake_w):
             sock.close()
         self._selector.close()

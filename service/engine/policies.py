@@ -93,11 +93,15 @@ class RetryPolicy(BaseModel):
 class BreakerPolicy(BaseModel):
     """When a handler's dependency counts as down, and how the worker probes it.
 
-    Opens when, within the last ``window_s``, at least ``min_calls`` handler runs ended and
-    at least ``failure_ratio`` of them failed with a retryable error; or when parking one
-    more record would exceed the retry budget: ``max(retry_budget_min, retry_budget_ratio *
-    runs in the window)`` parks per window. After ``cool_down_s`` (doubling on each failed
-    probe up to ``max_cool_down_s``) it lets one record through (half-open); success closes it.
+    Only evidence of a dependency counts, not records failing for their own reasons (their
+    retries): it opens when, within the last ``window_s``, at least ``min_calls`` first
+    attempts ended and at least ``failure_ratio`` of them failed with a retryable error; or
+    when no run at all succeeded while ``min_calls`` runs of as many distinct keys failed,
+    ``failure_ratio`` of them with one error class (an outage seen through retries alone); or
+    when parking one more record not yet in the delay queue would exceed the retry budget:
+    ``max(retry_budget_min, retry_budget_ratio * first attempts in the window)`` per window.
+    After ``cool_down_s`` (doubling on each failed probe up to ``max_cool_down_s``) it lets
+    one record through (half-open); success closes it (engine/breaker.py says why).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -56,6 +56,13 @@ from service.engine.jobs import Job, log_fields
 from service.engine.metrics import Metrics
 from service.engine.redaction import describe_error
 from service.engine.stalls import Stalls
+from service.engine.stuck_calls import (
+    DEFAULT_CANCEL_GRACE_S,
+    CallAbandoned,
+    StuckCalls,
+    fence,
+    within,
+)
 
 log = logging.getLogger(__name__)
 # PGPROC_MAX_CACHED_SUBXIDS: the subtransactions a backend's snapshot entry holds.
@@ -78,6 +85,8 @@ class PostgresWaves:
         fault_injection: bool = False,
         metrics: Metrics | None = None,
         stalls: Stalls | None = None,
+        cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S,
+        stuck: StuckCalls | None = None,
     ) -> None:
         self._store = store
         self._decisions = decisions
@@ -89,6 +98,8 @@ class PostgresWaves:
         self._inject = fault_injection
         self._metrics = metrics or Metrics()
         self._stalls = stalls
+        self._grace_s = cancel_grace_s
+        self._stuck = stuck if stuck is not None else StuckCalls()
 
     async def run(self, jobs: list[Job]) -> None:
         """Every job to a decision: committed (fate left for FINISH), or failed, or parked.
@@ -128,6 +139,13 @@ class PostgresWaves:
                     await self._abandon(tx, broken, jobs)
                     self._metrics.postgres_transactions.labels("failed").inc()
                     return
+        except CallAbandoned as exc:  # its connection went with it: the others run again
+            self._metrics.postgres_transactions.labels("failed").inc()
+            for job in jobs:
+                if job.fate is None:
+                    job.inbox_duplicate = False
+                    self._decisions.requeue(job, f"busy: a wave-mate's {exc}")
+            return
         except Exception as exc:
             self._metrics.postgres_transactions.labels("failed").inc()
             if isinstance(exc, StoreUnavailable) or _is_connection_error(exc):
@@ -185,17 +203,15 @@ class PostgresWaves:
         error: BaseException | None = None
         try:
             with tx.handler_running():
-                async with asyncio.timeout(limit_s):
-                    if self._inject and faults.inject(ctx):
-                        log.warning(faults.HANG_STARTED, extra=log_fields(job))
-                        await asyncio.Event().wait()
-                    result = job.handler.func(job.payload, ctx)
-                    if result is not None:
-                        await result
+                await self._bounded(tx, job, ctx, limit_s)
         except Exception as exc:
             error = exc
         finally:
             self._observe(job.name, time.perf_counter() - started)
+        if isinstance(error, CallAbandoned):  # its connection is closed: the wave is over
+            self._decisions.handler_failed(job, error, str(error), breaker=breaker)
+            tx.broken = error
+            return False
         if error is None:
             try:
                 tx.release(row)
@@ -203,7 +219,7 @@ class PostgresWaves:
                 # COMMIT would show the breaker a wave's failures alone (a commit that fails
                 # later counts every record of the wave as failed, _fail_all).
                 if breaker is not None:
-                    breaker.record_success()
+                    breaker.record_success(first_attempt=job.delivery.attempt == 1)
                 return True
             except HandlerBrokeTransaction:
                 raise
@@ -253,6 +269,40 @@ class PostgresWaves:
             if job.fate is None:
                 job.inbox_duplicate = False
                 self._decisions.requeue(job, why)
+
+    async def _bounded(self, tx: WaveTransaction, job: Job, ctx: Context, limit_s: float) -> None:
+        """The handler in a task of its own, under its timeout: past it, cancelled on every
+        tick; still running ``cancel_grace_s`` later, abandoned (stuck_calls.py) and
+        ``CallAbandoned`` raised. It still holds ``ctx.db``, so the wave's connection is
+        closed at once: nothing it sends reaches any transaction, and it is never reused.
+        """
+        call = asyncio.ensure_future(self._call(job, ctx))
+        try:
+            ended = await within(call, limit_s, self._grace_s)
+        finally:
+            if not call.done():  # given up on, or the wave itself was cancelled
+                fence(ctx)
+                await tx.close_now()
+                self._stuck.add(job.name, call)
+        if not ended:
+            log.warning(
+                "handler ignored its cancellation past the grace; its wave's connection is "
+                "discarded and its wave-mates run again",
+                extra=log_fields(job),
+            )
+            raise CallAbandoned(limit_s, self._grace_s)
+        if call.cancelled():
+            raise TimeoutError(f"took longer than {limit_s:g} s")
+        call.result()
+
+    async def _call(self, job: Job, ctx: Context) -> None:
+        assert job.handler is not None and job.payload is not None
+        if self._inject and faults.inject(ctx):
+            log.warning(faults.HANG_STARTED, extra=log_fields(job))
+            await asyncio.Event().wait()
+        result = job.handler.func(job.payload, ctx)
+        if result is not None:
+            await result
 
     def _fail_all(self, jobs: list[Job], exc: BaseException) -> None:
         """The transaction is gone: every record it held (or would have) is retried."""

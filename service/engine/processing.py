@@ -50,7 +50,7 @@ from service.engine.metrics import Metrics
 from service.engine.policies import BreakerPolicy
 from service.engine.postgres_checks import until_checked
 from service.engine.postgres_wave import PostgresWaves
-from service.engine.publisher import Publisher
+from service.engine.publisher import Publisher, document_bytes_for
 from service.engine.records import Delivery, Outcome
 from service.engine.redaction import describe_error
 from service.engine.redis_client import RedisOps, make_client
@@ -60,6 +60,7 @@ from service.engine.retries import RetryQueue
 from service.engine.retrying import until_done
 from service.engine.settings import Settings
 from service.engine.stalls import Stalls
+from service.engine.stuck_calls import CallAbandoned, StuckCalls, fence
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ log = logging.getLogger(__name__)
 INTERNAL_ATTEMPTS = 5
 INTERNAL_FIRST_WAIT_S = 1.0
 INTERNAL_BACKOFF_MAX_S = 30.0
-# A lease stretched as a handler starts outlives its timeout by this much: the watchdog's
-# tick, a loaded event loop, and the finish or park that follows the handler.
+# A lease stretched as a handler starts outlives its timeout and cancel grace by this much:
+# the watchdog's tick, a loaded event loop, and the finish or park that follows the handler.
 LEASE_MARGIN_MS = 1_000
 POSTGRES_EFFECTS_REFUSAL = (
     "this handler keeps its effects in PostgreSQL (store='postgres'): write them with SQL on "
@@ -100,8 +101,14 @@ class Processor:
         self._redis = redis
         self._metrics = metrics
         self.decisions = Decisions(settings, registry, idempotency, retries, publisher, metrics)
+        # Handler calls given up on because they ignored their cancellation (stuck_calls.py).
+        self.stuck = StuckCalls(metrics, stalls)
         # Async handlers running at once, across all batches: protects what they call.
-        self._pool = HandlerPool(settings.max_concurrent_handlers)
+        self._pool = HandlerPool(
+            settings.max_concurrent_handlers,
+            cancel_grace_s=settings.handler_cancel_grace_s,
+            stuck=self.stuck,
+        )
         self._latency: dict[str, Any] = {}  # handler name -> its histogram child
         self._key_prefix = settings.redis.key_prefix
         # The circuit breakers in front of the handlers (none: every record is admitted).
@@ -121,6 +128,8 @@ class Processor:
                 fault_injection=settings.fault_injection,
                 metrics=metrics,
                 stalls=stalls,
+                cancel_grace_s=settings.handler_cancel_grace_s,
+                stuck=self.stuck,
             )
 
     @classmethod
@@ -135,11 +144,14 @@ class Processor:
         stalls: Stalls | None = None,
         breakers: Breakers | None = None,
         inbox: InboxStore | None = None,
+        outcomes_max_message_bytes: int | None = None,
     ) -> Processor:
         """The record path over an open Redis client and a started producer.
 
         ``stalls`` hears of what holds progress back outside the records (the worker's,
         so readiness and ``worker_stalled`` see it), e.g. a dead-letter topic that is missing.
+        ``outcomes_max_message_bytes``: the outcomes topic's limit, when the start-up check
+        read it; outcome documents are cut to fit it.
         """
         keys = RedisKeys(settings.redis.key_prefix)
         idempotency = Idempotency(
@@ -151,6 +163,8 @@ class Processor:
             outcomes_topic=settings.outcomes_topic(),
             stalls=stalls,
             outcome_layout=settings.outcomes.layout,
+            outage_summary_interval_s=settings.outage_summary_interval_s,
+            max_document_bytes=document_bytes_for(outcomes_max_message_bytes),
         )
         retries = RetryQueue(ops, keys)
         if breakers is None:
@@ -303,9 +317,10 @@ class Processor:
         inject = self._settings.fault_injection
         later: list[tuple[Job, Context, bool]] = []
         inline = Counter[str]()  # handler name -> inline runs
-        # Inline successes not yet told to their breaker: told once per batch, or before a
-        # failure of the same handler is (the breaker sees the runs in the same order).
-        untold = Counter[str]()
+        # Inline successes not yet told to their breaker, by handler and whether they were
+        # first attempts: told once per batch, or before a failure of the same handler is
+        # (the breaker sees the runs in the same order).
+        untold = Counter[tuple[str, bool]]()
         started = time.perf_counter()
         for job in jobs:
             ctx = self._context(job)
@@ -319,16 +334,18 @@ class Processor:
                 inline[handler.name] += 1
                 job.ran = True
                 handler.run_sync(payload, ctx)
-                untold[handler.name] += 1
+                untold[handler.name, job.delivery.attempt == 1] += 1
             except Exception as exc:
                 job.ran = True
                 breaker = self.breakers.for_handler(handler.name)
-                if breaker is not None and untold[handler.name]:
-                    breaker.record_success(untold.pop(handler.name))
+                if breaker is not None:
+                    for first in (True, False):
+                        if successes := untold.pop((handler.name, first), 0):
+                            breaker.record_success(successes, first_attempt=first)
                 self.decisions.handler_failed(job, exc, breaker=breaker)
-        for name, successes in untold.items():
+        for (name, first), successes in untold.items():
             if successes and (breaker := self.breakers.for_handler(name)):
-                breaker.record_success(successes)
+                breaker.record_success(successes, first_attempt=first)
         if inline:
             # Inline handlers take microseconds: one observation of the batch's mean per
             # handler keeps the histogram honest about them without a per-record cost.
@@ -372,8 +389,9 @@ class Processor:
         started = time.perf_counter()
         breaker = self.breakers.for_handler(job.handler.name)
         job.ran = True
+        abandon = functools.partial(self._abandoned, job, ctx, limit_s, started)
         try:
-            with slot.deadline(limit_s):
+            with slot.deadline(limit_s, job.handler.name, abandon):
                 if hang:
                     log.warning(faults.HANG_STARTED, extra=log_fields(job))
                     await asyncio.Event().wait()
@@ -382,7 +400,7 @@ class Processor:
                 if result is not None:
                     await result
             if breaker is not None:
-                breaker.record_success()
+                breaker.record_success(first_attempt=job.delivery.attempt == 1)
         except TimeoutError as exc:
             self.decisions.handler_failed(
                 job, exc, f"handler timed out after {limit_s:g} s", breaker=breaker
@@ -390,7 +408,21 @@ class Processor:
         except Exception as exc:
             self.decisions.handler_failed(job, exc, breaker=breaker)
         finally:
-            self._latency_of(job.name).observe(time.perf_counter() - started)
+            if not slot.abandoned:  # else measured when it was abandoned
+                self._latency_of(job.name).observe(time.perf_counter() - started)
+
+    def _abandoned(self, job: Job, ctx: Context, limit_s: float, started: float) -> None:
+        """The pool gave up on this record's call: its fate now, as for a timeout; the call
+        is fenced, since it still runs and may still queue effects."""
+        fence(ctx)
+        self._latency_of(job.name).observe(time.perf_counter() - started)
+        error = CallAbandoned(limit_s, self._settings.handler_cancel_grace_s)
+        log.warning(
+            "handler ignored its cancellation past the grace; its record goes on without it",
+            extra={**log_fields(job), "error": str(error)},
+        )
+        breaker = self.breakers.for_handler(job.name)
+        self.decisions.handler_failed(job, error, str(error), breaker=breaker)
 
     async def _renew_leases(self, job: Job, limit_s: float) -> bool:
         """Make the claim and retry lease outlast the handler about to start, or park.
@@ -401,7 +433,9 @@ class Processor:
         spare costs nothing; otherwise one script stretches both, only while still ours.
         Returns False (the record parked, same attempt) when one was already lost.
         """
-        need_ms = math.ceil(limit_s * 1000) + LEASE_MARGIN_MS
+        # Until its fate is decided: the timeout, and the cancel grace a stuck call gets.
+        need_ms = math.ceil((limit_s + self._settings.handler_cancel_grace_s) * 1000)
+        need_ms += LEASE_MARGIN_MS
         retry_lease = job.delivery.retry_lease
         if retry_lease is None and job.claim_until - time.monotonic() >= need_ms / 1000:
             return True
@@ -437,6 +471,13 @@ class Processor:
     async def aclose(self) -> None:
         """Stop the handler runners (after the batches using them have ended)."""
         await self._pool.aclose()
+        if self.stuck:
+            # asyncio cancels them once more at exit and waits for them: said, not hidden.
+            log.error(
+                "%d abandoned handler call(s) still run at shutdown: the process exits once "
+                "they end, or when it is killed",
+                len(self.stuck),
+            )
 
     def _context(self, job: Job) -> Context:
         d = job.delivery
@@ -479,7 +520,12 @@ async def open_processor(
     the worker's path: same claims, same effects, same dead letters and outcome events.
     """
     client = make_client(settings.redis)
-    ops = RedisOps(client, settings.redis, stalls=stalls)
+    ops = RedisOps(
+        client,
+        settings.redis,
+        stalls=stalls,
+        outage_summary_interval_s=settings.outage_summary_interval_s,
+    )
     producer = make_producer(settings.kafka)
     processor: Processor | None = None
     inbox: InboxStore | None = None

@@ -3,7 +3,8 @@
 Retry the whole operation with exponential backoff, forever, until the worker stops.
 Every script the worker runs is idempotent when re-run, so re-sending after a lost reply
 is safe. While Redis is away the records involved stay in flight, so their offsets are not
-committed and backpressure pauses the partitions: nothing is lost, nothing is skipped.
+committed and backpressure pauses the partitions: nothing is lost, nothing is skipped. The
+outage is logged as one episode for all calls (``outages.Outage``), each failed try at DEBUG.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TypeVar
 
 import redis.asyncio as aioredis
 
+from service.engine.outages import DEFAULT_SUMMARY_INTERVAL_S, Outage, error_text
 from service.engine.redis_durability import ServerIdentity, server_identity, wait_durable
 from service.engine.redis_errors import DurabilityError, is_transient, refusal_text
 from service.engine.redis_url import client_kwargs
@@ -46,12 +48,14 @@ class RedisOps:
         on_error: Callable[[BaseException], None] | None = None,
         max_backoff_s: float = 5.0,
         stalls: Stalls | None = None,
+        outage_summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S,
     ) -> None:
         self.client = client
         self.settings = settings
         self._on_error = on_error
         self._max_backoff_s = max_backoff_s
         self._stalls = stalls
+        self.outage = Outage("redis", summary_interval_s=outage_summary_interval_s)
         self._held_by_refusal = 0  # calls now waiting out a refusal (the stall lasts as long)
         self._server: ServerIdentity | None = None  # the server the last durability wait saw
         self.stopping = False
@@ -127,6 +131,7 @@ class RedisOps:
                 on_failure=note,
                 first_wait_s=0.05,
                 max_wait_s=self._max_backoff_s,
+                outage=self.outage,
             )
         finally:
             if refused:
@@ -137,9 +142,8 @@ class RedisOps:
     def _note(self, exc: BaseException, attempt: int) -> None:
         if self._on_error:
             self._on_error(exc)
-        log.warning(
-            "redis call failed, retrying",
-            extra={"attempt": attempt, "error": f"{type(exc).__name__}: {exc}"},
+        log.debug(
+            "redis call failed, retrying", extra={"attempt": attempt, "error": error_text(exc)}
         )
 
 

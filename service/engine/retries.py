@@ -352,18 +352,28 @@ class RetryScheduler:
         finally:
             self._in_flight -= len(batch)
 
-    async def drain(self, timeout_s: float) -> None:
-        """Wait for running retries up to ``timeout_s``, then cancel the rest.
+    async def drain(self, timeout_s: float, *, cancel_wait_s: float = 0.5) -> None:
+        """Wait for running retries, ``timeout_s`` in all, then cancel the rest.
 
         The loop first: a claim already sent when ``stop`` was called still starts its
         batch, which must be among those waited for (it once ran on after the producer and
-        Redis were closed).
+        Redis were closed). A cancelled batch gets ``cancel_wait_s`` to end: one whose
+        cancel is swallowed must not hold the shutdown (its items stay in flight, and the
+        reaper re-queues them when their leases expire).
         """
+        deadline = time.monotonic() + timeout_s
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._loop_ended.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._loop_ended.wait()
         if self._running:
-            _, pending = await asyncio.wait(set(self._running), timeout=timeout_s)
+            left = max(0.0, deadline - time.monotonic())
+            _, pending = await asyncio.wait(set(self._running), timeout=left)
             for task in pending:
                 task.cancel()
             if pending:
-                await asyncio.wait(pending)
+                _, stuck = await asyncio.wait(pending, timeout=cancel_wait_s)
+                if stuck:
+                    log.warning(
+                        "retry batches did not end when cancelled; left to their leases",
+                        extra={"count": len(stuck)},
+                    )

@@ -4,7 +4,8 @@ An outage of Redis or the broker is not a record's failure, so the record path d
 give up on it: the call is retried with jittered exponential backoff (tenacity) and the
 batch simply stays in flight meanwhile. Two things end the retrying early: the worker
 stopping (past its shutdown grace), and the calling task having been cancelled, even when
-that cancel never surfaced as an exception (``cancellation_swallowed``).
+that cancel never surfaced as an exception (``cancellation_swallowed``). The failures of
+all calls to one target are one episode (``outages.Outage``), logged as such.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
+
+from service.engine.outages import Outage
 
 T = TypeVar("T")
 
@@ -40,25 +43,34 @@ async def until_done(
     on_failure: Callable[[BaseException, int], None],
     first_wait_s: float,
     max_wait_s: float,
+    outage: Outage | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> T:
     """``await fn()`` until it succeeds, raises a non-transient error, or must stop.
 
     ``on_failure(exc, attempt)`` hears of every transient failure that will be retried,
-    with the number of the attempt that failed (1 for the first). When stopping, the last
-    error is raised; when the task's cancel was swallowed, CancelledError is. The first
-    failure is retried at once, the k-th after a random wait of up to
-    ``first_wait_s * 2**(k-2)``, at most ``max_wait_s`` (``longest_wait_s`` adds them up);
-    ``sleep`` takes those waits (a test's clock may stand in).
+    with the number of the attempt that failed (1 for the first); so does ``outage``, the
+    episode this call's target is in, which also hears of every success and of this call
+    waiting, from its first failure to its end. When stopping, the last error is raised; when the
+    task's cancel was swallowed, CancelledError is. The first failure is retried at once,
+    the k-th after a random wait of up to ``first_wait_s * 2**(k-2)``, at most
+    ``max_wait_s`` (``longest_wait_s`` adds them up); ``sleep`` takes those waits (a
+    test's clock may stand in).
     """
     try:  # the common case costs no retry machinery
-        return await fn()
+        result = await fn()
     except Exception as exc:
         if not transient(exc) or stopping():
             raise
         if cancellation_swallowed():
             raise asyncio.CancelledError("cancelled while a call was failing") from exc
         on_failure(exc, 1)
+        if outage is not None:
+            outage.failed(exc)
+    else:
+        if outage is not None:
+            outage.succeeded()
+        return result
 
     def stop(_: RetryCallState) -> bool:
         return stopping() or cancellation_swallowed()
@@ -67,7 +79,11 @@ async def until_done(
         exc = state.outcome.exception() if state.outcome else None
         if exc is not None:
             on_failure(exc, state.attempt_number + 1)
+            if outage is not None:
+                outage.failed(exc)
 
+    if outage is not None:
+        outage.wait_started()
     try:
         async for attempt in AsyncRetrying(
             retry=retry_if_exception(transient),
@@ -78,11 +94,17 @@ async def until_done(
             sleep=sleep,
         ):
             with attempt:
-                return await fn()
+                result = await fn()
+                if outage is not None:
+                    outage.succeeded()
+                return result
     except Exception as exc:
         if cancellation_swallowed():
             raise asyncio.CancelledError("cancelled while retrying a failing call") from exc
         raise
+    finally:
+        if outage is not None:
+            outage.wait_ended()
     raise AssertionError("unreachable")  # pragma: no cover
 
 

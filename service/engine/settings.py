@@ -221,7 +221,7 @@ class OutcomeSettings(BaseModel):
     enabled: bool = True
     topic: str | None = None
     # batch: a document per finished batch and source partition; record: a Kafka record per
-    # event, as before issue 19, for outside readers not yet able to read documents.
+    # event, as layout 1 did, for outside readers not yet able to read documents.
     layout: Layout = "batch"
 
     @field_validator("topic")
@@ -406,6 +406,10 @@ class Settings(BaseSettings):
     commit_interval_ms: int = Field(default=1000, ge=10)
     commit_every_records: int = Field(default=5000, ge=1)
     handler_timeout_s: float = Field(default=30.0, gt=0)
+    # A handler past its timeout is cancelled again on every watchdog tick; one that still
+    # runs this much later (it ignores cancellation) is abandoned: its record is retried or
+    # dead-lettered as for a timeout, and the handler_stuck stall lasts while it still runs.
+    handler_cancel_grace_s: float = Field(default=5.0, gt=0)
     max_record_bytes: int = Field(default=1_048_576, ge=1)
     revoke_grace_s: float = Field(default=10.0, ge=0)
     shutdown_grace_s: float = Field(default=25.0, ge=0)
@@ -424,6 +428,9 @@ class Settings(BaseSettings):
     fault_injection: bool = False
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "console"] = "json"
+    # While Redis or a Kafka topic keeps failing, a summary line this often (one line when it
+    # starts, one when it clears; each failed try only at DEBUG).
+    outage_summary_interval_s: float = Field(default=10.0, gt=0)
 
     @field_validator("topics")
     @classmethod

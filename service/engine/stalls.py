@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from service.engine.metrics import Metrics
 
 log = logging.getLogger(__name__)
+HELD = "records stay uncommitted and are retried until it clears"
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,15 +38,19 @@ class Stalls:
         self._active: dict[str, Stall] = {}
         self._lock = threading.Lock()
 
-    def report(self, cause: str, detail: str) -> None:
-        """The call failed for ``cause`` and will be tried again; say so once, loudly."""
+    def report(self, cause: str, detail: str, consequence: str = HELD) -> None:
+        """The call failed for ``cause`` and will be tried again; say so once, loudly.
+
+        ``consequence`` is what the log line says it means while it lasts.
+        """
         with self._lock:
             known = self._active.get(cause)
             self._active[cause] = Stall(cause, detail, known.since if known else time.monotonic())
         if known is None:
             log.error(
-                "no progress: %s (records stay uncommitted and are retried until it clears)",
+                "no progress: %s (%s)",
                 cause,
+                consequence,
                 extra={"stall": cause, "error": detail},
             )
             if self._metrics is not None:

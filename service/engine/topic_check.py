@@ -7,11 +7,13 @@ broker default) or a replication factor of 1 that ack can come from the leader a
 and losing that broker loses the dead letter, which then exists nowhere. So, before
 consuming, the worker reads both topics' replication factor and ``min.insync.replicas``
 and, per ``WORKER_TOPIC_DURABILITY``, refuses to start or warns (docs/durability.md).
+The same read gives the outcomes topic's ``max.message.bytes``, which outcome documents are
+cut to fit (the publisher also learns it from a refusal, for when the check is off).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient
@@ -19,9 +21,11 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from service.engine.errors import ConfigurationError
 from service.engine.kafka_client import connection_kwargs
+from service.engine.publisher import MIN_DOCUMENT_BYTES, TOPIC_LIMIT_ROOM
 from service.engine.settings import Settings
 
 MIN_INSYNC = "min.insync.replicas"
+MAX_MESSAGE_BYTES = "max.message.bytes"
 UNKNOWN_TOPIC_OR_PARTITION = 3
 
 
@@ -35,6 +39,8 @@ class TopicDurability:
     replication_factor: int | None
     min_insync_replicas: int | None
     error: str | None = None
+    # The largest record batch the topic takes: what outcome documents are cut to fit.
+    max_message_bytes: int | None = None
 
     def problem(self, required: int) -> str | None:
         """Why an acknowledged write to this topic may not survive one broker, or None."""
@@ -106,6 +112,7 @@ async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDura
                 continue
             replicas = [len(p["replicas"]) for p in info["partitions"]]
             isr = configs.get(name, {}).get(MIN_INSYNC)
+            limit = configs.get(name, {}).get(MAX_MESSAGE_BYTES)
             out.append(
                 TopicDurability(
                     name,
@@ -114,6 +121,7 @@ async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDura
                     min(replicas) if replicas else None,
                     int(isr) if isr is not None and isr.isdigit() else None,
                     error,
+                    int(limit) if limit is not None and limit.isdigit() else None,
                 )
             )
         return out
@@ -141,15 +149,27 @@ async def _min_insync(
     return out
 
 
-async def check_topic_durability(settings: Settings) -> list[str]:
-    """Warnings to log; raises ConfigurationError instead when the mode is ``require``."""
+@dataclass(frozen=True)
+class TopicCheck:
+    """What the start-up check found: warnings to log, and the outcomes topic's
+    ``max.message.bytes`` (None: not read, or not reported)."""
+
+    warnings: list[str] = field(default_factory=list)
+    outcomes_max_message_bytes: int | None = None
+
+
+async def check_topic_durability(settings: Settings) -> TopicCheck:
+    """Warnings to log and what was learnt; raises ConfigurationError instead of warning
+    when the mode is ``require``."""
     mode = effective_mode(settings)
     if mode == "off":
-        return []
+        return TopicCheck()
     facts = await describe(settings, checked_topics(settings))
+    limit = next((f.max_message_bytes for f in facts if f.role == "outcomes"), None)
+    small = _too_small_for_outcomes(limit, settings.outcomes_topic())
     problems = [p for f in facts if (p := f.problem(settings.topic_min_insync_replicas))]
     if not problems:
-        return []
+        return TopicCheck(small, limit)
     if mode == "require":
         why = (
             "WORKER_TOPIC_DURABILITY=require"
@@ -164,4 +184,17 @@ async def check_topic_durability(settings: Settings) -> list[str]:
             "Redis dropped its copy (docs/durability.md). Fix the topics, or set "
             "WORKER_TOPIC_DURABILITY=warn to start anyway."
         )
-    return [f"topic durability: {p} (docs/durability.md)" for p in problems]
+    warnings = [f"topic durability: {p} (docs/durability.md)" for p in problems]
+    return TopicCheck(warnings + small, limit)
+
+
+def _too_small_for_outcomes(limit: int | None, topic: str | None) -> list[str]:
+    """A warning when the outcomes topic takes less than the smallest outcome document."""
+    needed = MIN_DOCUMENT_BYTES + TOPIC_LIMIT_ROOM
+    if limit is None or limit >= needed:
+        return []
+    return [
+        f"outcomes topic {topic!r} has {MAX_MESSAGE_BYTES}={limit}: outcome documents are never "
+        f"cut below {MIN_DOCUMENT_BYTES} bytes, so some will be refused and their records held "
+        f"(outcomes_unwritable) until it takes {needed} (docs/contracts.md)"
+    ]

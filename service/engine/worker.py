@@ -5,7 +5,9 @@ intake (intake.py) loops on ``getmany`` and dispatches batches. A finished batch
 offsets done; the commit task commits each partition's contiguous watermark on an
 interval or after enough completions. On revoke: stop dispatching, give in-flight
 records a bounded time, commit what is done, drop the partition's state (its epoch ends,
-so late completions are ignored). On shutdown the same, for everything.
+so late completions are ignored). On shutdown the same, for everything, then the consumer
+leaves the group before anything else is closed; every step is bounded (shutdown.py), and
+a stopping worker takes no partition the group hands it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from service.engine.intake import Intake
 from service.engine.kafka_client import make_consumer, make_producer
 from service.engine.keys import RedisKeys
 from service.engine.member_report import INTERVAL_S, MemberReporter
+from service.engine.membership import MembershipWatch, read_group_progress
 from service.engine.metrics import Metrics
 from service.engine.observability import HealthState, HttpServer
 from service.engine.offsets import OffsetTracker
@@ -41,6 +44,7 @@ from service.engine.registry import Registry
 from service.engine.retries import QueueGauges, RetryQueue, RetryScheduler
 from service.engine.runtime import tune_gc
 from service.engine.settings import Settings
+from service.engine.shutdown import MIN_STEP_S, ExitDeadline, ShutdownSteps, closing_reserve_s
 from service.engine.stalls import Stalls
 from service.engine.startup import StoppedWhileStarting, unless_stopped, until_answered
 from service.engine.topic_check import check_topic_durability
@@ -98,7 +102,12 @@ class Worker:
         self.scheduler: RetryScheduler | None = None
         self.inbox: InboxStore | None = None  # the postgres effects store, when one is bound
         self.reporter: MemberReporter | None = None
+        self.membership: MembershipWatch | None = None  # a consuming worker's, once subscribed
         self.member_report_interval_s = INTERVAL_S  # what `service status` reads (tests: less)
+        self._steps: ShutdownSteps | None = None  # set once the shutdown has begun
+        self._left_group = False
+        self._revoked = asyncio.Event()  # set at every revoke: in-flight waits look again
+        self._exit_deadline = ExitDeadline(settings.shutdown_grace_s)
 
     # --- lifecycle ---
 
@@ -107,9 +116,17 @@ class Worker:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the worker, and the process ends by force if the
+        shutdown overruns its grace (``shutdown.ExitDeadline``): for the process's entry
+        point only, never for a worker run inside another program."""
         loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            self._exit_deadline.arm()
+            self.request_stop()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, stop)
 
     async def run(self) -> None:
         try:
@@ -146,7 +163,11 @@ class Worker:
             self._http.start()
         self.redis = make_client(s.redis)
         self.ops = RedisOps(
-            self.redis, s.redis, on_error=lambda _: self._redis_failed(), stalls=self.stalls
+            self.redis,
+            s.redis,
+            on_error=lambda _: self._redis_failed(),
+            stalls=self.stalls,
+            outage_summary_interval_s=s.outage_summary_interval_s,
         )
         checked = await self._unless_stopped(
             self.ops.call(functools.partial(check_persistence, self.redis, s.redis)),
@@ -169,7 +190,8 @@ class Worker:
             for warning in checked:
                 log.warning(warning)
         durability = until_answered(lambda: check_topic_durability(s), self._stop)
-        for warning in await self._unless_stopped(durability, "checking the Kafka topics"):
+        topics = await self._unless_stopped(durability, "checking the Kafka topics")
+        for warning in topics.warnings:
             log.warning(warning)
         self.processor = Processor.build(
             s,
@@ -180,6 +202,7 @@ class Worker:
             stalls=self.stalls,
             breakers=self.breakers,
             inbox=self.inbox,
+            outcomes_max_message_bytes=topics.outcomes_max_message_bytes,
         )
         self.intake.held_topics = self.breakers.open_topics
         self.health.circuits = self.breakers.snapshot
@@ -192,6 +215,14 @@ class Worker:
             )
             self._consumer.subscribe(self.registry.topics, listener=_Rebalance(self))
             self._watch(asyncio.create_task(self._commit_loop(), name="commits"))
+            consumer = self._consumer
+            self.membership = MembershipWatch(
+                self.stalls,
+                session_timeout_s=s.kafka.session_timeout_ms / 1000,
+                read_progress=lambda: read_group_progress(s.kafka, consumer, self.registry.topics),
+            )
+            self.health.unassigned_s = self.membership.unassigned_for
+            self._watch(asyncio.create_task(self.membership.run(self._stop), name="membership"))
         self.health.kafka_ok = True
         self._watch(asyncio.create_task(self._observe_loop(), name="observe"))
         self._watch(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
@@ -203,6 +234,7 @@ class Worker:
             consumer=lambda: self._consumer,
             in_flight=lambda: self.intake.in_flight,
             circuits=self.breakers.snapshot,
+            stalls=lambda: {c: stall.detail for c, stall in self.stalls.active().items()},
             consuming=self.consume,
             interval_s=self.member_report_interval_s,
         )
@@ -248,8 +280,13 @@ class Worker:
             await self.commit()
 
     async def commit(self, tps: Iterable[TopicPartition] | None = None) -> None:
-        """Commit the contiguous done-watermark of the given (default: all) partitions."""
-        if self._consumer is None:
+        """Commit the contiguous done-watermark of the given (default: all) partitions.
+
+        Bounded by the session timeout: aiokafka retries a commit for as long as it finds
+        no coordinator, and a commit that never ends would hold the lock every revoke
+        needs, and with it the whole group's rebalance.
+        """
+        if self._consumer is None or self._left_group:
             return
         async with self._commit_lock:
             offsets = self.tracker.committable(tps)
@@ -257,10 +294,11 @@ class Worker:
                 return
             self._completed_since_commit = 0
             try:
-                await self._consumer.commit(
-                    {tp: OffsetAndMetadata(off, "") for tp, (off, _) in offsets.items()}
-                )
-            except (CommitFailedError, IllegalStateError, KafkaError) as exc:
+                async with asyncio.timeout(self.settings.kafka.session_timeout_ms / 1000):
+                    await self._consumer.commit(
+                        {tp: OffsetAndMetadata(off, "") for tp, (off, _) in offsets.items()}
+                    )
+            except (CommitFailedError, IllegalStateError, KafkaError, TimeoutError) as exc:
                 # A rebalance took the partitions (or the broker hiccuped): the next owner
                 # starts from the last successful commit, and idempotency absorbs repeats.
                 self.metrics.commit_failures.inc()
@@ -273,13 +311,20 @@ class Worker:
     # --- rebalance ---
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        # A rebalance began: this member is out of the group until it is assigned again.
+        self.health.joined_group = False
+        if self.membership is not None:
+            self.membership.rebalancing()
         revoked &= set(self.tracker.partitions())
         if not revoked:
             return
         self.intake.revoking |= revoked
         running = self.intake.running(revoked)
         if running:
-            _, abandoned = await asyncio.wait(running, timeout=self.settings.revoke_grace_s)
+            grace = self.settings.revoke_grace_s
+            if self._steps is not None:  # stopping: the shutdown's deadline bounds it too
+                grace = min(grace, self._steps.left())
+            _, abandoned = await asyncio.wait(running, timeout=grace)
             if abandoned:
                 log.warning(
                     "revoke grace over; abandoning in-flight records to the next owner",
@@ -290,18 +335,33 @@ class Worker:
             self.tracker.revoke(tp)  # ends the epoch: late completions are ignored
             self.metrics.forget_partition(tp.topic, tp.partition)
         self.intake.forget(revoked)
+        self._revoked.set()
         self.health.assigned_partitions = len(self.tracker.partitions())
+        if self.membership is not None:
+            self.membership.holding(self.health.assigned_partitions)
         if self.reporter is not None:
             self.reporter.poke()
         log.info("partitions revoked", extra={"partitions": _names(revoked)})
 
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        if self._stop.is_set():
+            # A stopping worker would never process them: they are not taken, and the
+            # shutdown leaves the group (as soon as what it holds is committed), which
+            # hands them to a member that will.
+            if assigned:
+                log.warning(
+                    "partitions assigned while stopping: not taken; leaving the group",
+                    extra={"partitions": _names(assigned)},
+                )
+            return
         for tp in assigned:
             if self.tracker.epoch(tp) is None:
                 self.tracker.assign(tp)
         self.health.joined_group = True
         self.stalls.clear(GROUP_JOIN_REFUSED)  # the group took us in
         self.health.assigned_partitions = len(self.tracker.partitions())
+        if self.membership is not None:
+            self.membership.joined(self.health.assigned_partitions)
         if self.reporter is not None:
             self.reporter.poke()
         log.info("partitions assigned", extra={"partitions": _names(assigned)})
@@ -373,52 +433,81 @@ class Worker:
     # --- shutdown ---
 
     async def _shutdown(self) -> None:
+        """Finish, commit, leave the group, then close: all within ``shutdown_grace_s``.
+
+        In-flight records get the grace less a reserve for the steps after them; what they
+        finish is committed, and the consumer leaves the group at once, so its partitions
+        move before anything else is closed (the retry scheduler, the handler runners and
+        the producer need no partition). Every step is bounded by what is left of the one
+        deadline and logged (``ShutdownSteps``); records abandoned past the grace are
+        redelivered to the next owner and absorbed by the idempotency markers.
+        """
         self.health.stopping = True
         self._stop.set()
         grace = self.settings.shutdown_grace_s
+        steps = self._steps = ShutdownSteps(grace)
         if self.scheduler is not None:
-            self.scheduler.stop()
-        running = self.intake.running()
-        if running:
-            _, pending = await asyncio.wait(running, timeout=grace)
-            if pending:
-                # Past the grace, calls stop retrying underneath too: a batch then ends at
-                # its next failed call even if its cancellation is lost on the way (see
-                # retrying.cancellation_swallowed).
-                self._stop_retrying()
-            for task in pending:
+            self.scheduler.stop()  # its running batches finish alongside the intake's
+        finished = await steps.run(
+            "in-flight records",
+            self._in_flight_settled(),
+            within_s=steps.left(reserve_s=closing_reserve_s(grace)),
+        )
+        abandoned = set() if finished else self.intake.running()
+        if not finished:
+            # Past the grace, calls stop retrying underneath too: a batch then ends at
+            # its next failed call even if its cancellation is lost on the way (see
+            # retrying.cancellation_swallowed).
+            self._stop_retrying()
+            for task in abandoned:
                 task.cancel()
-            if pending:
-                log.warning(
-                    "shutdown grace over; in-flight records left to redelivery",
-                    extra={"count": len(pending)},
-                )
-                await asyncio.wait(pending)
+            log.warning(
+                "shutdown grace over; in-flight records left to redelivery",
+                extra={"count": len(abandoned)},
+            )
+        await steps.run("final commit", self.commit())
+        if self._consumer is not None:
+            await steps.run("leaving the group", self._consumer.stop(), floor_s=1.0)
+            self._left_group = True  # nothing can be committed any more
+        # From here a failing Redis or Kafka call ends its batch instead of retrying: the
+        # retries' items stay leased in Redis (the reaper re-queues them), the records are
+        # redelivered to the partitions' next owner.
+        self._stop_retrying()
+        if abandoned:
+            await steps.run("abandoned records", asyncio.wait(abandoned))
         if self.scheduler is not None:
-            await self.scheduler.drain(timeout_s=min(grace, 5.0))
-        await self.commit()  # the final synchronous commit
+            await steps.run("retry scheduler", self.scheduler.drain(timeout_s=steps.left()))
         if hasattr(self, "processor"):
-            await self.processor.aclose()
+            await steps.run("handler runners", self.processor.aclose())
         for task in self._background:
             task.cancel()
-        for task in self._background:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._stop_retrying()
+        if self._background:
+            await steps.run("background loops", asyncio.wait(self._background))
         if self._producer is not None:
-            with contextlib.suppress(Exception):
-                await self._producer.stop()  # flushes what is buffered
-        if self._consumer is not None:
-            with contextlib.suppress(Exception):
-                await self._consumer.stop()  # leaves the group
+            await steps.run("producer flush", self._producer.stop())  # what is buffered
         if self.inbox is not None:
-            with contextlib.suppress(Exception):
-                await self.inbox.close()
+            await steps.run("PostgreSQL close", self.inbox.close())
         if hasattr(self, "redis"):
-            await self.redis.aclose()
+            await steps.run("Redis close", self.redis.aclose())
         if self._http is not None:
-            self._http.stop()
-        log.info("worker stopped")
+            self._http.stop(timeout_s=max(steps.left(), MIN_STEP_S))
+        # The exit deadline stays armed: the event loop still cancels and awaits the tasks
+        # left (an abandoned step among them) as it closes.
+        log.info("worker stopped", extra={"took_s": round(steps.elapsed(), 3)})
+
+    async def _in_flight_settled(self) -> None:
+        """Until no batch of a partition this worker still holds is running.
+
+        A revoke meanwhile (the group rebalanced) ends the wait for its partitions: their
+        offsets can no longer be committed by this member.
+        """
+        while running := self.intake.running():
+            self._revoked.clear()
+            revoke = asyncio.ensure_future(self._revoked.wait())
+            try:
+                await asyncio.wait({*running, revoke}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                revoke.cancel()
 
     def _stop_retrying(self) -> None:
         """Make Redis and Kafka calls give up after their current try instead of retrying."""

@@ -95,7 +95,7 @@ def status_command(as_json: JsonOption = False) -> None:
         )
     out.print(parts)
     members = Table(title="members")
-    for col in ("name", "member id", "partitions", "in flight", "reported"):
+    for col in ("name", "member id", "partitions", "in flight", "stalled", "reported"):
         members.add_column(col)
     for m in status.members:
         members.add_row(
@@ -103,9 +103,17 @@ def status_command(as_json: JsonOption = False) -> None:
             escape(_show(m.member_id)),
             escape(", ".join(f"{p.topic}[{p.partition}]" for p in m.partitions) or "-"),
             str(m.in_flight),
+            f"[red]{escape(', '.join(sorted(m.stalls)))}[/]" if m.stalls else "-",
             _when(m.reported_at_ms),
         )
     out.print(members)
+    if status.stalled:
+        stalled = Table(title="stalled members")
+        for col in ("member", "cause", "detail"):
+            stalled.add_column(col)
+        for row in status.stalled:
+            stalled.add_row(escape(row["member"]), escape(row["cause"]), escape(row["detail"]))
+        out.print(stalled)
     r = status.retries
     out.print(
         f"retries: due {r.due}, in flight {r.in_flight} (soonest lease end "
@@ -165,6 +173,7 @@ def offsets_reset_command(
 ) -> None:
     """Move the group's committed offsets; refused while the group has live members."""
     from service.ops.action_log import default_actor
+    from service.ops.cli_actions import run_action
     from service.ops.offsets_reset import ResetRefused, ResetTarget, refusal, reset_offsets
 
     settings = _settings()
@@ -173,7 +182,7 @@ def offsets_reset_command(
     except ValueError as exc:
         raise _fail(str(exc), 2) from None
     try:
-        plan = asyncio.run(
+        plan = run_action(
             reset_offsets(
                 settings,
                 group=group or settings.kafka.group_id,
@@ -278,6 +287,7 @@ def dlq_redrive_command(
     offsets seen at start. A record redriven before that failed again is left unless
     --include-redriven (no loops). Every real run is written to the audit log.
     """
+    from service.ops.cli_actions import run_action
     from service.ops.dead_letters import DeadLetterFilter
     from service.ops.redrive import redrive
 
@@ -291,7 +301,7 @@ def dlq_redrive_command(
         since_ms=_ms(since, "--since"),
         until_ms=_ms(until, "--until"),
     )
-    report = asyncio.run(
+    report = run_action(
         redrive(
             settings,
             topic,

@@ -26,6 +26,7 @@ from service.engine.redis_client import make_client
 from service.engine.registry import Registry
 from service.engine.settings import Settings, load_settings
 from service.ops.action_log import default_actor, read_actions
+from service.ops.cli_actions import run_action
 from service.ops.dead_letters import DeadLetterFilter, find_dead_letter, list_dead_letters
 from service.ops.retry_admin import (
     STATES,
@@ -255,7 +256,7 @@ def retries_retry_now(
     """
     selection = _act_filter(handler, reason, key, state, due_before, due_after, ids, everything)
     settings = _settings()
-    counts = _run(
+    counts = run_action(
         retry_now(
             settings,
             _registry(settings),
@@ -300,7 +301,7 @@ def retries_drop(
             confirmed = False
         if not confirmed:
             _fail("nothing dropped")
-    counts = _run(drop_retries(settings, registry, selection, actor=who, dry_run=dry_run))
+    counts = run_action(drop_retries(settings, registry, selection, actor=who, dry_run=dry_run))
     _print_counts("retries.drop", counts, as_json, dry_run)
 
 
@@ -441,7 +442,9 @@ def audit_command(
     limit: Annotated[int, typer.Option(min=1, help="At most this many (newest first).")] = 100,
     as_json: AsJson = False,
 ) -> None:
-    """What operators did (redrive, retry-now, drop, offsets reset), newest first."""
+    """What operators did (redrive, retry-now, drop, offsets reset, prune-inbox), newest
+    first: one row per action, with how it ended (an action with no end entry is still
+    running, or was stopped without writing one)."""
     settings = _settings()
 
     async def read() -> list[Any]:
@@ -457,7 +460,7 @@ def audit_command(
     if as_json:
         _print_json({"actions": [a.to_json() for a in actions]})
         return
-    table = Table("at", "actor", "action", "source", "filters", "counts")
+    table = Table("started", "actor", "action", "source", "filters", "counts", "ended", "outcome")
     for a in actions:
         table.add_row(
             _when(a.at_ms),
@@ -466,5 +469,7 @@ def audit_command(
             a.source,
             escape(json.dumps(a.filters)),
             escape(json.dumps(a.counts)),
+            _when(a.ended_at_ms),
+            escape(a.outcome) if a.state == "finished" else f"[red]{escape(a.outcome)}[/]",
         )
     out.print(table)

@@ -8,7 +8,8 @@ Kubernetes Job or init container, compose's ``migrate`` service, ``make run`` it
 
 ``prune-inbox`` deletes inbox rows older than N days. An inbox row is what makes a
 redelivery a duplicate, so it refuses an N shorter than the time a bound topic can still
-hand the record back (docs/postgres.md, Retention).
+hand the record back (docs/postgres.md, Retention). It is audited like every action that
+moves records (``db.prune-inbox`` in ``service audit``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from service.engine.errors import ConfigurationError
+from service.engine.redis_client import make_client
 from service.engine.registry import Registry
 from service.engine.schema import MigrationError, all_migrations, applied, migrate
 from service.engine.settings import PostgresSettings, Settings, load_settings
+from service.ops.action_log import audited, default_actor
+from service.ops.cli_actions import run_action
 
 db_app = typer.Typer(no_args_is_help=True, help="The PostgreSQL effects store's schema.")
 out = Console()
@@ -270,34 +274,69 @@ DELETE FROM kafka_inbox AS i USING doomed AS d
 WHERE i.handler = d.handler AND i.dedupe_key = d.dedupe_key"""
 
 
+ACTION_PRUNE = "db.prune-inbox"
+
+
 async def prune_inbox(
-    settings: PostgresSettings, older_than_days: float, batch_size: int, dry_run: bool
+    settings: Settings,
+    older_than_days: float,
+    batch_size: int,
+    dry_run: bool,
+    *,
+    actor: str,
+    source: str = "cli",
+    forced: bool = False,
 ) -> dict[str, Any]:
     """Delete inbox rows processed before now - N days (the server's clock), one committed
-    batch at a time so no lock is held long; count them only on a dry run."""
-    conn = await _connect(settings)
+    batch at a time so no lock is held long; count them only on a dry run.
+
+    A real run is audited (``db.prune-inbox``, service/ops/action_log.py), each batch one
+    step: refused before deleting anything when the audit log cannot be written, and ended
+    with the rows deleted so far, interrupted or not.
+    """
+    conn = await _connect(settings.postgres)
+    done = {"deleted": 0, "batches": 0}
     try:
         cur = await conn.execute(_CUTOFF, (older_than_days * DAY_S,))
         row = await cur.fetchone()
         cutoff = row[0]
         cur = await conn.execute(_COUNT, (cutoff,))
         count, oldest = await cur.fetchone()
-        deleted, batches = 0, 0
+
+        async def delete_batch() -> int:
+            cur = await conn.execute(_DELETE_BATCH, (cutoff, batch_size))
+            done["batches"] += 1
+            done["deleted"] += cur.rowcount
+            return int(cur.rowcount)
+
         if not dry_run:
-            while True:
-                cur = await conn.execute(_DELETE_BATCH, (cutoff, batch_size))
-                batches += 1
-                deleted += cur.rowcount
-                if cur.rowcount < batch_size:
-                    break
+            redis = make_client(settings.redis)
+            try:
+                async with audited(
+                    redis,
+                    settings.redis.key_prefix,
+                    actor=actor,
+                    action=ACTION_PRUNE,
+                    filters={
+                        "older_than_days": older_than_days,
+                        "cutoff": cutoff.isoformat(),
+                        "batch_size": batch_size,
+                        "forced": forced,
+                    },
+                    counts=lambda: dict(done),
+                    source=source,
+                ) as run:
+                    while await run.step(delete_batch()) >= batch_size:
+                        pass
+            finally:
+                await redis.aclose()
     finally:
         await conn.close()
     return {
         "cutoff": cutoff.isoformat(),
         "matching": count,
         "oldest": oldest.isoformat() if oldest else None,
-        "deleted": deleted,
-        "batches": batches,
+        **done,
         "dry_run": dry_run,
     }
 
@@ -319,9 +358,15 @@ def prune_inbox_command(
     batch_size: Annotated[
         int, typer.Option("--batch-size", min=1, max=1_000_000, help="Rows per transaction.")
     ] = 10_000,
+    actor: Annotated[
+        str | None,
+        typer.Option(help="Who acts, for the audit log (default $SERVICE_ACTOR, else user@host)."),
+    ] = None,
     json_output: JsonOption = False,
 ) -> None:
-    """Delete inbox rows older than N days, unless a bound topic can still redeliver them."""
+    """Delete inbox rows older than N days, unless a bound topic can still redeliver them.
+
+    Every real run is written to the audit log (`service audit`)."""
     settings = _settings()
     try:
         registry = Registry.from_settings(settings.topics)
@@ -342,9 +387,19 @@ def prune_inbox_command(
     if refusal and not force:
         err.print(f"[red]{escape(refusal)}[/]", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
-    result = asyncio.run(prune_inbox(settings.postgres, older_than_days, batch_size, dry_run))
+    forced = bool(force and (refusal or window is None))
+    result = run_action(
+        prune_inbox(
+            settings,
+            older_than_days,
+            batch_size,
+            dry_run,
+            actor=actor or default_actor(),
+            forced=forced,
+        )
+    )
     seconds = window.seconds if window is not None else None
-    result["forced"] = bool(force and (refusal or window is None))
+    result["forced"] = forced
     result["redelivery_window_days"] = (
         None if seconds is None or seconds == INFINITE else round(seconds / DAY_S, 4)
     )

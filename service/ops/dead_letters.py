@@ -14,11 +14,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.engine import long_keys
 from service.engine.records import REDRIVE_HEADER
 from service.engine.settings import Settings
 from service.ops.audit import read_all, read_from
 
 REASON_HEADER = "x-dlq-reason"
+BASE64_PREFIX = "base64:"  # how bytes that are not UTF-8 are shown (``_show``)
 
 
 def header_text(headers: Iterable[tuple[str, bytes]] | None, name: str) -> str | None:
@@ -121,7 +123,7 @@ def _show(data: bytes | None) -> str | None:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        return "base64:" + base64.b64encode(data).decode("ascii")
+        return BASE64_PREFIX + base64.b64encode(data).decode("ascii")
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,9 @@ class DeadLetterFilter:
     def matches(self, letter: DeadLetter) -> bool:
         if self.reasons is not None and letter.reason not in self.reasons:
             return False
-        if self.dedupe_keys is not None and letter.dedupe_key not in self.dedupe_keys:
+        if self.dedupe_keys is not None and not long_keys.named_by(
+            letter.dedupe_key, self.dedupe_keys
+        ):
             return False
         if self.source_partition is not None and letter.source_partition != self.source_partition:
             return False

@@ -4,8 +4,10 @@ Moving offsets under running members is a race the members win (their next commi
 overwrites ours) or, worse, half-win; so the reset is refused while the coordinator says
 the group has members (state not Empty or Dead), checked again just before committing.
 The commit is made as the group by a consumer that never joins it (assign, commit), which
-the broker itself refuses for a group with live members. What moved is written to the
-operators' audit stream (``offsets.reset``); a dry run only prints the plan.
+the broker itself refuses for a group with live members. The reset is audited
+(``offsets.reset``, service/ops/action_log.py): refused when its ``started`` entry cannot be
+written, ended with what was committed even when interrupted; a dry run only prints the
+plan.
 
 Moving back replays records (markers make that harmless for claimed effects); moving
 forward skips them for good, so the table shows how the lag changes.
@@ -23,7 +25,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from service.engine.kafka_client import connection_kwargs
 from service.engine.redis_client import make_client
 from service.engine.settings import Settings
-from service.ops.action_log import record_action
+from service.ops.action_log import audited
 from service.ops.audit import high_watermarks
 from service.ops.status import GroupView, committed_offsets, describe_group
 
@@ -170,9 +172,10 @@ async def reset_offsets(
     actor: str,
     source: str = "cli",
 ) -> ResetPlan:
-    """Plan, and unless ``dry_run`` commit the new offsets as ``group`` and audit it.
+    """Plan, and unless ``dry_run`` commit the new offsets as ``group``, audited.
 
-    Raises ``ResetRefused`` (nothing changed) while the group has live members.
+    Raises ``ResetRefused`` (nothing changed) while the group has live members, and
+    ``AuditUnavailable`` (nothing changed) when the audit log cannot be written.
     """
     plan = await plan_reset(
         settings, group=group, topic=topic, target=target, partitions=partitions
@@ -186,20 +189,32 @@ async def reset_offsets(
     why = refusal(await describe_group(settings.kafka, group))
     if why:
         raise ResetRefused(why)
-    consumer = AIOKafkaConsumer(
-        group_id=group, enable_auto_commit=False, **connection_kwargs(settings.kafka)
-    )
-    await consumer.start()
-    try:
-        consumer.assign([TopicPartition(topic, r.partition) for r in plan.rows])
-        await consumer.commit(
-            {TopicPartition(topic, r.partition): OffsetAndMetadata(r.new, "") for r in plan.rows}
+    committed: dict[str, Any] = {"partitions": 0, "lag_change": 0, "offsets": {}}
+
+    async def commit() -> None:
+        consumer = AIOKafkaConsumer(
+            group_id=group, enable_auto_commit=False, **connection_kwargs(settings.kafka)
         )
-    finally:
-        await consumer.stop()
+        await consumer.start()
+        try:
+            consumer.assign([TopicPartition(topic, r.partition) for r in plan.rows])
+            await consumer.commit(
+                {
+                    TopicPartition(topic, r.partition): OffsetAndMetadata(r.new, "")
+                    for r in plan.rows
+                }
+            )
+            committed.update(
+                partitions=len(plan.rows),
+                lag_change=sum(r.lag_after - r.lag_before for r in plan.rows),
+                offsets={str(r.partition): [r.current, r.new] for r in plan.rows},
+            )
+        finally:
+            await consumer.stop()
+
     redis = make_client(settings.redis)
     try:
-        await record_action(
+        async with audited(
             redis,
             settings.redis.key_prefix,
             actor=actor,
@@ -210,13 +225,10 @@ async def reset_offsets(
                 "to": str(target),
                 "partitions": [r.partition for r in plan.rows],
             },
-            counts={
-                "partitions": len(plan.rows),
-                "lag_change": sum(r.lag_after - r.lag_before for r in plan.rows),
-                "offsets": {str(r.partition): [r.current, r.new] for r in plan.rows},
-            },
+            counts=lambda: dict(committed),
             source=source,
-        )
+        ) as run:
+            await run.step(commit())  # one OffsetCommit: every partition, or none
     finally:
         await redis.aclose()
     return ResetPlan(plan.group, topic, target, plan.rows, applied=True)

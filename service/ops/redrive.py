@@ -35,8 +35,10 @@ point is remembered per dead letter (``sent_key``, dropped once a mark covers it
 skipped by later runs. Before sending, the record's dedupe key is read: one that is done
 meanwhile is counted ``already_done`` and not sent, so a run interrupted between the
 broker's ack and its bookkeeping repeats nothing. ``dry_run`` counts, by reason, what
-would move and writes nothing; ``rate`` spaces the sends. Every real run writes one
-``dlq.redrive`` entry to the operators' audit stream (service/ops/action_log.py).
+would move and writes nothing; ``rate`` spaces the sends. Every real run is audited as
+``dlq.redrive`` (service/ops/action_log.py): started before it sends, ended with the
+counts, interrupted or not; a chunk of sends (tickets, sends, acks, remembered) is one
+step, so ``redriven`` counts exactly the records the source topic acknowledged.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ from typing import Any, cast
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import (
+    CoordinatorLoadInProgressError,
+    CoordinatorNotAvailableError,
+    NotCoordinatorError,
+)
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from service.engine.kafka_client import connection_kwargs, make_producer
@@ -59,8 +66,9 @@ from service.engine.keys import RedisKeys
 from service.engine.publisher import KEY_SUBSTITUTED_HEADER
 from service.engine.records import REDRIVE_HEADER, RESERVED_PREFIXES, redrive_ticket_value
 from service.engine.redis_client import RedisOps, make_client
+from service.engine.retrying import until_done
 from service.engine.settings import Settings
-from service.ops.action_log import default_actor, record_action
+from service.ops.action_log import ActionRun, audited, default_actor
 from service.ops.audit import high_watermarks
 from service.ops.dead_letters import DeadLetter, DeadLetterFilter
 
@@ -73,6 +81,13 @@ _PLAIN_REASON = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # claim over a dead marker) just expires.
 TICKET_TTL_S = 7 * 24 * 3600
 ACTION = "dlq.redrive"
+SEND_CHUNK = 500  # records per send round (one audited step), at most; fewer with a rate
+COORDINATOR_WAIT_S = 30.0
+_COORDINATOR_NOT_READY = (
+    CoordinatorNotAvailableError,
+    CoordinatorLoadInProgressError,
+    NotCoordinatorError,
+)
 
 
 @dataclass
@@ -147,9 +162,24 @@ class _Marks:
         await self._admin.close()
 
     async def get(self, group: str) -> dict[TopicPartition, int]:
-        """The group's committed offset per partition; -1 where it has none."""
+        """The group's committed offset per partition; -1 where it has none.
+
+        A group's coordinator may not be ready yet (a new cluster creates its offsets
+        topic on the first group's lookup): asked again for up to ``COORDINATOR_WAIT_S``.
+        """
         if group not in self._marks:
-            found = await self._admin.list_consumer_group_offsets(group, partitions=self._tps)
+            deadline = time.monotonic() + COORDINATOR_WAIT_S
+            found = await until_done(
+                lambda: self._admin.list_consumer_group_offsets(group, partitions=self._tps),
+                transient=lambda exc: isinstance(exc, _COORDINATOR_NOT_READY),
+                stopping=lambda: time.monotonic() > deadline,
+                on_failure=lambda exc, attempt: log.info(
+                    "redrive: the group's coordinator is not ready, asking again",
+                    extra={"group": group, "attempt": attempt, "error": repr(exc)},
+                ),
+                first_wait_s=0.1,
+                max_wait_s=2.0,
+            )
             self._marks[group] = {tp: found[tp].offset if tp in found else -1 for tp in self._tps}
         return self._marks[group]
 
@@ -190,8 +220,8 @@ async def redrive(
     ``reasons`` is the older spelling of ``selection.reasons``. Dead letters of records that
     were themselves redriven are counted in ``redriven_again`` and left, unless
     ``include_redriven`` (or ``selection.redriven``). ``dry_run`` counts what would move and
-    writes nothing; ``rate`` paces the sends (records per second). A real run writes one
-    ``dlq.redrive`` entry to the operators' audit stream (``actor``: default_actor()).
+    writes nothing; ``rate`` paces the sends (records per second). A real run is audited as
+    ``dlq.redrive`` (``actor``: default_actor()).
     """
     if reasons is not None:
         if selection is not None and selection.reasons is not None:
@@ -219,20 +249,25 @@ async def redrive(
     tps = sorted(ends, key=lambda tp: tp.partition)
     redis = make_client(settings.redis)
     try:
-        if tps:
-            run = _Run(settings, source_topic, selection, include_redriven, report, redis)
-            await run.go(tps, ends, limit=limit, dry_run=dry_run, rate=rate, idle=idle_timeout_ms)
-        report.elapsed_s = time.monotonic() - began
-        if not dry_run:
-            await record_action(
+        run = _Run(settings, source_topic, selection, include_redriven, report, redis)
+        if dry_run:
+            if tps:
+                await run.go(tps, ends, limit=limit, steps=None, rate=rate, idle=idle_timeout_ms)
+        else:
+            async with audited(
                 redis,
                 settings.redis.key_prefix,
                 actor=actor or default_actor(),
                 action=ACTION,
                 filters=report.filters,
-                counts=report.counts(),
+                counts=report.counts,
                 source=source,
-            )
+            ) as steps:
+                if tps:
+                    await run.go(
+                        tps, ends, limit=limit, steps=steps, rate=rate, idle=idle_timeout_ms
+                    )
+        report.elapsed_s = time.monotonic() - began
     finally:
         await redis.aclose()
     return report
@@ -296,11 +331,14 @@ class _Run:
         ends: dict[TopicPartition, int],
         *,
         limit: int | None,
-        dry_run: bool,
+        steps: ActionRun | None,
         rate: float | None,
         idle: int,
     ) -> None:
+        """Read the dead letters up to ``ends``, and send what is selected; ``steps`` is
+        the audited action whose steps the sends run as (None: a dry run, counts only)."""
         settings, report = self.settings, self.report
+        dry_run = steps is None
         marks = _Marks(settings, tps)
         consumer = AIOKafkaConsumer(
             enable_auto_commit=False,
@@ -392,12 +430,10 @@ class _Run:
                     if positions.get(tp, -1) >= ends[tp]:
                         remaining.discard(tp)
                 sending = await self._not_done(candidates)
-                for _record, letter in sending:
-                    report.redriven += 1
-                    report.by_reason[letter.reason] = report.by_reason.get(letter.reason, 0) + 1
-                if dry_run or producer is None:
+                if steps is None or producer is None:
+                    self._count([letter for _record, letter in sending])
                     continue
-                await self._send_all(producer, [r for r, _ in sending], pacer)
+                await self._send_all(steps, producer, sending, pacer)
                 for group in self.groups():
                     await marks.advance(
                         group,
@@ -427,20 +463,38 @@ class _Run:
         self.report.already_done += len(done)
         return [c for i, c in enumerate(candidates) if i not in done]
 
-    async def _send_all(self, producer: Any, records: list[Any], pacer: _Pacer) -> None:
-        """Tickets, sends (paced), acks, then remember each record as sent: per chunk."""
-        chunk = 500 if pacer.rate is None else max(1, min(500, int(pacer.rate)))
-        for i in range(0, len(records), chunk):
-            part = records[i : i + chunk]
-            # Every ticket is written (and durable) before any record it admits exists.
-            await self.tickets.write(self.source_topic, part)
-            futures = []
-            for record in part:
-                await pacer.wait()
-                futures.append(await _send(producer, self.source_topic, record))
-            for fut in futures:
-                await fut  # acknowledged by the source topic before it counts as sent
-            await self._remember(part)
+    def _count(self, letters: list[DeadLetter]) -> None:
+        for letter in letters:
+            self.report.redriven += 1
+            self.report.by_reason[letter.reason] = self.report.by_reason.get(letter.reason, 0) + 1
+
+    async def _send_all(
+        self,
+        steps: ActionRun,
+        producer: Any,
+        sending: list[tuple[Any, DeadLetter]],
+        pacer: _Pacer,
+    ) -> None:
+        """The records in chunks, each chunk one step of the audited action."""
+        chunk = SEND_CHUNK if pacer.rate is None else max(1, min(SEND_CHUNK, int(pacer.rate)))
+        for i in range(0, len(sending), chunk):
+            await steps.step(self._send_chunk(producer, sending[i : i + chunk], pacer))
+
+    async def _send_chunk(
+        self, producer: Any, part: list[tuple[Any, DeadLetter]], pacer: _Pacer
+    ) -> None:
+        """Tickets, sends (paced), acks, each record remembered as sent, then counted."""
+        records = [record for record, _letter in part]
+        # Every ticket is written (and durable) before any record it admits exists.
+        await self.tickets.write(self.source_topic, records)
+        futures = []
+        for record in records:
+            await pacer.wait()
+            futures.append(await _send(producer, self.source_topic, record))
+        for fut in futures:
+            await fut  # acknowledged by the source topic before it counts as sent
+        await self._remember(records)
+        self._count([letter for _record, letter in part])
 
     async def _remember(self, records: list[Any]) -> None:
         by_key: dict[str, dict[str, int]] = {}

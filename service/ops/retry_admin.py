@@ -8,7 +8,9 @@ scheduler's CLAIM_DUE does), dead-letters it ``dropped_by_operator`` through the
 ``Publisher`` and, once the broker acknowledged, runs MARK_DEAD fenced by that lease
 (``lua_claims.MARK_DEAD_LEASED``): the key is marked dead, the item leaves the queue and
 its chain's next record is released. A dropped record is redriven like any dead letter.
-Each action writes one entry to the operators' audit stream (``action_log``).
+Each action is audited (``action_log``): a ``started`` entry before it changes anything,
+an end entry with the counts after, also when it is interrupted; each item (or MAKE_DUE
+batch) is one step, so the counts say exactly what moved.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from service.engine import lua_claims
+from service.engine import long_keys, lua_claims
 from service.engine.decoding import DecodeFailure, decode
 from service.engine.idempotency import DeadRequest, TokenSource, fingerprint
 from service.engine.jobs import BLOCKED
@@ -37,7 +39,7 @@ from service.engine.redis_client import RedisOps, make_client, reply_text
 from service.engine.registry import Registry
 from service.engine.retries import now_ms
 from service.engine.settings import Settings
-from service.ops.action_log import record_action
+from service.ops.action_log import ActionRun, audited
 from service.ops.dead_letters import _show
 
 RetryState = Literal["due", "in_flight", "waiting"]
@@ -167,7 +169,9 @@ class RetryFilter:
             return False
         if self.reasons is not None and item.reason not in self.reasons:
             return False
-        if self.dedupe_keys is not None and item.dedupe_key not in self.dedupe_keys:
+        if self.dedupe_keys is not None and not long_keys.named_by(
+            item.dedupe_key, self.dedupe_keys
+        ):
             return False
         if self.states is not None and item.state not in self.states:
             return False
@@ -381,7 +385,8 @@ async def retry_now(
     """Make the matching due retries due now, on Redis's clock; count what was skipped.
 
     In-flight items (a worker holds their lease) and waiting ones (their chain's head goes
-    first) are never touched. A dry run counts what would move and writes nothing.
+    first) are never touched. A dry run counts what would move and writes nothing. A real
+    run is audited (``action_log.audited``), one MAKE_DUE script per step.
     """
     client = make_client(settings.redis)
     try:
@@ -395,21 +400,24 @@ async def retry_now(
         keys = RedisKeys(settings.redis.key_prefix)
         ops = RedisOps(client, settings.redis)
         script: AsyncScript = client.register_script(_MAKE_DUE)
-        for start in range(0, len(due), _SCAN_COUNT):
-            args = [orjson.dumps(due[start : start + _SCAN_COUNT])]
-            replies = await _run(ops, script, [keys.retry_due], args, durable=True)
+
+        async def make_due(ids: list[str]) -> None:
+            replies = await _run(ops, script, [keys.retry_due], [orjson.dumps(ids)], durable=True)
             for reply in replies:
                 status = reply_text(reply)
                 counts["changed_skipped" if status == "not_due" else status] += 1
-        await record_action(
+
+        async with audited(
             client,
             settings.redis.key_prefix,
             actor=actor,
             action="retries.retry-now",
             filters=selection.to_json(),
-            counts=dict(counts),
+            counts=lambda: dict(counts),
             source=source,
-        )
+        ) as run:
+            for start in range(0, len(due), _SCAN_COUNT):
+                await run.step(make_due(due[start : start + _SCAN_COUNT]))
         return dict(counts)
     finally:
         await client.aclose()
@@ -426,11 +434,12 @@ async def drop_retries(
 ) -> dict[str, int]:
     """Dead-letter the matching due retries (reason ``dropped_by_operator``), never delete.
 
-    Per item: taken out of the due set under an operator lease, written to the dead-letter
-    topic with the worker's own headers (``x-dlq-error`` names the actor) and, once the
-    broker acknowledged it, marked dead by MARK_DEAD fenced by that lease (key dead, item
-    gone, its chain's next record released), then its ``dead_lettered`` outcome event.
-    In-flight and waiting items are skipped, as is one a worker took meanwhile.
+    Per item, one step of the audited action (``action_log``): taken out of the due set
+    under an operator lease, written to the dead-letter topic with the worker's own headers
+    (``x-dlq-error`` names the actor) and, once the broker acknowledged it, marked dead by
+    MARK_DEAD fenced by that lease (key dead, item gone, its chain's next record released),
+    then its ``dead_lettered`` outcome event. In-flight and waiting items are skipped, as
+    is one a worker took meanwhile.
     """
     client = make_client(settings.redis)
     try:
@@ -443,103 +452,109 @@ async def drop_retries(
         if dry_run:
             counts["dead_lettered"] = len(due)
             return dict(counts)
-        if due:
-            await _drop(client, settings, registry, due, actor, counts)
-        await record_action(
+        async with audited(
             client,
             settings.redis.key_prefix,
             actor=actor,
             action="retries.drop",
             filters=selection.to_json(),
-            counts=dict(counts),
+            counts=lambda: dict(counts),
             source=source,
-        )
+        ) as run:
+            if due:
+                await _Dropper(client, settings, registry, actor, counts).drop(run, due)
         return dict(counts)
     finally:
         await client.aclose()
 
 
-async def _drop(
-    client: aioredis.Redis,
-    settings: Settings,
-    registry: Registry,
-    due: Sequence[RetryItem],
-    actor: str,
-    counts: Counter[str],
-) -> None:
-    keys = RedisKeys(settings.redis.key_prefix)
-    ops = RedisOps(client, settings.redis)
-    take: AsyncScript = client.register_script(_TAKE)
-    mark: AsyncScript = client.register_script(lua_claims.MARK_DEAD_LEASED)
-    tokens = TokenSource()
-    ttl = settings.idempotency.ttl_s
-    queue_keys = [keys.retry_inflight, keys.retry_due, keys.retry_items]
-    producer = make_producer(settings.kafka)
-    await producer.start()
-    try:
-        publisher = Publisher(
-            producer,
-            dead_letter_topic=settings.dead_letter_topic,
-            outcomes_topic=settings.outcomes_topic(),
-            outcome_layout=settings.outcomes.layout,
+class _Dropper:
+    """Dead-letters delay-queue items one step at a time, counting each as it lands."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        settings: Settings,
+        registry: Registry,
+        actor: str,
+        counts: Counter[str],
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.actor = actor
+        self.counts = counts
+        self.keys = RedisKeys(settings.redis.key_prefix)
+        self.ops = RedisOps(client, settings.redis)
+        self.take: AsyncScript = client.register_script(_TAKE)
+        self.mark: AsyncScript = client.register_script(lua_claims.MARK_DEAD_LEASED)
+        self.tokens = TokenSource()
+
+    async def drop(self, run: ActionRun, due: Sequence[RetryItem]) -> None:
+        producer = make_producer(self.settings.kafka)
+        await producer.start()
+        try:
+            publisher = Publisher(
+                producer,
+                dead_letter_topic=self.settings.dead_letter_topic,
+                outcomes_topic=self.settings.outcomes_topic(),
+                outcome_layout=self.settings.outcomes.layout,
+            )
+            for item in due:
+                await run.step(self._drop_one(publisher, item))
+        finally:
+            await producer.stop()
+
+    async def _drop_one(self, publisher: Publisher, item: RetryItem) -> None:
+        keys, settings, counts = self.keys, self.settings, self.counts
+        taken = await _run(
+            self.ops,
+            self.take,
+            [keys.retry_due, keys.retry_inflight, keys.retry_items],
+            [item.id, DROP_LEASE_MS],
         )
-        for item in due:
-            taken = await _run(
-                ops,
-                take,
-                [keys.retry_due, keys.retry_inflight, keys.retry_items],
-                [item.id, DROP_LEASE_MS],
+        if not taken:
+            counts["changed_skipped"] += 1  # a worker claimed it, or it left the queue
+            return
+        lease = int(taken[0])
+        delivery = Delivery.from_json(taken[1], lease=lease)
+        handler = self.registry.for_topic(delivery.topic)
+        name, dedupe_key = dedupe_key_of(self.registry, delivery, settings.max_record_bytes)
+        payload = None if handler is None else decode(handler, delivery, settings.max_record_bytes)
+        fp = "" if payload is None or isinstance(payload, DecodeFailure) else fingerprint(payload)
+        await publisher.dead_letter(
+            delivery,
+            reason=DROPPED_REASON,
+            error=f"dropped by operator {self.actor} (last error: {delivery.last_error or '-'})",
+            handler=name,
+            dedupe_key=dedupe_key,
+            at_ms=now_ms(),
+        )
+        marks_key = dedupe_key is not None and fp != ""
+        request = DeadRequest(
+            key=keys.idempotency(name, dedupe_key) if marks_key and dedupe_key else "",
+            token=self.tokens.next() if marks_key else "",
+            fingerprint=fp,
+            retry_id=delivery.retry_id,
+            chain=delivery.chain,
+        )
+        record = [
+            [request.key, request.token, request.fingerprint, request.retry_id, request.chain]
+        ]
+        ttl = settings.idempotency.ttl_s
+        args = ["" if ttl is None else ttl, orjson.dumps(record), lease]
+        queue_keys = [keys.retry_inflight, keys.retry_due, keys.retry_items]
+        replies = await _run(self.ops, self.mark, queue_keys, args, durable=True)
+        if reply_text(replies[0]) == "lost_lease":
+            # The dead letter is written (at least once, like the worker's), but the item
+            # went back to the queue: a worker owns it again, and it stays its fate.
+            counts["lost_lease"] += 1
+            return
+        counts["dead_lettered"] += 1
+        if publisher.emits_outcomes:
+            await publisher.outcomes(
+                [(delivery, Outcome.DEAD_LETTERED, name, dedupe_key, DROPPED_REASON)],
+                now_ms(),
             )
-            if not taken:
-                counts["changed_skipped"] += 1  # a worker claimed it, or it left the queue
-                continue
-            lease = int(taken[0])
-            delivery = Delivery.from_json(taken[1], lease=lease)
-            handler = registry.for_topic(delivery.topic)
-            name, dedupe_key = dedupe_key_of(registry, delivery, settings.max_record_bytes)
-            payload = (
-                None if handler is None else decode(handler, delivery, settings.max_record_bytes)
-            )
-            fp = (
-                ""
-                if payload is None or isinstance(payload, DecodeFailure)
-                else fingerprint(payload)
-            )
-            at = now_ms()
-            await publisher.dead_letter(
-                delivery,
-                reason=DROPPED_REASON,
-                error=f"dropped by operator {actor} (last error: {delivery.last_error or '-'})",
-                handler=name,
-                dedupe_key=dedupe_key,
-                at_ms=at,
-            )
-            marks_key = dedupe_key is not None and fp != ""
-            request = DeadRequest(
-                key=keys.idempotency(name, dedupe_key) if marks_key and dedupe_key else "",
-                token=tokens.next() if marks_key else "",
-                fingerprint=fp,
-                retry_id=delivery.retry_id,
-                chain=delivery.chain,
-            )
-            record = [
-                [request.key, request.token, request.fingerprint, request.retry_id, request.chain]
-            ]
-            args = ["" if ttl is None else ttl, orjson.dumps(record), lease]
-            replies = await _run(ops, mark, queue_keys, args, durable=True)
-            if reply_text(replies[0]) == "lost_lease":
-                # The dead letter is written (at least once, like the worker's), but the item
-                # went back to the queue: a worker owns it again, and it stays its fate.
-                counts["lost_lease"] += 1
-                continue
-            counts["dead_lettered"] += 1
-            if publisher.emits_outcomes:
-                await publisher.outcomes(
-                    [(delivery, Outcome.DEAD_LETTERED, name, dedupe_key, DROPPED_REASON)],
-                    now_ms(),
-                )
-    finally:
-        await producer.stop()
 
 
 __all__ = [

@@ -170,7 +170,8 @@ class ServiceStatus:
 
     ``dead_letters``: ``[{"source_topic", "reason", "count"}]``; ``members``: the workers'
     own reports (``MemberReport.to_json()``), scheduler-only processes included;
-    ``open_circuits``: the circuits not closed.
+    ``open_circuits``: the circuits not closed; ``stalled``: every member's stalls (a
+    member that is not in the group's list, e.g. one whose join never completes, too).
     """
 
     group: GroupView
@@ -185,6 +186,15 @@ class ServiceStatus:
     def open_circuits(self) -> list[CircuitStatus]:
         return [c for c in self.circuits if c.state != "closed"]
 
+    @property
+    def stalled(self) -> list[dict[str, str]]:
+        """``[{"member", "cause", "detail"}]``: each member's stalls, as it reports them."""
+        return [
+            {"member": m.name, "cause": cause, "detail": detail}
+            for m in self.members
+            for cause, detail in sorted(m.stalls.items())
+        ]
+
     def to_json(self) -> dict[str, Any]:
         return {
             "group": self.group.to_json(),
@@ -194,6 +204,7 @@ class ServiceStatus:
             "dead_letters": self.dead_letters,
             "circuits": [c.to_json() for c in self.circuits],
             "open_circuits": [c.to_json() for c in self.open_circuits],
+            "stalled": self.stalled,
             "errors": self.errors,
         }
 

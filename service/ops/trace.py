@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from service.engine import long_keys
 from service.engine.kafka_client import connection_kwargs
 from service.engine.keys import RedisKeys
 from service.engine.outcome_events import UnreadableOutcome, decode, mentions
@@ -135,8 +136,11 @@ async def outcome_events(settings: Settings, dedupe_key: str) -> list[dict[str, 
     the order written), each with the partition and offset of the record that carries it.
 
     Either layout: a layout-1 event (a record per event, keyed by the dedupe key) of a
-    topic written across the upgrade is found as well. Unreadable records are skipped.
+    topic written across the upgrade is found as well. Unreadable records are skipped. A
+    long key's events carry its digest (``long_keys``): they are looked for by that, and
+    a digest asked for directly (``sha256:...``, as events show it) finds them too.
     """
+    written, _ = long_keys.written(dedupe_key)
     topic = settings.outcomes_topic()
     if topic is None:
         return []
@@ -161,7 +165,7 @@ async def outcome_events(settings: Settings, dedupe_key: str) -> list[dict[str, 
             for tp, records in batch.items():
                 for record in records:
                     positions[tp] = record.offset + 1
-                    if record.offset >= ends[tp] or not mentions(record.value, dedupe_key):
+                    if record.offset >= ends[tp] or not mentions(record.value, written):
                         continue
                     try:
                         found = decode(record.value)
@@ -170,7 +174,7 @@ async def outcome_events(settings: Settings, dedupe_key: str) -> list[dict[str, 
                     events.extend(
                         {**doc, "outcome_partition": tp.partition, "outcome_offset": record.offset}
                         for doc in found
-                        if doc.get("dedupe_key") == dedupe_key
+                        if doc.get("dedupe_key") == written
                     )
     finally:
         await consumer.stop()
@@ -189,6 +193,19 @@ async def _marker_of(client: aioredis.Redis, key: str) -> Marker:
     pipe.pttl(key)
     value, pttl = await pipe.execute()
     return _marker(value, int(pttl))
+
+
+async def _marker_for(
+    client: aioredis.Redis, keys: RedisKeys, handler: str, dedupe_key: str
+) -> Marker:
+    """The key's marker; given a long key's digest (``sha256:<hex>``), the marker of the
+    key it stands for, kept under the same hex (a short key that reads like a digest is
+    looked up as itself first)."""
+    marker = await _marker_of(client, keys.idempotency(handler, dedupe_key))
+    hex_part = long_keys.digested_hex(dedupe_key)
+    if marker.state == "free" and hex_part is not None:
+        return await _marker_of(client, keys.idempotency_hashed(handler, hex_part))
+    return marker
 
 
 async def ledger_for(settings: Settings, dedupe_key: str) -> list[dict[str, str]]:
@@ -215,20 +232,18 @@ async def trace(
     keys = RedisKeys(settings.redis.key_prefix)
     client = make_client(settings.redis)
     try:
-        markers = {
-            h.name: await _marker_of(client, keys.idempotency(h.name, dedupe_key)) for _, h in bound
-        }
+        markers = {h.name: await _marker_for(client, keys, h.name, dedupe_key) for _, h in bound}
     finally:
         await client.aclose()
     retries = await list_retries(
         settings, registry, RetryFilter(dedupe_keys=frozenset({dedupe_key}))
     )
     events = await outcome_events(settings, dedupe_key)
+    # A dead letter cut to its last size tier carries a long key as its digest.
+    as_written = frozenset({dedupe_key, long_keys.written(dedupe_key)[0]})
     traces = []
     for topic, h in bound:
-        letters = await list_dead_letters(
-            settings, topic, DeadLetterFilter(dedupe_keys=frozenset({dedupe_key}))
-        )
+        letters = await list_dead_letters(settings, topic, DeadLetterFilter(dedupe_keys=as_written))
         own_letters = tuple(d for d in letters if d.handler in ("", h.name))
         own_retries = tuple(r for r in retries if r.handler == h.name)
         own_events = tuple(e for e in events if e.get("handler") == h.name)

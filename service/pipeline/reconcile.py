@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from service import project
+from service.engine import long_keys
 from service.engine.errors import ConfigurationError
 from service.pipeline.kafka_reader import (
     EARLIEST,
@@ -69,6 +70,7 @@ __all__ = [
     "DedupeField",
     "ReconcileConfig",
     "ReconcileReport",
+    "as_written",
     "dedupe_fields",
     "parse_dead_letters",
     "parse_outcomes",
@@ -441,6 +443,20 @@ def _attribute(rows: DataFrame, mapping: DataFrame, broadcast: bool) -> DataFram
     return keyed.unionByName(unkeyed).where(F.col("entity").isNotNull())
 
 
+def as_written(key: Column) -> Column:
+    """A dedupe key as the worker writes it in outcome events (``long_keys.written``): one of
+    more than ``LONG_KEY_BYTES`` UTF-8 bytes as ``sha256:`` and the hex SHA-256 of them.
+
+    Events carry long keys so (events written before did not); source records, dead letters
+    and ledger entries carry them whole: every side goes through this before they meet, so
+    a long-key payment is one entity. A digest is short, so this leaves it as it is.
+    """
+    from pyspark.sql import functions as F
+
+    digest = F.concat(F.lit(long_keys.DIGEST_PREFIX), F.sha2(key, 256))
+    return F.when(F.octet_length(key) > F.lit(long_keys.LONG_KEY_BYTES), digest).otherwise(key)
+
+
 def _json_path(name: str) -> str:
     """A get_json_object path for the top-level field `name`."""
     if _PLAIN_NAME.match(name):
@@ -469,7 +485,7 @@ def parse_source(source: DataFrame, fields: Mapping[str, DedupeField]) -> DataFr
     return source.select(
         coord.alias("coord"),
         F.unix_millis("timestamp").alias("record_ts"),
-        key.alias("dedupe_key"),
+        as_written(key).alias("dedupe_key"),
     ).withColumn("entity", F.coalesce("dedupe_key", F.concat(F.lit("@"), "coord")))
 
 
@@ -504,15 +520,17 @@ def parse_outcomes(outcomes: DataFrame) -> DataFrame:
         F.col("o.finished_at").alias("finished_at"),
         "event_offset",
         "event_index",
-        _nonempty(pick("dedupe_key")).alias("dedupe_key"),
+        # As written since long keys are digests; one written whole before is made so.
+        as_written(_nonempty(pick("dedupe_key"))).alias("dedupe_key"),
         _coord(F.col("o.topic"), F.col("o.partition"), F.col("entry_offset")).alias("coord"),
     )
 
 
 def parse_dead_letters(dead_letters: DataFrame) -> DataFrame:
-    """One row per dead letter, from its x-dlq-* headers."""
+    """One row per dead letter, from its x-dlq-* headers; the dedupe key as events carry it
+    (the last size tier carries a long one so already)."""
     return dead_letters.select(
-        _nonempty(_header("x-dlq-dedupe-key")).alias("dedupe_key"),
+        as_written(_nonempty(_header("x-dlq-dedupe-key"))).alias("dedupe_key"),
         _coord(
             _header("x-dlq-source-topic"),
             _header("x-dlq-source-partition"),
@@ -737,8 +755,10 @@ def _keys_from_events(src: DataFrame, readable: DataFrame, dlq: DataFrame) -> Da
 
 
 def _ledger_frame(spark: SparkSession, rows: Sequence[LedgerRow]) -> DataFrame:
-    """The ledger as a DataFrame, shipped to the JVM as Arrow (fast for millions of rows)."""
+    """The ledger as a DataFrame, shipped to the JVM as Arrow (fast for millions of rows);
+    its keys as events carry them."""
     import pyarrow as pa
+    from pyspark.sql import functions as F
 
     table = pa.table(
         {
@@ -747,7 +767,7 @@ def _ledger_frame(spark: SparkSession, rows: Sequence[LedgerRow]) -> DataFrame:
             "coord": pa.array([r[2] for r in rows], pa.string()),
         }
     )
-    return spark.createDataFrame(table)
+    return spark.createDataFrame(table).withColumn("dedupe_key", as_written(F.col("dedupe_key")))
 
 
 def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:

@@ -13,7 +13,7 @@ Outcome events are encoded by the worker's own encoder (`service.engine.outcome_
 document per source partition and batch, a batch being the records of a partition whose
 notifications arrived in the same `BATCH_MS` and so finished together. The events of the
 first `old_layout_below` payments are written a Kafka record each instead, as a worker did
-before issue 19: a topic written across the upgrade.
+before layout 2: a topic written across the upgrade.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from service.engine.redis_client import RedisOps
 from service.engine.registry import Handler, Registry, discover
 from service.engine.retries import ParkRequest, ParkStatus, RetryQueue
 from service.engine.settings import Settings, describe_validation_error
-from service.engine.stalls import Stalls
+from service.engine.stalls import HELD, Stalls
 from service.testing.producer import InMemoryProducer, ProducedRecord
 from service.testing.results import KitStalled, Result
 
@@ -101,8 +101,8 @@ class _KitStalls(Stalls):
         self.processor: Processor | None = None
         self.ops: RedisOps | None = None
 
-    def report(self, cause: str, detail: str) -> None:
-        super().report(cause, detail)
+    def report(self, cause: str, detail: str, consequence: str = HELD) -> None:
+        super().report(cause, detail, consequence)
         if self.first is None:
             self.first = KitStalled(cause, detail)
         if self.processor is not None:

@@ -29,6 +29,8 @@ class Result:
     attempt: int  # the run this result is of (1 for a fresh record)
     # None when the record was held by an open circuit (no fate yet: uncommitted).
     outcome: Outcome | None
+    # As the outcome event carries it: a key over 256 bytes as its digest (``sha256:...``,
+    # ``event["dedupe_key_digested"]``; docs/contracts.md, "Long dedupe keys").
     dedupe_key: str | None
     # Dead-lettered: the x-dlq-reason ("invalid_payload", "permanent", "exhausted", ...);
     # parked: why (the error text, or "blocked: ..." behind an earlier record of its key);

@@ -57,6 +57,7 @@ from tests.integration.procs import HangingRecord, HangWatch, WorkerProcess
 ROOT = Path(__file__).resolve().parents[2]
 
 SEED_ENV = "CHAOS_SEED"
+# Each failed Redis try, with its attempt number: DEBUG, which worker_main turns on for it.
 REDIS_FAILED = "redis call failed"
 # Logged once the worker runs, signal handlers installed. A SIGTERM before that (during the
 # interpreter's imports) takes the default action: exit -15, nothing fetched yet to lose.

@@ -192,7 +192,7 @@ async def test_purchases_are_granted_once_through_kills_restarts_and_rebalances(
             mark = len(w0.log_text())
             redis_server.kill()
             await await_until(
-                lambda: _log_since(w0, mark).count("redis call failed") >= 3,
+                lambda: "redis calls failing" in _log_since(w0, mark),
                 STEP_S,
                 message="the worker never felt the Redis outage",
             )

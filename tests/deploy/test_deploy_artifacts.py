@@ -80,6 +80,8 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "worker_inflight_records": ("gauge", frozenset()),
     "worker_redis_errors_total": ("counter", frozenset()),
     "worker_stalled": ("gauge", frozenset({"cause"})),
+    "worker_handler_abandoned_calls": ("gauge", frozenset({"handler"})),
+    "worker_handler_runners_short": ("gauge", frozenset()),
     "worker_circuit_state": ("gauge", frozenset({"circuit"})),
     "worker_circuit_transitions_total": ("counter", frozenset({"circuit", "to"})),
     "worker_circuit_held_records": ("gauge", frozenset({"circuit"})),

@@ -23,8 +23,10 @@ from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from service.dev.broker import Broker, create_topics
+from service.engine import long_keys
 from service.engine.publisher import (
     DROPPED_HEADER,
+    KEY_DIGESTED_HEADER,
     KEY_SUBSTITUTED_HEADER,
     ORIGINAL_BYTES_HEADER,
     Publisher,
@@ -237,3 +239,34 @@ async def test_when_even_the_bare_dead_letter_is_refused_the_worker_stalls_loudl
     finally:
         await producer.stop()
     assert await env.dead_letters() == []
+
+
+@LIMITS
+async def test_the_last_tier_carries_a_long_dedupe_key_as_its_digest(
+    env: Env, broker_side: bool
+) -> None:
+    """Cut to its last tier, the dead letter carries a long key as the outcome events do:
+    its digest, flagged, so reconcile and ``service trace`` match it; never a byte cut."""
+    producer = BrokerLimitProducer(
+        10_000 if broker_side else None,
+        bootstrap_servers=env.kafka.bootstrap_servers,
+        max_request_size=4 * 1024 * 1024 if broker_side else 10_000,
+        acks="all",
+    )
+    await producer.start()
+    long_key = "é" * 3_000  # 6,000 bytes of UTF-8: a byte cut would split a character
+    try:
+        await env.publisher(producer).dead_letter(
+            record(b"v" * 6_000, key=b"K" * 6_000),
+            reason="permanent",
+            error="bad",
+            handler="h",
+            dedupe_key=long_key,
+            at_ms=1,
+        )
+    finally:
+        await producer.stop()
+    (sent,) = await env.dead_letters()
+    assert header(sent, DROPPED_HEADER) == b"value,key,headers"
+    assert header(sent, "x-dlq-dedupe-key") == long_keys.digest(long_key).encode()
+    assert header(sent, KEY_DIGESTED_HEADER) == b"sha256"

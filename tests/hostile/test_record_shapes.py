@@ -11,6 +11,10 @@ Two runs, one worker each:
   key nor value), each followed by valid payments on the same partition.
 - ``fuzz``: key (null, empty, binary, 1 MB) x value (null, empty, not JSON, invalid UTF-8,
   valid, 1 MB) x headers (none, many, 1 MB, duplicate names), all 96 on one partition.
+- ``long_keyed``: dedupe keys of every length and make (a handler whose key nothing
+  bounds): at the 256-byte bound and past it, 1 MiB, JSON-escaped twice and six times
+  over, four bytes a character, and batches of 500 whose document passes 256 KiB. The outcomes topic
+  keeps Apache Kafka's default 1 MiB limit: each must be granted, with its event.
 
 Each run waits for its partitions to be committed to the high watermark within a deadline;
 what it saw then is what the tests judge, so a stall fails them rather than hanging.
@@ -22,7 +26,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,11 +36,15 @@ from aiokafka import AIOKafkaProducer
 
 from service.dev.broker import Broker
 from service.dev.redis_server import RedisServer
+from service.engine import long_keys
 from service.engine.kafka_client import connection_kwargs
+from service.engine.outcome_events import MAX_DOCUMENT_BYTES
 from service.engine.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER
+from service.engine.registry import Registry
 from service.engine.settings import Settings
 from service.ops import audit
 from tests.hostile import corpus
+from tests.hostile.test_outcome_size import registry_for
 from tests.integration.harness import (
     LARGE_RECORDS,
     RunState,
@@ -110,6 +118,8 @@ class Run:
     placed: dict[str, tuple[int, int]]  # label -> source (partition, offset)
     values: dict[str, bytes | None]  # label -> the value produced
     payment_ids: dict[str, str]  # label -> payment id, for records meant to be granted
+    events: dict[tuple[int, int], list[dict[str, Any]]]  # source (partition, offset) -> events
+    outcome_bytes: list[int]  # the size of each outcomes-topic record
 
     def partition_done(self, partition: int) -> bool:
         return any(
@@ -125,9 +135,11 @@ async def _run(
     records: list[tuple[str, int, bytes | None, bytes | None, tuple[tuple[str, bytes], ...]]],
     payment_ids: dict[str, str],
     name: str,
+    registry: Callable[[Settings], Registry] | None = None,
+    max_record_bytes: int = MAX_RECORD_BYTES,
 ) -> Run:
     settings = make_settings(
-        bootstrap, redis_url, name, max_record_bytes=MAX_RECORD_BYTES, shutdown_grace_s=5.0
+        bootstrap, redis_url, name, max_record_bytes=max_record_bytes, shutdown_grace_s=5.0
     )
     await prepare_topics(settings, partitions=partitions, source_configs=LARGE_RECORDS)
     topic = settings.topics["payments"]
@@ -145,7 +157,7 @@ async def _run(
     started = time.monotonic()
     settled_in: float | None = None
     url, prefix = settings.redis.url.get_secret_value(), settings.redis.key_prefix
-    async with running_worker(settings):
+    async with running_worker(settings, registry=registry(settings) if registry else None):
         settled_once = False
         while True:
             # Offsets and the retry queue only: reading the dead letters (~50 MB) each time
@@ -169,7 +181,12 @@ async def _run(
             int(audit.header(r, "x-dlq-source-offset") or -1),
         )
         dead.setdefault(where, []).append(r)
-    return Run(settings, state, settled_in, dead, placed, values, payment_ids)
+    outcomes = await audit.read_all(settings.kafka, settings.outcomes_topic() or "")
+    events: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for event in audit.outcome_events(outcomes):
+        events.setdefault((event["partition"], event["offset"]), []).append(event)
+    sizes = [len(r.value or b"") + len(r.key or b"") for r in outcomes]
+    return Run(settings, state, settled_in, dead, placed, values, payment_ids, events, sizes)
 
 
 def _start(kafka_broker: Broker, tmp: Path, build: Any) -> Iterator[Run]:
@@ -283,3 +300,61 @@ def test_record_shape_ends_dead_lettered_or_granted(fuzz: Run, shape: Shape) -> 
     assert dl.value == (None if "value" in dropped else fuzz.values[shape.id])
     original = [(k, bytes(v)) for k, v in dl.headers if not k.startswith("x-dlq-")]
     assert original == ([] if "headers" in dropped else list(HEADERS[shape.headers]))
+
+
+# --- long dedupe keys: every outcome document fits the outcomes topic's default limit ---
+
+# Each a valid record to grant, under LONG_KEYED_RECORD_BYTES as a JSON value; those of
+# 1 MiB and more once JSON-encoded made documents the outcomes topic refused.
+LONG_KEYED_RECORD_BYTES = 4 * 1024 * 1024
+LONG_KEYS: dict[str, list[str]] = {
+    "at_the_bound": ["a" * long_keys.LONG_KEY_BYTES],
+    "past_the_bound": ["a" * (long_keys.LONG_KEY_BYTES + 1)],
+    "1MiB": ["K" * (1 << 20)],
+    "quotes_escaped_twice": ['"' * 600_000],
+    "controls_escaped_six_times": ["\x01" * 200_000],
+    "four_bytes_a_character": ["\U0001f642" * 300_000],
+    # Under the bound but twice as long escaped: 500 in one batch pass 256 KiB of document.
+    "500_escaped_at_the_bound": [f"{i:03d}" + '"' * 253 for i in range(500)],
+    "500_of_900_bytes": [f"{i:03d}" + "k" * 897 for i in range(500)],
+}
+
+
+@pytest.fixture(scope="module")
+def long_keyed(kafka_broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    name = f"l-{uuid.uuid4().hex[:8]}"
+    ids = {f"{shape}-{i}": key for shape, keys in LONG_KEYS.items() for i, key in enumerate(keys)}
+    records = [
+        (label, 0, label.encode(), corpus.js({"note_id": key}), ()) for label, key in ids.items()
+    ]
+
+    async def build(bootstrap: str, redis_url: str) -> Run:
+        return await _run(
+            bootstrap, redis_url, 1, records, ids, name, registry_for, LONG_KEYED_RECORD_BYTES
+        )
+
+    yield from _start(kafka_broker, tmp_path_factory.mktemp("long-keys-redis"), build)
+
+
+def test_no_long_dedupe_key_stalls_its_partition(long_keyed: Run) -> None:
+    (p,) = long_keyed.state.offsets
+    assert p.high_watermark == sum(len(keys) for keys in LONG_KEYS.values())
+    assert p.committed == p.high_watermark, f"stalled at {p.committed} of {p.high_watermark}"
+    assert long_keyed.state.retry_depth == (0, 0, 0)
+    # Kafka's default max.message.bytes (1 MiB) took every one; none came near it.
+    assert max(long_keyed.outcome_bytes) <= MAX_DOCUMENT_BYTES + 1024
+
+
+@pytest.mark.parametrize("shape", list(LONG_KEYS))
+def test_a_long_dedupe_key_is_granted_and_its_event_carries_it_as_written(
+    long_keyed: Run, shape: str
+) -> None:
+    labels = [label for label in long_keyed.payment_ids if label.rsplit("-", 1)[0] == shape]
+    assert len(labels) == len(LONG_KEYS[shape])
+    for label in labels:
+        key = long_keyed.payment_ids[label]
+        assert long_keyed.state.grants.get(key, 0) == 1, f"{label}: not granted once"
+        assert long_keyed.dead_letters.get(long_keyed.placed[label]) is None
+        (event,) = long_keyed.events[long_keyed.placed[label]]
+        assert event["event"] == "succeeded"
+        assert (event["dedupe_key"], event["dedupe_key_digested"]) == long_keys.written(key)

@@ -56,6 +56,10 @@ def make_settings(
         # and tests/unit/test_breaker.py are its own).
         "breaker": {"enabled": False},
         "handler_timeout_s": 2.0,
+        # A handler ignoring its cancellation is given up on this long after its timeout. The
+        # leases stretched as a handler starts cover it too: the default 5 s would make every
+        # short test lease need stretching, where 0.5 s adds little to what the timeout needs.
+        "handler_cancel_grace_s": 0.5,
         "commit_interval_ms": 100,
         "http": {"enabled": False},
         "fault_injection": True,

@@ -64,7 +64,7 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
     try:
         yield directory
     finally:
-        DevStack.down(directory)
+        DevStack.down(directory, purge=True)  # its PostgreSQL cluster is outside tmp_path
 
 
 def test_make_run_with_the_postgres_example_grants_into_postgresql(state_dir: Path) -> None:

@@ -20,7 +20,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from service.dev.broker import Broker, create_topics
 from service.dev.redis_server import RedisServer
 from service.dev.servers import DevStackError
-from service.dev.stack import DevStack
+from service.dev.stack import DevStack, postgres_cluster_dir
 from service.dev.tansu import TansuBroker
 from tests.helpers import await_until, wait_until
 
@@ -225,7 +225,7 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
     try:
         yield directory
     finally:
-        DevStack.down(directory)
+        DevStack.down(directory, purge=True)  # PostgreSQL's cluster lives outside tmp_path
 
 
 async def test_devstack_up_status_down_round_trip(state_dir: Path) -> None:
@@ -346,6 +346,14 @@ def test_devstack_postgres_joins_restarts_and_stops_with_the_stack(state_dir: Pa
     with psycopg.connect(back.postgres_url) as conn:
         assert conn.execute("SELECT v FROM kept").fetchall() == [("yes",)]
 
+    # The cluster is kept out of the checkout (a 0700 home, a tool resetting modes) and
+    # goes with a purge.
+    cluster = postgres_cluster_dir(state_dir)
+    assert (cluster / "pgdata" / "PG_VERSION").is_file()
+    assert not cluster.is_relative_to(state_dir)
+    DevStack.down(state_dir, purge=True)
+    assert not cluster.exists() and not state_dir.exists()
+
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -393,12 +401,15 @@ def test_servers_as_context_managers_stop_on_exit(tmp_path: Path) -> None:
 # -- The demo's exit ------------------------------------------------------------------------
 
 
-def servers_under(directory: Path) -> list[str]:
-    """Processes working in `directory` (the dev broker and Redis run there), as 'pid name'."""
+def servers_under(state_dir: Path) -> list[str]:
+    """Processes working in `state_dir` (the dev broker and Redis run there) or in the
+    stack's PostgreSQL cluster, as 'pid name'."""
     found = []
     for process in psutil.process_iter(["pid", "name", "cwd"]):
         cwd = process.info["cwd"]
-        if cwd and Path(cwd).is_relative_to(directory):
+        if cwd and any(
+            Path(cwd).is_relative_to(d) for d in (state_dir, postgres_cluster_dir(state_dir))
+        ):
             found.append(f"{process.info['pid']} {process.info['name']}")
     return found
 

@@ -232,3 +232,71 @@ def test_an_unbound_topic_or_a_bad_filter_is_a_400(guarded: Served) -> None:
 
 def test_healthz(read_only: Served) -> None:
     assert read_only.get("/healthz")[:2] == (200, "ok")
+
+
+def test_a_view_session_is_the_tokens_own_and_expires() -> None:
+    from pydantic import SecretStr
+
+    from service.console.auth import SESSION_S, bearer, session_valid, session_value
+
+    token, other = SecretStr(TOKEN), SecretStr(TOKEN + "-rotated")
+    value = session_value(token, now_s=1_000)
+    assert TOKEN not in value
+    assert session_valid(token, value, now_s=1_000 + SESSION_S - 1)
+    assert not session_valid(token, value, now_s=1_000 + SESSION_S + 1)  # expired
+    assert not session_valid(other, value, now_s=1_000)  # the token changed: every session ends
+    assert not session_valid(None, value, now_s=1_000)  # no token: nobody sees values
+    expires, _, mac = value.partition(".")
+    assert not session_valid(token, f"{int(expires) + 3600}.{mac}", now_s=1_000)  # extended
+    for forged in ("", ".", "x.y", f"{expires}.", f"{expires}.{'0' * len(mac)}"):
+        assert not session_valid(token, forged, now_s=1_000), forged
+    assert bearer(f"Bearer {TOKEN}") == TOKEN and bearer(f"bearer  {TOKEN} ") == TOKEN
+    assert bearer(f"Basic {TOKEN}") is None and bearer(None) is None
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the 303 itself is the answer under test
+
+
+def test_signing_in_goes_back_to_a_local_page_only(guarded: Served) -> None:
+    targets = {"/dlq?topic=x": "/dlq?topic=x", "//evil.example/x": "/", "https://evil.example": "/"}
+    for target, landed in targets.items():
+        request = urllib.request.Request(
+            guarded.base + "/login",
+            data=urllib.parse.urlencode({"token": TOKEN, "next": target}).encode(),
+            method="POST",
+        )
+        try:
+            urllib.request.build_opener(_NoRedirect()).open(request, timeout=10)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 303 and exc.headers["location"] == landed, target
+            cookie = exc.headers["set-cookie"]
+            assert "HttpOnly" in cookie and "SameSite=strict" in cookie and TOKEN not in cookie
+        else:
+            raise AssertionError("no redirect")
+    status, body, _ = guarded.post("/login", {"token": TOKEN[:-1], "next": "/dlq"})
+    assert status == 403 and "not signed in" in body
+
+
+def test_a_console_without_a_token_lets_nobody_sign_in(read_only: Served) -> None:
+    status, body, headers = read_only.post("/login", {"token": TOKEN, "next": "/"})
+    assert status == 403 and "no token" in body
+    assert "set-cookie" not in {k.lower() for k in headers}
+
+
+def test_redacted_documents_hide_bytes_that_are_not_text() -> None:
+    from service.console.privacy import NOT_TEXT, redacted
+
+    doc = {
+        "value": "base64:/w==",
+        "headers": [["x-mail", "ann@example.com"], ["x-card", "4111-1111-1111-1111"]],
+        "attempt": 2,
+        "key": None,
+    }
+    assert redacted(doc) == {
+        "value": NOT_TEXT,
+        "headers": [["x-mail", "[redacted email]"], ["x-card", "[redacted card]"]],
+        "attempt": 2,
+        "key": None,
+    }

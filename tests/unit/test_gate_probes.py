@@ -17,7 +17,7 @@ from collections.abc import Callable
 import fakeredis
 from pydantic import BaseModel
 
-from service.engine.breaker import Breakers, BreakerState
+from service.engine.breaker import Breakers, BreakerState, Failure
 from service.engine.context import Context
 from service.engine.gate import Gate
 from service.engine.idempotency import Idempotency
@@ -32,6 +32,7 @@ from tests.helpers import await_until
 
 DEADLINE_S = 2.0  # a wait that should end in milliseconds fails the test instead of hanging
 COOL_DOWN_S = 0.05
+PSP_DOWN = Failure("psp down", "ConnectionError", "g-1", first_attempt=True)
 
 
 class Grant(BaseModel):
@@ -72,7 +73,7 @@ def _job(offset: int, attempt: int, *, retry: bool = False) -> Job:
 async def _half_open(gate: Gate) -> None:
     breaker = gate.breakers.for_handler("grants")
     assert breaker is not None
-    breaker.record_failure("psp down")
+    breaker.record_failure(PSP_DOWN)
     assert breaker.state is BreakerState.OPEN
     await asyncio.wait_for(breaker.changed(), DEADLINE_S)
     assert breaker.state is BreakerState.HALF_OPEN
@@ -92,7 +93,7 @@ async def test_a_retry_yields_the_probe_to_a_record_waiting_in_another_pass() ->
     gate = _gate(clock, cool_down_s=60)
     breaker = gate.breakers.for_handler("grants")
     assert breaker is not None
-    breaker.record_failure("psp down")
+    breaker.record_failure(PSP_DOWN)
     fresh = _job(0, 1)
     waiting = asyncio.create_task(gate.admit([fresh], None))
     await await_until(lambda: breaker.held == 1, DEADLINE_S, interval=0.001)
@@ -105,3 +106,29 @@ async def test_a_retry_yields_the_probe_to_a_record_waiting_in_another_pass() ->
     assert retry.fate is Fate.PARK and retry.next_attempt == 3  # back to the queue, no run spent
     admitted, wait = await asyncio.wait_for(waiting, DEADLINE_S)
     assert admitted == [fresh] and fresh.probe and wait == []
+
+
+async def test_a_probe_failing_since_before_the_circuit_opened_hands_the_probe_on() -> None:
+    """A retry failing for its own reasons (since long before the outage's evidence) won the
+    probe: its failure must not reopen the circuit and keep the waiting record out."""
+    clock = Clock()
+    gate = _gate(clock, cool_down_s=60)
+    breaker = gate.breakers.for_handler("grants")
+    assert breaker is not None
+    breaker.record_failure(PSP_DOWN)
+    clock.now += 61
+    old_failure_ms = int((time.time() - 3600) * 1000)
+    retry = _job(7, 2, retry=True)
+    admitted, _ = await gate.admit([retry], None)
+    assert admitted == [retry] and retry.probe
+    fresh = _job(0, 1)
+    waiting = asyncio.create_task(gate.admit([fresh], None))
+    await await_until(lambda: breaker.held == 1, DEADLINE_S, interval=0.001)
+    breaker.record_failure(
+        Failure("card issuer busy", "RetryableError", "g-7", False, old_failure_ms)
+    )
+    assert breaker.state is BreakerState.HALF_OPEN
+    admitted, wait = await asyncio.wait_for(waiting, DEADLINE_S)
+    assert admitted == [fresh] and fresh.probe and wait == []
+    breaker.record_failure(Failure("psp down", "ConnectionError", "g-0", first_attempt=True))
+    assert breaker.state is BreakerState.OPEN, "a record failing within the outage reopens it"

@@ -7,13 +7,17 @@ reason. The Publisher writes a batch's events as one record per source partition
 
 from __future__ import annotations
 
+import hashlib
+
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from service.engine import long_keys
 from service.engine.outcome_events import (
     DOCUMENT_FIELDS,
+    MAX_DOCUMENT_BYTES,
     WORKER_ID,
     Event,
     UnreadableOutcome,
@@ -26,8 +30,9 @@ from service.engine.outcome_events import (
     partition_of,
     source_key,
 )
-from service.engine.publisher import Publisher
+from service.engine.publisher import MIN_DOCUMENT_BYTES, Publisher
 from service.engine.records import Delivery, Outcome
+from service.engine.redaction import cut_utf8, record_text
 from service.testing.producer import InMemoryProducer
 
 CASES = settings(max_examples=200, deadline=None, database=None)
@@ -125,13 +130,14 @@ def test_partitions_get_a_document_each_in_the_order_they_first_appear() -> None
     assert [[d["offset"] for d in decode(v)] for _, v in records] == [[1, 2], [5, 6], [9]]
 
 
-def test_a_large_batch_is_cut_by_bytes_and_an_oversized_entry_goes_alone() -> None:
+def test_a_large_batch_is_cut_by_bytes_and_an_oversized_entry_goes_alone_its_reason_cut() -> None:
     events = [event(0, i, Outcome.RETRY_SCHEDULED, f"pay_{i}", "x" * 100) for i in range(50)]
     events.append(event(0, 50, Outcome.RETRY_SCHEDULED, "huge", "y" * 5000))
     records = encode_batch(events, AT_MS, max_bytes=2000)
     sizes = [len(value) for _, value in records]
-    assert len(records) > 3 and max(sizes[:-1]) <= 2000 and sizes[-1] > 5000
-    assert [len(decode(v)) for _, v in records][-1] == 1
+    assert len(records) > 3 and max(sizes[:-1]) <= 2000 and 1024 < sizes[-1] < 2000
+    *_, last = decode_all([v for _, v in records])
+    assert last["offset"] == 50 and last["reason"] == cut_utf8("y" * 5000)
     assert decode_all([v for _, v in records]) == as_layout_1(events)
 
 
@@ -200,3 +206,89 @@ async def test_publisher_writes_a_batch_as_one_record_per_source_partition() -> 
     assert sorted(
         (d["partition"], d["offset"]) for d in decode_all([r.value for r in sent])
     ) == sorted((e[0].partition, e[0].offset) for e in events)
+
+
+# --- bounds: a document fits whatever a record held ---
+
+HUGE_KEYS = [
+    "K" * (1 << 20),  # the review's 1 MiB key
+    '"' * 200_000,  # twice as long once JSON-escaped
+    "\x00" * 100_000,  # six times (\u0000)
+    "\U0001f642" * 100_000,  # four bytes a character
+    "\ud800" + "x" * 10,  # a lone surrogate: no UTF-8 at all
+    "é" * 129,  # 258 bytes: just over the bound
+]
+# Any character, surrogates and control characters included.
+any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=400)
+keys_strategy = st.none() | any_text | st.sampled_from(HUGE_KEYS)
+# Reasons as the worker makes them: cut and escaped where made (redaction.record_text).
+reasons_strategy = st.none() | st.sampled_from(["done", "malformed"]) | any_text.map(record_text)
+
+
+@CASES
+@given(
+    st.lists(
+        st.builds(
+            event,
+            partition=st.integers(0, 2),
+            offset=st.integers(0, 2**40),
+            outcome=st.sampled_from(list(Outcome)),
+            key=keys_strategy,
+            reason=reasons_strategy,
+            attempt=st.integers(1, 50),
+        ),
+        min_size=1,
+        max_size=80,
+    ),
+    st.integers(MIN_DOCUMENT_BYTES, MAX_DOCUMENT_BYTES),
+)
+def test_every_document_fits_and_a_long_key_reads_back_as_its_flagged_digest(
+    events: list[Event], max_bytes: int
+) -> None:
+    records = encode_batch(events, AT_MS, max_bytes)
+    assert all(len(value) <= max_bytes for _, value in records)
+    decoded = decode_all([value for _, value in records])
+    for where in {e[0].partition for e in events}:
+        mine = [e for e in events if e[0].partition == where]
+        back = [d for d in decoded if d["partition"] == where]
+        assert [d["offset"] for d in back] == [e[0].offset for e in mine]
+        for (_, _, _, key, reason), doc in zip(mine, back, strict=True):
+            want = (None, False) if key is None else long_keys.written(key)
+            assert (doc["dedupe_key"], doc["dedupe_key_digested"]) == want
+            assert doc["reason"] == reason
+            if doc["dedupe_key"] is not None:
+                value = next(v for _, v in records if doc in decode(v))
+                assert mentions(value, doc["dedupe_key"])
+
+
+@pytest.mark.parametrize("key", HUGE_KEYS)
+def test_a_long_key_is_digested_in_layout_1_too_key_and_document(key: str) -> None:
+    record_key, value = encode_record(*event(0, 1, key=key), AT_MS)
+    (doc,) = decode(value)
+    assert record_key == long_keys.digest(key).encode()
+    assert (doc["dedupe_key"], doc["dedupe_key_digested"]) == (long_keys.digest(key), True)
+    assert len(value) < 1024
+
+
+def test_the_bound_is_256_utf8_bytes() -> None:
+    assert long_keys.written("a" * 256) == ("a" * 256, False)
+    assert long_keys.written("é" * 128) == ("é" * 128, False)
+    digest, digested = long_keys.written("a" * 257)
+    assert digested and digest == "sha256:" + hashlib.sha256(b"a" * 257).hexdigest()
+
+
+def test_a_one_entry_document_over_the_size_has_its_reason_cut() -> None:
+    [(_, value)] = encode_batch([event(0, 1, reason="r" * 100_000)], AT_MS, MIN_DOCUMENT_BYTES)
+    (doc,) = decode(value)
+    assert doc["reason"] == cut_utf8("r" * 100_000) and len(value) < 2048
+
+
+@pytest.mark.parametrize(
+    "digested", [[5], ["0"], -1, [0.0]], ids=["out of range", "text", "not a list", "float"]
+)
+def test_a_document_whose_digested_positions_are_wrong_is_unreadable(digested: object) -> None:
+    [(_, value)] = encode_batch([event(0, 1), event(0, 2)], AT_MS)
+    doc = orjson.loads(value)
+    doc["digested"] = digested
+    with pytest.raises(UnreadableOutcome, match="not entry positions"):
+        decode(orjson.dumps(doc))
