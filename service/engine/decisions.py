@@ -273,7 +273,10 @@ class Decisions:
         job.fate, job.reason = Fate.HOLD, error
 
     def requeue(self, job: Job, why: str) -> None:
-        """Park briefly at the same attempt: it did not run through no fault of its own."""
+        """Back to the delay queue at the same attempt, soon: the record did not fail through
+        a fault of its own (its postgres transaction was broken by a wave-mate's handler, or
+        lost with the connection of a call abandoned past its timeout), so no attempt is spent
+        and no breaker hears of it."""
         job.park(job.delivery.attempt, why, self._settings.retry.busy_delay_ms)
 
     def retry_or_give_up(self, job: Job, error: str) -> None:

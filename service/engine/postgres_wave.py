@@ -12,6 +12,14 @@ when the connection or the commit fails, every record still waiting on it is a r
 failure (counted by its circuit breaker, so an outage opens the circuit and holds records
 instead of burning their retries), because nothing of theirs is known to be kept.
 
+A handler caught ending, replacing or splitting the wave's transaction (``inbox.py``,
+``HandlerBrokeTransaction``) is dead-lettered ``permanent``, its reason naming the rule and
+what of it may have stayed durable. The wave's transaction is rolled back (a handler cannot
+commit it: only the worker's COMMIT passes), and its other records go back to the delay
+queue at the same attempt: they did not fail. When the handler left the wave's transaction,
+whatever it ran after that was outside the worker's reach and may have been committed, so
+its record's inbox row is written on its own: no redelivery or redrive runs it a second time.
+
 With ``fault_injection`` on, the ``x-fault`` header (faults.py) works here as for any
 handler, inside the record's savepoint (a hang holds the wave's transaction open for the
 handler timeout), and ``crash-after-commit`` SIGKILLs the worker between the commit and
@@ -35,11 +43,13 @@ from service.engine.decisions import Decisions
 from service.engine.errors import RetryableError
 from service.engine.inbox import (
     STALL,
+    HandlerBrokeTransaction,
     InboxRow,
     InboxStore,
     StoreUnavailable,
     Verdict,
     WaveTransaction,
+    transaction_control_refused,
 )
 from service.engine.inbox import is_connection_error as _is_connection_error
 from service.engine.jobs import Job, log_fields
@@ -105,28 +115,30 @@ class PostgresWaves:
     async def _run_transaction(self, jobs: list[Job]) -> None:
         waiting: list[Job] = []  # released into the transaction, not yet committed
         try:
-            async with self._store.begin() as tx:
-                limit = max(self._timeout_of(j) for j in jobs)
-                await tx.conn.execute(
-                    f"SET LOCAL statement_timeout = {int(limit * 1000)}"  # a hung query ends
-                )
-                rows = {id(job): _row(job) for job in jobs}
-                verdicts = await tx.insert_rows(list(rows.values()))
-                for job in jobs:
+            limit = max(self._timeout_of(j) for j in jobs)
+            async with self._store.begin(limit) as tx:
+                try:
+                    rows = {id(job): _row(job) for job in jobs}
+                    verdicts = await tx.insert_rows(list(rows.values()))
+                    for job in jobs:
+                        if tx.broken is not None:
+                            break
+                        row = rows[id(job)]
+                        verdict, stored = verdicts[(row.handler, row.dedupe_key)]
+                        if await self._one(tx, job, row, verdict, stored):
+                            waiting.append(job)
                     if tx.broken is not None:
-                        break
-                    row = rows[id(job)]
-                    verdict, stored = verdicts[(row.handler, row.dedupe_key)]
-                    if await self._one(tx, job, row, verdict, stored):
-                        waiting.append(job)
-                if tx.broken is not None:
-                    raise tx.broken
-                if waiting:
-                    started = time.perf_counter()
-                    await self._store.commit(tx)
-                    self._metrics.postgres_commit_seconds.observe(time.perf_counter() - started)
-                    if self._inject:
-                        _crash_after_commit(waiting)
+                        raise tx.broken
+                    if waiting:
+                        started = time.perf_counter()
+                        await self._store.commit(tx)
+                        self._metrics.postgres_commit_seconds.observe(time.perf_counter() - started)
+                        if self._inject:
+                            _crash_after_commit(waiting)
+                except HandlerBrokeTransaction as broken:
+                    await self._abandon(tx, broken, jobs)
+                    self._metrics.postgres_transactions.labels("failed").inc()
+                    return
         except CallAbandoned as exc:  # its connection went with it: the others run again
             self._metrics.postgres_transactions.labels("failed").inc()
             for job in jobs:
@@ -152,7 +164,11 @@ class PostgresWaves:
     async def _one(
         self, tx: WaveTransaction, job: Job, row: InboxRow, verdict: Verdict, stored: str
     ) -> bool:
-        """One record in its savepoint; True when its work (or its duplicate) awaits commit."""
+        """One record in its savepoint; True when its work (or its duplicate) awaits commit.
+
+        Raises ``HandlerBrokeTransaction`` when this record's handler, or the last one's
+        (found as this record's savepoint opens), broke the wave's transaction.
+        """
         assert job.handler is not None and job.payload is not None
         limit_s = self._timeout_of(job)
         if verdict is Verdict.DUPLICATE:
@@ -174,6 +190,8 @@ class PostgresWaves:
                 await tx.forget(row)  # parked: its claim or retry lease was lost meanwhile
                 return False
             await tx.enter()
+        except HandlerBrokeTransaction:
+            raise
         except Exception as exc:
             tx.broken = exc
             return False
@@ -196,17 +214,22 @@ class PostgresWaves:
             return False
         if error is None:
             try:
-                await tx.release()
+                tx.release(row)
                 # Counted now, as its wave-mates' failures are: counting successes only at
                 # COMMIT would show the breaker a wave's failures alone (a commit that fails
                 # later counts every record of the wave as failed, _fail_all).
                 if breaker is not None:
                     breaker.record_success(first_attempt=job.delivery.attempt == 1)
                 return True
+            except HandlerBrokeTransaction:
+                raise
             except Exception as exc:  # e.g. the handler swallowed an SQL error: aborted
                 error = exc
+        error = transaction_control_refused(error) or error
         try:
             await tx.rollback(row)
+        except HandlerBrokeTransaction:
+            raise
         except Exception as exc:
             tx.broken = exc
         if tx.broken is not None or _is_connection_error(error):
@@ -221,6 +244,32 @@ class PostgresWaves:
             self._decisions.handler_failed(job, error, breaker=breaker)
         return False
 
+    async def _abandon(
+        self, tx: WaveTransaction, broken: HandlerBrokeTransaction, jobs: list[Job]
+    ) -> None:
+        """A handler broke the wave's transaction: its record is dead-lettered ``permanent``,
+        and the wave's other records, their work rolled back with the transaction, go back
+        to the delay queue at the same attempt."""
+        key = (broken.row.handler, broken.row.dedupe_key)
+        offender = next(j for j in jobs if (j.name, j.dedupe_key) == key)
+        keep = broken.row if broken.left is not False else None
+        kept_error = ""
+        try:
+            await tx.abandon(keep)
+        except Exception as exc:  # PostgreSQL failed now too
+            log.exception("abandoning a wave a handler broke", extra=log_fields(offender))
+            kept_error = describe_error(exc)
+        offender.inbox_duplicate = False
+        offender.dead_letter("permanent", _broke_the_rule(broken, keep, kept_error))
+        why = (
+            f"retried: the handler of a wave-mate (offset {offender.delivery.offset}) broke "
+            "the postgres transaction this record's work was in"
+        )
+        for job in jobs:
+            if job.fate is None:
+                job.inbox_duplicate = False
+                self._decisions.requeue(job, why)
+
     async def _bounded(self, tx: WaveTransaction, job: Job, ctx: Context, limit_s: float) -> None:
         """The handler in a task of its own, under its timeout: past it, cancelled on every
         tick; still running ``cancel_grace_s`` later, abandoned (stuck_calls.py) and
@@ -233,7 +282,7 @@ class PostgresWaves:
         finally:
             if not call.done():  # given up on, or the wave itself was cancelled
                 fence(ctx)
-                await tx.conn.close()
+                await tx.close_now()
                 self._stuck.add(job.name, call)
         if not ended:
             log.warning(
@@ -269,6 +318,28 @@ def _row(job: Job) -> InboxRow:
     d = job.delivery
     return InboxRow(
         job.name, job.dedupe_key or "", job.fingerprint, d.topic, d.partition, d.offset, d.attempt
+    )
+
+
+def _broke_the_rule(broken: HandlerBrokeTransaction, keep: InboxRow | None, kept_error: str) -> str:
+    """The dead letter's reason: the rule, what the handler did, what of it may stay."""
+    if keep is None:
+        return (
+            f"{broken}; the wave's transaction was rolled back: nothing of it was committed, "
+            "and once the handler is fixed a redrive runs it again."
+        )
+    done = (
+        f"{broken}; the wave's transaction was rolled back, nothing of it kept. What the "
+        "handler may have committed itself after leaving it stays and cannot be undone"
+    )
+    if kept_error:
+        return (
+            f"{done}; writing its inbox row failed ({kept_error}), so a redrive would run it "
+            "again: check its effects first."
+        )
+    return (
+        f"{done}, so its inbox row is written: no redelivery or redrive runs it again. Check "
+        "its effects by hand (delete its kafka_inbox row to let a redrive run it)."
     )
 
 

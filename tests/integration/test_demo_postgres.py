@@ -82,9 +82,8 @@ def test_make_run_with_the_postgres_example_grants_into_postgresql(state_dir: Pa
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert "service db migrate: applied engine/0001_inbox.sql, project/0001_purchases.sql" in (
-        output
-    ), output
+    applied = "engine/0001_inbox.sql, engine/0002_inbox_guard.sql, project/0001_purchases.sql"
+    assert f"service db migrate: applied {applied}" in output, output
     assert re.search(r"grants live in +│ PostgreSQL, the purchases table", output), output
 
     # What the sample should leave: one entry per payment and refund, the outage's 30 too.

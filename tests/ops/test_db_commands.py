@@ -27,7 +27,8 @@ from tests.ops.cli import service_cli
 
 pytestmark = pytest.mark.timeout(180)
 
-ENGINE_AND_PROJECT = ["engine/0001_inbox.sql", "project/0001_purchases.sql"]
+ENGINE = ["engine/0001_inbox.sql", "engine/0002_inbox_guard.sql"]
+ENGINE_AND_PROJECT = [*ENGINE, "project/0001_purchases.sql"]
 
 
 def db_settings(url: str, **postgres: Any) -> Settings:
@@ -100,13 +101,11 @@ async def test_concurrent_migrators_apply_each_file_exactly_once(
     ran = await asyncio.gather(*(run_migrations(pg) for _ in range(4)))
 
     applied = sorted(name for names in ran for name in names)
-    assert applied == sorted(
-        ["engine/0001_inbox.sql", "project/0001_slow.sql", "project/0002_next.sql"]
-    )
+    assert applied == sorted([*ENGINE, "project/0001_slow.sql", "project/0002_next.sql"])
     ledger = await rows(
         postgres_server.url, "SELECT source, name, count(*) FROM schema_migrations GROUP BY 1, 2"
     )
-    assert {count for _, _, count in ledger} == {1} and len(ledger) == 3
+    assert {count for _, _, count in ledger} == {1} and len(ledger) == len(ENGINE) + 2
 
 
 async def test_migrate_without_a_url_says_so(tmp_path: Path) -> None:
