@@ -22,6 +22,12 @@ from typing import Any
 
 import pytest
 
+# The CLI's rich consoles are made when their modules are imported, and one made while
+# COLUMNS is set keeps that width for good, whatever a test's CliRunner sets later: a
+# runner that exports COLUMNS=80 (as CI did) wrapped the tables the CLI tests read.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
 from service.dev.broker import Broker
 from service.dev.postgres_server import PostgresServer
 from service.dev.redis_server import RedisServer
