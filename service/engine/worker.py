@@ -39,7 +39,7 @@ from service.engine.redis_client import RedisOps, make_client
 from service.engine.redis_persistence import check_persistence
 from service.engine.registry import Registry
 from service.engine.retries import QueueGauges, RetryQueue, RetryScheduler
-from service.engine.runtime import tune_gc
+from service.engine.runtime import collect_periodically, tune_gc
 from service.engine.settings import Settings
 from service.engine.stalls import Stalls
 from service.engine.startup import StoppedWhileStarting, unless_stopped, until_answered
@@ -123,6 +123,7 @@ class Worker:
                 return
             if self.settings.tune_gc:
                 tune_gc()
+                self._watch(asyncio.create_task(collect_periodically(), name="gc"))
             if self.consume:
                 assert self._consumer is not None
                 await self.intake.run(self._consumer, self._process)
