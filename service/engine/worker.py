@@ -29,6 +29,7 @@ from service.engine.intake import Intake
 from service.engine.kafka_client import make_consumer, make_producer
 from service.engine.keys import RedisKeys
 from service.engine.member_report import INTERVAL_S, MemberReporter
+from service.engine.memory_limit import memory_limit_bytes
 from service.engine.metrics import Metrics
 from service.engine.observability import HealthState, HttpServer
 from service.engine.offsets import OffsetTracker
@@ -75,6 +76,7 @@ class Worker:
         self.registry = registry or Registry.from_settings(settings.topics)
         self.registry.check_stores(settings.postgres.url is not None)
         self.metrics = metrics or Metrics()
+        self.metrics.memory_limit.set(memory_limit_bytes() or 0)
         self.stalls = Stalls(self.metrics)
         # Built here, so breakers that contradict each other fail before anything connects.
         self.breakers = Breakers(
