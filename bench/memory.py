@@ -15,7 +15,6 @@ ledger entries and done-markers in the shared Redis, which would weigh on every 
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from bench.report import Progress, Row, Target
+from bench.rss import MB, Point, growth_mb_per_million
 from bench.service_process import ServiceRun, ledger_key
 from bench.stack import BenchStack, produce
 
@@ -34,7 +34,6 @@ FULL_RECORDS = 1_000_000
 QUICK_RECORDS = 50_000
 SAMPLE_EVERY_S = 0.25
 STALL_S = 120.0  # the longest the drain may go without a new grant before the round fails
-MB = 1024 * 1024
 DECILES = tuple(range(10, 101, 10))  # percent of the backlog granted
 # RSS growth over the drain's second half that still counts as flat, MB per million records
 # (collections and the allocator move RSS by ~10-15 MB either way; the defect grew ~200).
@@ -75,16 +74,11 @@ def drain(service: ServiceRun, records: int) -> list[Sample]:
         client.close()
 
 
-def growth(samples: list[Sample], records: int) -> float:
-    """RSS growth over the second half of the drain, MB per million records: the slope of
-    a least-squares line through (grants, RSS) of every sample with half the backlog or
-    more granted. The first half is left out: it holds the start-up and the climb to the
-    in-flight limits, which a flat worker reaches once."""
-    half = [s for s in samples if s.granted >= records / 2]
-    if len({s.granted for s in half}) < 2:
-        raise ValueError("fewer than two distinct grant counts in the drain's second half")
-    fit = statistics.linear_regression([s.granted / 1e6 for s in half], [s.rss / MB for s in half])
-    return fit.slope
+def growth(samples: list[Sample]) -> float:
+    """RSS growth over the second half of the drain, MB per million records (bench/rss.py):
+    the first half holds the start-up and the climb to the in-flight limits, which a flat
+    worker reaches once."""
+    return growth_mb_per_million([Point(s.granted, s.rss) for s in samples])
 
 
 def figures(samples: list[Sample], records: int) -> dict[str, float]:
@@ -97,7 +91,7 @@ def figures(samples: list[Sample], records: int) -> dict[str, float]:
     for pct in DECILES:
         at = next(s for s in samples if s.granted * 100 >= pct * records)
         out[f"rss_{pct}pct"] = at.rss / MB
-    out["growth"] = growth(samples, records)
+    out["growth"] = growth(samples)
     counted = last.granted - first.granted
     out["rate"] = counted / max(last.at - first.at, 1e-9)
     out["cpu_us"] = (last.cpu_s - first.cpu_s) / max(counted, 1) * 1e6
