@@ -215,16 +215,18 @@ def main(
     console.print(f"work dir {base}  (reproduce: --seed {cfg.seed})")
     started = time.monotonic()
     report: ChaosReport | None = None
-    memory: WorkerMemory | None = None
+    memory = WorkerMemory()
     try:
-        report, memory = asyncio.run(_soak(cfg, base, broker, kafka_nodes))
+        report = asyncio.run(_soak(cfg, base, broker, kafka_nodes, memory))
     except Exception as exc:  # the run could not finish: still say what is known, exit non-zero
         console.print(f"[bold red]the soak aborted:[/] {type(exc).__name__}: {exc}")
+        if memory.incarnations():
+            _print_memory(memory.incarnations())
         console.print(f"logs kept in {base}")
         raise typer.Exit(EXIT_OTHER_INVARIANT) from None
     finally:
         console.print(f"wall time {time.monotonic() - started:.1f}s")
-    assert report is not None and memory is not None
+    assert report is not None
     _print_figures(report)
     lives = memory.incarnations()
     _print_memory(lives)
@@ -254,10 +256,10 @@ def main(
 
 
 async def _soak(
-    cfg: ChaosConfig, base: Path, kind: str, kafka_nodes: int
-) -> tuple[ChaosReport, WorkerMemory]:
-    """Own broker and Redis for the run; both stopped whatever happens. The workers' RSS is
-    sampled from the start of the run to its end."""
+    cfg: ChaosConfig, base: Path, kind: str, kafka_nodes: int, memory: WorkerMemory
+) -> ChaosReport:
+    """Own broker and Redis for the run; both stopped whatever happens. ``memory`` samples
+    the workers' RSS from the start of the run to its end (or its abort)."""
     cluster = ApacheKafkaCluster(kafka_nodes, base / "kafka") if kind == "kafka" else None
     broker: Broker = cluster if cluster is not None else TansuBroker(base / "tansu", silent=True)
     redis = RedisServer(base / "redis")
@@ -271,10 +273,9 @@ async def _soak(
             # replication factor 1 and leaves existing ones alone, so create them first with
             # the cluster's (3 on 3 nodes, min.insync.replicas 2 from the broker default).
             await cluster.create_topics(_topics(cfg, broker.bootstrap, redis.url, name))
-        memory = WorkerMemory(redis.url, ledger_key(name))
-        memory.start()
+        memory.start(redis.url, ledger_key(name))
         try:
-            report = await run_chaos(
+            return await run_chaos(
                 cfg,
                 bootstrap=broker.bootstrap,
                 redis=redis,
@@ -284,7 +285,6 @@ async def _soak(
             )
         finally:
             memory.stop()
-        return report, memory
     finally:
         redis.stop()
         broker.stop()
@@ -294,43 +294,51 @@ class WorkerMemory:
     """Every second, the RSS of each chaos worker (this process's children running
     ``tests.chaos.worker_main``) beside the payments ledger's length, from a thread."""
 
-    def __init__(self, redis_url: str, ledger: str) -> None:
-        self._redis = redis_client.Redis.from_url(redis_url, socket_timeout=2)
-        self._ledger = ledger
+    def __init__(self) -> None:
         self._lives: dict[int, Incarnation] = {}
         self._granted = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="worker-rss", daemon=True)
+        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, redis_url: str, ledger: str) -> None:
+        client = redis_client.Redis.from_url(redis_url, socket_timeout=2)
+        self._thread = threading.Thread(
+            target=self._run, args=(client, ledger), name="worker-rss", daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
-        self._redis.close()
+        if self._thread is not None:
+            self._thread.join()
 
     def incarnations(self) -> list[Incarnation]:
         """Each worker process seen, in the order they started."""
         return [life for life in self._lives.values() if life.points]
 
-    def _run(self) -> None:
-        while not self._stop.wait(RSS_EVERY_S):
-            # Redis is down on purpose during a restart: the last length stands.
-            with contextlib.suppress(redis_client.RedisError):
-                self._granted = int(self._redis.xlen(self._ledger))
-            for proc in psutil.Process().children():
-                try:
-                    if WORKER_MODULE not in proc.cmdline():
-                        continue
-                    rss = proc.memory_info().rss
-                    life = self._lives.get(proc.pid)
-                    if life is None:
-                        worker = proc.environ().get("WORKER_KAFKA__CLIENT_ID", "?")
-                        life = self._lives[proc.pid] = Incarnation(worker, proc.pid)
-                except psutil.Error:  # it ended meanwhile (a kill, a SIGTERM)
+    def _run(self, client: redis_client.Redis, ledger: str) -> None:
+        try:
+            while not self._stop.wait(RSS_EVERY_S):
+                self._sample(client, ledger)
+        finally:
+            client.close()
+
+    def _sample(self, client: redis_client.Redis, ledger: str) -> None:
+        # Redis is down on purpose during a restart: the last length stands.
+        with contextlib.suppress(redis_client.RedisError):
+            self._granted = int(client.xlen(ledger))
+        for proc in psutil.Process().children():
+            try:
+                if WORKER_MODULE not in proc.cmdline():
                     continue
-                life.points.append(Point(self._granted, rss))
+                rss = proc.memory_info().rss
+                life = self._lives.get(proc.pid)
+                if life is None:
+                    worker = proc.environ().get("WORKER_KAFKA__CLIENT_ID", "?")
+                    life = self._lives[proc.pid] = Incarnation(worker, proc.pid)
+            except psutil.Error:  # it ended meanwhile (a kill, a SIGTERM)
+                continue
+            life.points.append(Point(self._granted, rss))
 
 
 def _memory_figures(life: Incarnation) -> dict[str, object]:
