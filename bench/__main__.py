@@ -8,6 +8,7 @@ rounds of one. Every row reports its figures' medians and ranges in one rich tab
     python -m bench                                  # every group, 3 rounds, Apache Kafka
     python -m bench --rows latency,retries --rounds 5 --json bench.json
     python -m bench --quick                          # small sizes: does everything run?
+    python -m bench --rows memory --rounds 1 --memory-records 5000000   # a long drain
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Options:
 
     rounds: int
     quick: bool
+    memory_records: int | None = None  # the memory row's backlog, when not its default
 
 
 class Group(Protocol):
@@ -75,13 +77,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--broker", choices=get_args(BrokerKind), default="kafka")
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument(
+        "--memory-records",
+        type=int,
+        metavar="N",
+        help="the backlog the memory row drains (default 1,000,000; 50,000 with --quick)",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {list(GROUPS)}")
+    if args.memory_records is not None and args.memory_records < 1_000:
+        parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
     out = console()
-    options = Options(rounds=args.rounds, quick=args.quick)
+    options = Options(rounds=args.rounds, quick=args.quick, memory_records=args.memory_records)
     groups = {name: load(name, options) for name in names}
     started = time.time()
 

@@ -4,10 +4,14 @@ Starts its own broker (Tansu, or with `--broker kafka` Apache Kafka: 1 node, or 
 `--kafka-nodes 3`) and Redis (AOF, appendfsync always) in a temporary directory, runs
 one chaos run (tests/chaos/engine.py) of the size given on the command
 line, and prints: records, kills, SIGTERMs, Redis restarts, rebalances, lost, doubled,
-dead-lettered by reason, duration and throughput. Exit code 1 when a record was lost
+dead-lettered by reason, duration and throughput; and each worker process's RSS (every
+second, beside the payments ledger's length): first, peak and last, and its growth in MB
+per million records over the second half of its life. Exit code 1 when a record was lost
 (a valid payment never granted, or an expected dead letter missing) or a payment was
 granted twice, 3 when another invariant broke or the run aborted, 2 for a bad option or
-a broker that cannot run here (no Java or Maven for `--broker kafka`), 0 when all held.
+a broker that cannot run here (no Java or Maven for `--broker kafka`), 4 when a worker's
+RSS grew faster than `--max-rss-growth` (or none lived long enough to tell), 0 when all
+held.
 
     .venv/bin/python scripts/soak.py --broker kafka --records 50000 --kills 10 \\
         --redis-restarts 2 --scale-cycles 1 --seed 42
@@ -18,10 +22,12 @@ Same seed, same records and the same fault plan (see docs/chaos.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Annotated
@@ -30,10 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python scripts/soak.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
+import redis as redis_client  # noqa: E402
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.rss import MIN_GRANTS_FOR_GROWTH, Incarnation, Point  # noqa: E402
 from service.dev.apache_kafka import ApacheKafkaCluster, available  # noqa: E402
 from service.dev.broker import Broker  # noqa: E402
 from service.dev.redis_server import RedisServer  # noqa: E402
@@ -48,10 +57,15 @@ from tests.chaos.engine import (  # noqa: E402
     seed_from_env,
     source_partitions,
 )
+from tests.chaos.outside import ledger_key  # noqa: E402
 
 EXIT_LOST_OR_DOUBLED = 1
 EXIT_UNUSABLE = 2  # a bad option (typer's own code for those), or the broker cannot run here
 EXIT_OTHER_INVARIANT = 3
+EXIT_MEMORY_GROWTH = 4
+# How often each worker's RSS is sampled, and the command line that marks a chaos worker.
+RSS_EVERY_S = 1.0
+WORKER_MODULE = "tests.chaos.worker_main"
 BROKERS = ("tansu", "kafka")
 # Apache Kafka refuses a JoinGroup below group.min.session.timeout.ms (6 s by default).
 KAFKA_MIN_SESSION_MS = 6_000
@@ -124,6 +138,14 @@ def main(
     ] = None,
     keep: Annotated[bool, typer.Option(help="keep the work directory (logs) on success")] = False,
     json_out: Annotated[Path | None, typer.Option(help="also write the figures as JSON")] = None,
+    max_rss_growth: Annotated[
+        float | None,
+        typer.Option(
+            help="fail (exit 4) when a worker's RSS grew faster than this, in MB per million "
+            f"records over the second half of its life (judged for workers that lived through "
+            f"{MIN_GRANTS_FOR_GROWTH:,} grants or more)"
+        ),
+    ] = None,
 ) -> None:
     """Run one long chaos run and print its figures; non-zero exit when anything broke."""
     if layout not in ("shuffled", "crowded"):
@@ -193,18 +215,24 @@ def main(
     console.print(f"work dir {base}  (reproduce: --seed {cfg.seed})")
     started = time.monotonic()
     report: ChaosReport | None = None
+    memory = WorkerMemory()
     try:
-        report = asyncio.run(_soak(cfg, base, broker, kafka_nodes))
+        report = asyncio.run(_soak(cfg, base, broker, kafka_nodes, memory))
     except Exception as exc:  # the run could not finish: still say what is known, exit non-zero
         console.print(f"[bold red]the soak aborted:[/] {type(exc).__name__}: {exc}")
+        if memory.incarnations():
+            _print_memory(memory.incarnations())
         console.print(f"logs kept in {base}")
         raise typer.Exit(EXIT_OTHER_INVARIANT) from None
     finally:
         console.print(f"wall time {time.monotonic() - started:.1f}s")
     assert report is not None
     _print_figures(report)
+    lives = memory.incarnations()
+    _print_memory(lives)
     if json_out is not None:
-        json_out.write_text(json.dumps(report.figures(), indent=2) + "\n")
+        figures = {**report.figures(), "worker memory": [_memory_figures(i) for i in lives]}
+        json_out.write_text(json.dumps(figures, indent=2) + "\n")
     verdict = report.verdict
     if not verdict.ok:
         console.print("[bold red]invariants broken:[/]")
@@ -214,14 +242,24 @@ def main(
         lost_or_doubled = verdict.lost_count or verdict.doubled
         raise typer.Exit(EXIT_LOST_OR_DOUBLED if lost_or_doubled else EXIT_OTHER_INVARIANT)
     console.print("[bold green]every invariant held: lost 0, doubled 0[/]")
+    if max_rss_growth is not None:
+        problem = _memory_problem(lives, max_rss_growth)
+        if problem:
+            console.print(f"[bold red]worker memory:[/] {problem}", markup=True)
+            console.print(f"logs kept in {base}")
+            raise typer.Exit(EXIT_MEMORY_GROWTH)
+        console.print(f"[bold green]worker RSS grew under {max_rss_growth:g} MB per million[/]")
     if own_dir and not keep:
         shutil.rmtree(base, ignore_errors=True)
     else:
         console.print(f"logs in {base}")
 
 
-async def _soak(cfg: ChaosConfig, base: Path, kind: str, kafka_nodes: int) -> ChaosReport:
-    """Own broker and Redis for the run; both stopped whatever happens."""
+async def _soak(
+    cfg: ChaosConfig, base: Path, kind: str, kafka_nodes: int, memory: WorkerMemory
+) -> ChaosReport:
+    """Own broker and Redis for the run; both stopped whatever happens. ``memory`` samples
+    the workers' RSS from the start of the run to its end (or its abort)."""
     cluster = ApacheKafkaCluster(kafka_nodes, base / "kafka") if kind == "kafka" else None
     broker: Broker = cluster if cluster is not None else TansuBroker(base / "tansu", silent=True)
     redis = RedisServer(base / "redis")
@@ -235,17 +273,121 @@ async def _soak(cfg: ChaosConfig, base: Path, kind: str, kafka_nodes: int) -> Ch
             # replication factor 1 and leaves existing ones alone, so create them first with
             # the cluster's (3 on 3 nodes, min.insync.replicas 2 from the broker default).
             await cluster.create_topics(_topics(cfg, broker.bootstrap, redis.url, name))
-        return await run_chaos(
-            cfg,
-            bootstrap=broker.bootstrap,
-            redis=redis,
-            name=name,
-            work_dir=base / "workers",
-            say=lambda line: console.print(f"{time.strftime('%X')} {line}", markup=False),
-        )
+        memory.start(redis.url, ledger_key(name))
+        try:
+            return await run_chaos(
+                cfg,
+                bootstrap=broker.bootstrap,
+                redis=redis,
+                name=name,
+                work_dir=base / "workers",
+                say=lambda line: console.print(f"{time.strftime('%X')} {line}", markup=False),
+            )
+        finally:
+            memory.stop()
     finally:
         redis.stop()
         broker.stop()
+
+
+class WorkerMemory:
+    """Every second, the RSS of each chaos worker (this process's children running
+    ``tests.chaos.worker_main``) beside the payments ledger's length, from a thread."""
+
+    def __init__(self) -> None:
+        self._lives: dict[int, Incarnation] = {}
+        self._granted = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, redis_url: str, ledger: str) -> None:
+        client = redis_client.Redis.from_url(redis_url, socket_timeout=2)
+        self._thread = threading.Thread(
+            target=self._run, args=(client, ledger), name="worker-rss", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def incarnations(self) -> list[Incarnation]:
+        """Each worker process seen, in the order they started."""
+        return [life for life in self._lives.values() if life.points]
+
+    def _run(self, client: redis_client.Redis, ledger: str) -> None:
+        try:
+            while not self._stop.wait(RSS_EVERY_S):
+                self._sample(client, ledger)
+        finally:
+            client.close()
+
+    def _sample(self, client: redis_client.Redis, ledger: str) -> None:
+        # Redis is down on purpose during a restart: the last length stands.
+        with contextlib.suppress(redis_client.RedisError):
+            self._granted = int(client.xlen(ledger))
+        for proc in psutil.Process().children():
+            try:
+                if WORKER_MODULE not in proc.cmdline():
+                    continue
+                rss = proc.memory_info().rss
+                life = self._lives.get(proc.pid)
+                if life is None:
+                    worker = proc.environ().get("WORKER_KAFKA__CLIENT_ID", "?")
+                    life = self._lives[proc.pid] = Incarnation(worker, proc.pid)
+            except psutil.Error:  # it ended meanwhile (a kill, a SIGTERM)
+                continue
+            life.points.append(Point(self._granted, rss))
+
+
+def _memory_figures(life: Incarnation) -> dict[str, object]:
+    growth = life.growth()
+    return {
+        "worker": life.worker,
+        "pid": life.pid,
+        "granted while it lived": life.granted,
+        "first MB": round(life.first_mb, 1),
+        "peak MB": round(life.peak_mb, 1),
+        "last MB": round(life.last_mb, 1),
+        "growth MB per million records": None if growth is None else round(growth, 1),
+    }
+
+
+def _print_memory(lives: list[Incarnation]) -> None:
+    table = Table(title="worker RSS (each process from its start to its end)")
+    for column in ("worker", "pid", "granted", "first MB", "peak MB", "last MB", "MB/M rec"):
+        table.add_column(column, justify="left" if column == "worker" else "right")
+    for life in lives:
+        growth = life.growth()
+        table.add_row(
+            life.worker,
+            str(life.pid),
+            f"{life.granted:,}",
+            f"{life.first_mb:.0f}",
+            f"{life.peak_mb:.0f}",
+            f"{life.last_mb:.0f}",
+            "too short" if growth is None else f"{growth:+.1f}",
+        )
+    console.print(table)
+    console.print(
+        "MB/M rec: least-squares slope of RSS over the payments ledger's grants in the second "
+        f"half of the process's life (judged from {MIN_GRANTS_FOR_GROWTH:,} grants)."
+    )
+
+
+def _memory_problem(lives: list[Incarnation], limit: float) -> str:
+    """Why the RSS check fails, or '' when every judged worker stayed under ``limit``."""
+    judged = [(life, g) for life in lives if (g := life.growth()) is not None]
+    if not judged:
+        return (
+            f"no worker lived through {MIN_GRANTS_FOR_GROWTH:,} grants: nothing to judge "
+            "(more --records, fewer --kills)"
+        )
+    over = [f"{life.worker} (pid {life.pid}) {g:+.1f}" for life, g in judged if g > limit]
+    if over:
+        return f"RSS grew faster than {limit:g} MB per million records: {', '.join(over)}"
+    return ""
 
 
 def _topics(cfg: ChaosConfig, bootstrap: str, redis_url: str, name: str) -> dict[str, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 # Record timestamp to done: milliseconds for a first run, up to the 12 h a retry may last.
 END_TO_END_BUCKETS = (
@@ -135,6 +135,15 @@ class Metrics:
             "worker_circuit_held_records",
             "Records held at a circuit's gate (not run, not parked, not committed)",
             ["circuit"],
+            registry=r,
+        )
+        # The process's own figures (process_resident_memory_bytes, CPU, open files), and
+        # the memory limit its RSS is held to (engine/memory_limit.py; set by the worker).
+        ProcessCollector(registry=r)
+        self.memory_limit = Gauge(
+            "worker_memory_limit_bytes",
+            "The container's memory limit (its cgroup's), past which the kernel kills the "
+            "worker; 0 when none is set",
             registry=r,
         )
 

@@ -18,6 +18,8 @@ LoopChoice = Literal["auto", "asyncio", "uvloop"]
 
 # Young objects allocated between collections (CPython's default is 700).
 GC_YOUNG_THRESHOLD = 50_000
+# And a collection at least this often whatever the count (collect_periodically).
+GC_INTERVAL_S = 5.0
 
 
 def loop_factory(choice: LoopChoice) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -48,10 +50,34 @@ def tune_gc() -> None:
     the collector ran thousands of times per 100k records and its full collections
     re-scanned every long-lived object (modules, clients, metrics): a third of the
     worker's CPU in bench/. Freezing what exists once started moves those objects out of
-    the collector's sight, and a larger young generation makes collections rare. Memory
-    is unaffected in practice: reference counting still frees nearly everything at once.
+    the collector's sight, and a larger young generation makes collections rare.
+
+    Half of the tuning: the threshold counts objects, not bytes, so garbage of a few
+    objects holding much memory would pile up under it. ``collect_periodically`` is the
+    other half and runs beside it (the worker starts both).
     """
     gc.collect()
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
+async def collect_periodically(interval_s: float = GC_INTERVAL_S) -> None:
+    """A full collection every ``interval_s``: what bounds the garbage ``tune_gc`` leaves.
+
+    aiokafka (0.14) keeps a fetched partition's records in a ``PartitionRecords`` whose
+    ``_unpack_records`` generator refers back to it, a cycle broken only when the records
+    are read to the end. Each time the consumer drops a fetch before that (a paused
+    partition: the intake pauses one that holds its share of the records in flight; a
+    seek; a rebalance) the pair becomes cyclic garbage holding the whole fetch, up to
+    ``max_partition_fetch_bytes``. A handful of objects per megabyte barely moves the
+    young generation's count: under the 50,000 threshold alone the collector ran about
+    once a minute and a worker draining a backlog grew by ~200 MB per million records
+    (bench/memory.py). What a collection scans is mostly the records in flight (the
+    start-up heap is frozen): 60-90 ms of CPU with 5,000 of them. Every 5 s that is under
+    2% of a core while a backlog drains, and at most 5 s of dropped fetches wait to be
+    freed (a few MB at the bench's rates).
+    """
+    while True:
+        await asyncio.sleep(interval_s)
+        gc.collect()

@@ -413,7 +413,7 @@ class Settings(BaseSettings):
     max_record_bytes: int = Field(default=1_048_576, ge=1)
     revoke_grace_s: float = Field(default=10.0, ge=0)
     shutdown_grace_s: float = Field(default=25.0, ge=0)
-    # Freeze the startup heap and collect young objects less often (see runtime.tune_gc).
+    # Freeze the startup heap, collect young objects less often, everything every 5 s (runtime).
     tune_gc: bool = True
     # The event loop: uvloop when installed (auto), or one of the two by name.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"

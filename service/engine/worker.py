@@ -32,6 +32,7 @@ from service.engine.kafka_client import make_consumer, make_producer
 from service.engine.keys import RedisKeys
 from service.engine.member_report import INTERVAL_S, MemberReporter
 from service.engine.membership import MembershipWatch, read_group_progress
+from service.engine.memory_limit import memory_limit_bytes
 from service.engine.metrics import Metrics
 from service.engine.observability import HealthState, HttpServer
 from service.engine.offsets import OffsetTracker
@@ -42,7 +43,7 @@ from service.engine.redis_client import RedisOps, make_client
 from service.engine.redis_persistence import check_persistence
 from service.engine.registry import Registry
 from service.engine.retries import QueueGauges, RetryQueue, RetryScheduler
-from service.engine.runtime import tune_gc
+from service.engine.runtime import collect_periodically, tune_gc
 from service.engine.settings import Settings
 from service.engine.shutdown import MIN_STEP_S, ExitDeadline, ShutdownSteps, closing_reserve_s
 from service.engine.stalls import Stalls
@@ -79,6 +80,7 @@ class Worker:
         self.registry = registry or Registry.from_settings(settings.topics)
         self.registry.check_stores(settings.postgres.url is not None)
         self.metrics = metrics or Metrics()
+        self.metrics.memory_limit.set(memory_limit_bytes() or 0)
         self.stalls = Stalls(self.metrics)
         # Built here, so breakers that contradict each other fail before anything connects.
         self.breakers = Breakers(
@@ -140,6 +142,7 @@ class Worker:
                 return
             if self.settings.tune_gc:
                 tune_gc()
+                self._watch(asyncio.create_task(collect_periodically(), name="gc"))
             if self.consume:
                 assert self._consumer is not None
                 await self.intake.run(self._consumer, self._process)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.memory import MB, figures
+from bench.memory import DECILES, MB, figures, growth
 from bench.memory import Sample as MemorySample
 from bench.retry_punctuality import (
     RETRY_OFFSET_BASE,
@@ -72,17 +72,46 @@ def memory_sample(at: float, rss_mb: float, granted: int, cpu_s: float = 0.0) ->
     return MemorySample(at, int(rss_mb * MB), granted, cpu_s)
 
 
-def test_memory_figures_quarter_the_drain_and_time_it_from_the_first_grant() -> None:
+def test_memory_figures_take_each_tenth_of_the_drain_and_time_it_from_the_first_grant() -> None:
     samples = [
         memory_sample(0.0, 300, 0),  # start-up: counts for the peak, not the rate
         memory_sample(5.0, 100, 1, cpu_s=1.0),
-        memory_sample(6.0, 110, 250, cpu_s=1.5),
-        memory_sample(7.0, 120, 600, cpu_s=2.0),
-        memory_sample(8.0, 130, 750, cpu_s=2.5),
-        memory_sample(15.0, 140, 1000, cpu_s=5.0),
+        # from 100 MB at 50 grants, 1 MB more per 50 grants, 50 grants a second
+        *(memory_sample(5.0 + k, 100 + k, 50 * k, cpu_s=1.0 + k / 10) for k in range(1, 21)),
     ]
     out = figures(samples, 1000)
     assert out["peak_rss"] == pytest.approx(300)
-    assert [out[f"rss_{q}pct"] for q in (25, 50, 75, 100)] == pytest.approx([110, 120, 130, 140])
-    assert out["rate"] == pytest.approx(999 / 10)
-    assert out["cpu_us"] == pytest.approx(4.0 / 999 * 1e6)
+    # 10 % is 100 grants: the sample at k = 2
+    assert [out[f"rss_{pct}pct"] for pct in DECILES] == pytest.approx(
+        [102, 104, 106, 108, 110, 112, 114, 116, 118, 120]
+    )
+    assert out["growth"] == pytest.approx(20_000)  # 1 MB per 50 grants, per million
+    assert out["rate"] == pytest.approx(999 / 20)
+    assert out["cpu_us"] == pytest.approx(2.0 / 999 * 1e6)
+
+
+def test_memory_growth_is_the_second_half_slope_in_mb_per_million_records() -> None:
+    records = 1_000_000
+    # The first half (start-up, the in-flight limits filling) is not counted.
+    climb = [memory_sample(k, 50 + k, k * 50_000) for k in range(10)]
+    # The second half rises 40 MB per million records under a sawtooth of +-10 MB.
+    second = [
+        memory_sample(10 + k, 150 + 40 * (k * 0.05) + (10 if k % 2 else -10), 500_000 + k * 50_000)
+        for k in range(11)
+    ]
+    assert growth(climb + second) == pytest.approx(40, abs=5)
+    flat = [
+        memory_sample(10 + k, 150 + (10 if k % 2 else -10), 500_000 + k * 50_000) for k in range(11)
+    ]
+    assert growth(climb + flat) == pytest.approx(0, abs=5)
+    assert figures(climb + flat, records)["growth"] == pytest.approx(0, abs=5)
+
+
+def test_memory_growth_needs_two_points_in_the_second_half() -> None:
+    samples = [
+        memory_sample(0, 100, 10),
+        memory_sample(1, 100, 1_000),
+        memory_sample(2, 200, 1_000),
+    ]
+    with pytest.raises(ValueError, match="second half"):
+        growth(samples)

@@ -82,8 +82,9 @@ def series_metric(selector: str) -> str:
 
 
 def expr_metrics(expr: str) -> set[str]:
-    """Metric names used by a rule: every series name in the worker's `worker_` namespace."""
-    return set(re.findall(r"\bworker_[a-z0-9_]+\b", expr))
+    """Metric names used by a rule: every series name in the worker's `worker_` namespace and
+    the `process_` figures its registry exports beside them."""
+    return set(re.findall(r"\b(?:worker|process)_[a-z0-9_]+\b", expr))
 
 
 def grouping_labels(expr: str) -> set[str]:
@@ -109,8 +110,14 @@ def operations_anchors() -> frozenset[str]:
 @functools.cache
 def worker_series() -> dict[str, frozenset[str]]:
     """Exposed series name -> label names, from the worker's own registry."""
-    exposed: dict[str, frozenset[str]] = {}
-    for metric in vars(Metrics()).values():
+    metrics = Metrics()
+    # The process collector's figures (process_resident_memory_bytes, ...), unlabelled.
+    exposed: dict[str, frozenset[str]] = {
+        family.name: frozenset()
+        for family in metrics.registry.collect()
+        if family.name.startswith("process_")
+    }
+    for metric in vars(metrics).values():
         if not isinstance(metric, MetricWrapperBase):
             continue
         (family,) = metric.describe()
@@ -252,7 +259,9 @@ def test_rules_use_only_the_worker_metrics_and_their_labels() -> None:
         assert not unknown, f"{name}: not metrics of service/engine/metrics.py: {unknown}"
         labels = set().union(*(exposed[m] for m in used)) | TARGET_LABELS
         assert grouping_labels(rule["expr"]) <= labels, (name, grouping_labels(rule["expr"]))
-        for metric, matchers in re.findall(r"\b(worker_[a-z0-9_]+)\{([^}]*)\}", rule["expr"]):
+        for metric, matchers in re.findall(
+            r"\b((?:worker|process)_[a-z0-9_]+)\{([^}]*)\}", rule["expr"]
+        ):
             for label in re.findall(r"(\w+)\s*[=!]~?", matchers):
                 assert label in exposed[metric] | TARGET_LABELS, f"{name}: {metric}{{{label}}}"
 
@@ -279,4 +288,9 @@ def test_helpers_read_what_they_claim() -> None:
     assert github_anchor("What to watch, first") == "what-to-watch-first"
     assert grouping_labels("max by (a, b) (x) unless on (c) y") == {"a", "b", "c"}
     assert expr_metrics("rate(worker_a_total[5m]) > worker_b") == {"worker_a_total", "worker_b"}
+    assert expr_metrics("process_resident_memory_bytes / worker_c") == {
+        "process_resident_memory_bytes",
+        "worker_c",
+    }
+    assert "process_resident_memory_bytes" in worker_series()
     assert series_metric('worker_x{\njob="j"}') == "worker_x"

@@ -87,6 +87,14 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "worker_circuit_held_records": ("gauge", frozenset({"circuit"})),
     "worker_postgres_transactions_total": ("counter", frozenset({"result"})),
     "worker_postgres_commit_seconds": ("histogram", frozenset()),
+    "worker_memory_limit_bytes": ("gauge", frozenset()),
+    # prometheus-client's process collector, in the worker's registry beside its own.
+    "process_resident_memory_bytes": ("gauge", frozenset()),
+    "process_virtual_memory_bytes": ("gauge", frozenset()),
+    "process_cpu_seconds_total": ("counter", frozenset()),
+    "process_start_time_seconds": ("gauge", frozenset()),
+    "process_open_fds": ("gauge", frozenset()),
+    "process_max_fds": ("gauge", frozenset()),
 }
 # Closed label value sets (checked where a query matches a literal value).
 LABEL_VALUES = {
