@@ -31,10 +31,18 @@ T = TypeVar("T")
 
 
 def make_client(settings: RedisSettings) -> aioredis.Redis:
-    """A pooled asyncio client; reconnects are ours (tenacity), not redis-py's."""
+    """A pooled asyncio client; reconnects are ours (tenacity), not redis-py's.
+
+    The pool blocks: a call made while all ``max_connections`` are busy waits for one (up
+    to the socket timeout) instead of failing at once with ``MaxConnectionsError``, which
+    redis-py's default pool does. Handlers share this client (``ctx.redis``) and may run
+    200 at a time against a pool of 32: a burst of them must queue, not read as an outage.
+    """
     url = settings.url.get_secret_value()
-    client: aioredis.Redis = aioredis.from_url(url, **client_kwargs(url, settings))
-    return client
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, timeout=settings.socket_timeout_s, **client_kwargs(url, settings)
+    )
+    return aioredis.Redis.from_pool(pool)
 
 
 class RedisOps:
