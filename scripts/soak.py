@@ -220,6 +220,8 @@ def main(
         report = asyncio.run(_soak(cfg, base, broker, kafka_nodes, memory))
     except Exception as exc:  # the run could not finish: still say what is known, exit non-zero
         console.print(f"[bold red]the soak aborted:[/] {type(exc).__name__}: {exc}")
+        # Where: an abort at the end of a long run is not reproduced in minutes.
+        console.print_exception(max_frames=12)
         if memory.incarnations():
             _print_memory(memory.incarnations())
         console.print(f"logs kept in {base}")
