@@ -107,7 +107,7 @@ class Answers:
     @property
     def base_topics_json(self) -> str:
         """WORKER_TOPICS of the base deploy files, which need no database: the example on
-        its Redis twin (``payments``), every other binding as service/project.py has it."""
+        its Redis twin (``payments``), every other binding as service/app.py has it."""
         return self._topics_with_example(EXAMPLE_HANDLER)
 
     @property
@@ -298,7 +298,7 @@ SITES: tuple[Site, ...] = (
     Site(PIPELINE, r"KEY_PREFIX\"[^\]]*\]\s*=\s*\"(?P<old>payments-worker)\"", _prefix),
     # The topic bindings and the first topic.
     # The base deploy files run the example on Redis, the postgres overlays (compose,
-    # deploy/k8s/postgres) on PostgreSQL, whichever twin service/project.py binds.
+    # deploy/k8s/postgres) on PostgreSQL, whichever twin service/app.py binds.
     Site(YAML, r"WORKER_TOPICS:\s*'" + TOPICS_LITERAL + "'", _base_topics_json, required=True),
     Site(YAML, r"WORKER_TOPICS:\s*'" + POSTGRES_TOPICS_LITERAL + "'", _postgres_topics_json, True),
     Site(DOCS, r"WORKER_TOPICS \|[^|\n]*\| " + TOPICS_LITERAL, _topics_json),
@@ -362,7 +362,7 @@ def _needs_dropped_part(template: Path, relative: str, dropped: list[str]) -> bo
 def bind_first_topic(project: Path, answers: Answers) -> Answers:
     """Give the first topic its own handler (scaffolded), or bind the example to it.
 
-    The default answer (``payments``) is bound by the rendered service/project.py. Any
+    The default answer (``payments``) is bound by the rendered service/app.py. Any
     other topic gets a handler named after it, written by the project's own
     ``service new-handler`` code, so what generation writes and what the scaffold writes
     can never differ.

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from service.dev.scaffold import new_handler_command
 from service.engine import runtime
+from service.engine.app_location import APP_OPTION, APP_SETTING, PYPROJECT_TABLE, choose_app
 from service.engine.errors import ConfigurationError
 from service.engine.observability import configure_logging
 from service.engine.settings import Settings, load_settings
@@ -77,6 +78,32 @@ BrokerChoice = Annotated[
         "(Apache Kafka from Maven Central: needs java and mvn).",
     ),
 ]
+
+
+# Commands that work on the project's files, not on its running app: no app to find first.
+WITHOUT_APP = frozenset({"new-handler"})
+
+
+@app.callback()
+def choose(
+    ctx: typer.Context,
+    app_target: Annotated[
+        str | None,
+        typer.Option(
+            APP_OPTION,
+            metavar="MODULE:ATTRIBUTE",
+            help=f"The app declaration to run, e.g. service.app:app (default: {APP_SETTING}, "
+            f"else app in the tool.{PYPROJECT_TABLE} table of pyproject.toml).",
+        ),
+    ] = None,
+) -> None:
+    """Find the app declaration first, so a wrong one stops every command with one line."""
+    if app_target is None and ctx.invoked_subcommand in WITHOUT_APP:
+        return
+    try:
+        choose_app(app_target)
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
 
 
 def _dev_failed(exc: Exception) -> typer.Exit:

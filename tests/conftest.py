@@ -32,6 +32,8 @@ from service.dev.broker import Broker
 from service.dev.postgres_server import PostgresServer
 from service.dev.redis_server import RedisServer
 from service.dev.tansu import TansuBroker
+from service.engine.app_location import choose_app
+from service.engine.errors import ConfigurationError
 from tests.helpers import on_ci, replay_lines
 
 # Tests that use these fixtures talk to real servers and are marked `integration` automatically,
@@ -72,6 +74,13 @@ def broker_choice() -> str:
 
 def pytest_configure(config: pytest.Config) -> None:
     broker_choice()  # a misspelt choice stops the run before any test
+    # The app declaration, chosen once as `service` does at start (pyproject.toml's
+    # [tool.service] app, or WORKER_APP): tests that move to a temporary folder keep it,
+    # and the processes they start inherit it (WORKER_APP).
+    try:
+        choose_app()
+    except ConfigurationError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_terminal_summary(

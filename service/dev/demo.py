@@ -11,8 +11,9 @@ that `service dev up` started, saying which and how to stop them: a newcomer mus
 stray servers later.
 
 With the example bound to its postgres handler (``WORKER_TOPICS='{"purchases": "payments"}'``
-or service/project.py), the stack also runs the embedded PostgreSQL, the demo migrates it
-(`service db migrate`) and reads the grants from the purchases table (demo_grants.py).
+or the app's topics in service/app.py), the stack also runs the embedded PostgreSQL, the
+demo migrates it (`service db migrate`) and reads the grants from the purchases table
+(demo_grants.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Where the demo reads its grants: the Redis example's ledger stream, or the postgres
 example's purchases table, so the live view and the summary show the store the worker wrote.
 
-``make run`` runs whichever example the settings bind (``WORKER_TOPICS`` or
-service/project.py): "payments" keeps its grants in Redis, "purchases" in PostgreSQL.
+``make run`` runs whichever example the settings bind (``WORKER_TOPICS`` or the app's
+topics, service/app.py): "payments" keeps its grants in Redis, "purchases" in PostgreSQL.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ copying the payments example by hand: ``service/handlers/NAME.py`` (a payload mo
 the ``@handler`` declaration with its dedupe key, a handler that queues its effect on
 ``ctx.effects``), ``tests/unit/test_handler_NAME.py`` (passes as generated; its records
 go through the worker's path with ``service.testing.HandlerTestKit``), and the
-binding NAME -> TOPIC in ``service/project.py``'s ``TOPICS``, the default of
-``WORKER_TOPICS``. That file is the project's own (rendered once by the template), so
-the binding survives ``cruft update``; docs/template.md explains.
+binding NAME -> TOPIC in the ``topics`` of the app declaration, ``service/app.py``: the
+default of ``WORKER_TOPICS``. That file is the project's own (rendered once by the
+template), so the binding survives ``cruft update``; docs/template.md explains.
 
 The template's post-generation hook uses this module to write a project's first
 handler, in whatever interpreter runs cookiecutter: so the logic below needs only the
@@ -35,8 +35,9 @@ TESTS_DIR = Path("tests/unit")
 # A postgres handler's test needs a real database: it goes with the real-server tests.
 POSTGRES_TESTS_DIR = Path("tests/integration")
 MIGRATIONS_DIR = Path("service/migrations")
-PROJECT_FILE = Path("service/project.py")
-BINDINGS = "TOPICS"
+# The app declaration: `app = App(..., topics={...}, ...)`, the bindings a dict literal.
+APP_FILE = Path("service/app.py")
+BINDINGS = "topics"
 MAX_LINE = 100  # the project's ruff line length
 
 
@@ -52,7 +53,7 @@ class Scaffolded:
     topic: str
     handler_module: Path
     test_module: Path
-    project_file: Path
+    app_file: Path
     migration: Path | None = None  # a postgres handler's table
 
 
@@ -79,23 +80,23 @@ def model_name(name: str) -> str:
 
 
 def read_bindings(root: Path) -> dict[str, str]:
-    """The ``TOPICS`` literal of ``service/project.py``."""
-    source = (root / PROJECT_FILE).read_text(encoding="utf-8")
+    """The ``topics`` literal of ``service/app.py``."""
+    source = (root / APP_FILE).read_text(encoding="utf-8")
     node = _bindings_node(source)
     value = ast.literal_eval(node)
     if not isinstance(value, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
-        raise ScaffoldError(f"{PROJECT_FILE}: {BINDINGS} must be a dict of str to str")
+        raise ScaffoldError(f"{APP_FILE}: {BINDINGS} must be a dict of str to str")
     return value
 
 
 def bind(root: Path, name: str, topic: str) -> Path:
-    """Add ``name: topic`` to ``TOPICS``, keeping the file's comments and layout."""
-    path = root / PROJECT_FILE
+    """Add ``name: topic`` to the app's ``topics``, keeping the file's comments and layout."""
+    path = root / APP_FILE
     source = path.read_text(encoding="utf-8")
     path.write_text(_with_binding(source, name, topic), encoding="utf-8")
-    return PROJECT_FILE
+    return APP_FILE
 
 
 def new_handler(root: Path, name: str, topic: str, store: str = "redis") -> Scaffolded:
@@ -116,8 +117,8 @@ def new_handler(root: Path, name: str, topic: str, store: str = "redis") -> Scaf
     handler_path = HANDLERS_DIR / f"{name}.py"
     tests_dir = POSTGRES_TESTS_DIR if postgres else TESTS_DIR
     test_path = tests_dir / f"test_handler_{name}.py"
-    project_source = (root / PROJECT_FILE).read_text(encoding="utf-8")
-    new_project_source = _with_binding(project_source, name, topic)
+    app_source = (root / APP_FILE).read_text(encoding="utf-8")
+    new_app_source = _with_binding(app_source, name, topic)
     migration: Path | None = None
     if postgres:
         migration = MIGRATIONS_DIR / f"{_next_migration(root):04d}_{name}.sql"
@@ -144,13 +145,13 @@ def new_handler(root: Path, name: str, topic: str, store: str = "redis") -> Scaf
             with (root / relative).open("x", encoding="utf-8") as f:  # never overwrite
                 created.append(root / relative)
                 f.write(text)
-        (root / PROJECT_FILE).write_text(new_project_source, encoding="utf-8")
+        (root / APP_FILE).write_text(new_app_source, encoding="utf-8")
     except BaseException:
         for path in reversed(created):
             path.unlink(missing_ok=True)
-        (root / PROJECT_FILE).write_text(project_source, encoding="utf-8")
+        (root / APP_FILE).write_text(app_source, encoding="utf-8")
         raise
-    return Scaffolded(name, topic, handler_path, test_path, PROJECT_FILE, migration)
+    return Scaffolded(name, topic, handler_path, test_path, APP_FILE, migration)
 
 
 def _next_migration(root: Path) -> int:
@@ -175,9 +176,9 @@ def _check_request(root: Path, name: str, topic: str) -> None:
         check_topic(topic)
     except ValueError as exc:
         raise ScaffoldError(f"--topic: {exc}") from None
-    if not (root / PROJECT_FILE).is_file() or not (root / HANDLERS_DIR).is_dir():
+    if not (root / APP_FILE).is_file() or not (root / HANDLERS_DIR).is_dir():
         raise ScaffoldError(
-            f"{root.resolve()} is not a service project (no {PROJECT_FILE} or {HANDLERS_DIR}/)"
+            f"{root.resolve()} is not a service project (no {APP_FILE} or {HANDLERS_DIR}/)"
         )
     bindings = read_bindings(root)
     handlers = root / HANDLERS_DIR
@@ -192,30 +193,28 @@ def _check_request(root: Path, name: str, topic: str) -> None:
 
 
 def _bindings_node(source: str) -> ast.Dict:
-    """The dict literal assigned to ``TOPICS`` at the top level of the project file."""
+    """The dict literal passed as ``topics=`` to the ``App(...)`` made at the top level."""
     for stmt in ast.parse(source).body:
-        if isinstance(stmt, ast.Assign):
-            targets, value = stmt.targets, stmt.value
-        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
-            targets, value = [stmt.target], stmt.value
-        else:
-            continue
-        named = any(isinstance(t, ast.Name) and t.id == BINDINGS for t in targets)
-        if named and isinstance(value, ast.Dict):
-            return value
-    raise ScaffoldError(f"{PROJECT_FILE} has no `{BINDINGS} = {{...}}` dict literal")
+        if isinstance(stmt, ast.Assign | ast.AnnAssign) and isinstance(stmt.value, ast.Call):
+            for argument in stmt.value.keywords:
+                if argument.arg == BINDINGS and isinstance(argument.value, ast.Dict):
+                    return argument.value
+    raise ScaffoldError(f"{APP_FILE} has no `App(..., {BINDINGS}={{...}})` dict literal")
 
 
 def _with_binding(source: str, name: str, topic: str) -> str:
-    """``source`` with one more entry in the ``TOPICS`` dict literal."""
+    """``source`` with one more entry in the ``topics`` dict literal."""
     node = _bindings_node(source)
     assert node.end_lineno is not None and node.end_col_offset is not None
     lines = source.splitlines(keepends=True)
-    entry = f"    {name!r}: {topic!r},".replace("'", '"')
-    if len(entry) > MAX_LINE:
-        entry += "  # noqa: E501"
     closing = lines[node.end_lineno - 1]
     brace = node.end_col_offset - 1
+    # One level deeper than the line that holds the closing brace (or the opening one).
+    outer = closing if node.lineno != node.end_lineno else lines[node.lineno - 1]
+    indent = " " * (len(outer) - len(outer.lstrip(" ")) + 4)
+    entry = f"{indent}{name!r}: {topic!r},".replace("'", '"')
+    if len(entry) > MAX_LINE:
+        entry += "  # noqa: E501"
     if node.lineno != node.end_lineno and not closing[:brace].strip():
         # The usual layout: closing brace on its own line. Insert above it; comments stay.
         lines.insert(node.end_lineno - 1, entry + "\n")
@@ -223,12 +222,12 @@ def _with_binding(source: str, name: str, topic: str) -> str:
     else:
         # A one-line dict: write it out again, one entry per line.
         bindings = {**ast.literal_eval(node), name: topic}
-        body = "".join(f"    {k!r}: {v!r},\n".replace("'", '"') for k, v in bindings.items())
+        body = "".join(f"{indent}{k!r}: {v!r},\n".replace("'", '"') for k, v in bindings.items())
         start = sum(len(line) for line in lines[: node.lineno - 1]) + node.col_offset
         end = sum(len(line) for line in lines[: node.end_lineno - 1]) + node.end_col_offset
-        updated = source[:start] + "{\n" + body + "}" + source[end:]
+        updated = source[:start] + "{\n" + body + indent[4:] + "}" + source[end:]
     if ast.literal_eval(_bindings_node(updated)).get(name) != topic:  # pragma: no cover
-        raise ScaffoldError(f"could not add {name!r} to {PROJECT_FILE}'s {BINDINGS}")
+        raise ScaffoldError(f"could not add {name!r} to {APP_FILE}'s {BINDINGS}")
     return updated
 
 
@@ -237,7 +236,7 @@ HANDLER_TEMPLATE = Template('''\
 
 TODO: say what it does for the business, and which field identifies an event.
 
-Scaffolded by `service new-handler`; bound to its topic in service/project.py. The
+Scaffolded by `service new-handler`; bound to its topic in service/app.py. The
 handler queues its Redis writes on ``ctx.effects``: the worker applies them in the
 same atomic step as the record's done-marker, so each effect happens once per dedupe
 key however often the record is delivered.
@@ -297,8 +296,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from service import project
-from service.engine.registry import Registry, discover
+from service.app import app
+from service.engine.registry import Registry
 from service.handlers.$name import (
     NAMESPACE,
     $model,
@@ -312,8 +311,8 @@ TOPIC = "$topic"$topic_noqa
 
 
 def test_declared_and_bound_to_its_topic() -> None:
-    assert project.TOPICS[HANDLER.name] == TOPIC
-    registry = Registry(discover(), project.TOPICS)
+    assert app.topics[HANDLER.name] == TOPIC
+    registry = Registry.from_settings(app.topics, app)
     assert registry.for_topic(TOPIC) is HANDLER
 
 
@@ -355,7 +354,7 @@ POSTGRES_HANDLER_TEMPLATE = Template('''\
 TODO: say what it does for the business, and which field identifies an event.
 
 Scaffolded by `service new-handler --store postgres`; bound to its topic in
-service/project.py; its table is service/migrations/$migration (`service db migrate`).
+service/app.py; its table is service/migrations/$migration (`service db migrate`).
 The handler writes with SQL on ``ctx.db``: a connection inside the transaction in which the
 worker also writes the record's inbox row, so its rows and "this record is done" commit
 together, once per dedupe key however often the record is delivered (docs/postgres.md).
@@ -417,8 +416,8 @@ from __future__ import annotations
 
 import psycopg
 
-from service import project
-from service.engine.registry import Registry, discover
+from service.app import app
+from service.engine.registry import Registry
 from service.handlers.$name import handle_$name
 from service.testing import HandlerTestKit
 
@@ -427,8 +426,8 @@ TOPIC = "$topic"$topic_noqa
 
 
 def test_declared_and_bound_to_its_topic() -> None:
-    assert project.TOPICS[HANDLER.name] == TOPIC
-    assert Registry(discover(), project.TOPICS).for_topic(TOPIC) is HANDLER
+    assert app.topics[HANDLER.name] == TOPIC
+    assert Registry.from_settings(app.topics, app).for_topic(TOPIC) is HANDLER
 
 
 async def rows(postgres_url: str) -> list[tuple[str, str]]:
@@ -509,7 +508,7 @@ def new_handler_command(
     typer.echo(f"created {done.test_module}")
     if done.migration is not None:
         typer.echo(f"created {done.migration}  (its table; `service db migrate` applies it)")
-    typer.echo(f"bound   {name} -> {topic} in {done.project_file} (the WORKER_TOPICS default)")
+    typer.echo(f"bound   {name} -> {topic} in {done.app_file} (the WORKER_TOPICS default)")
     typer.echo(
         "\nnext:\n"
         f"  1. fill in {model} and the effect in {done.handler_module}\n"

@@ -1,11 +1,11 @@
 """Handlers and the topics they are bound to.
 
-A handler module under ``service/handlers/`` declares one handler with
-:func:`handler`: its name, the pydantic model of the payload, the field that is
+A handler module (under ``service/handlers/`` in this template) declares one handler
+with :func:`handler`: its name, the pydantic model of the payload, the field that is
 the dedupe key, and which exceptions are retryable or permanent. The registry finds
-those declarations by importing the package's modules and binds each one to the
-topic that ``Settings.topics`` names for it. Nothing registers itself globally:
-the declaration is a plain object in its module.
+those declarations by importing the modules the app declaration names (``App.handlers``,
+service/app.py) and binds each one to the topic that ``Settings.topics`` names for it.
+Nothing registers itself globally: the declaration is a plain object in its module.
 
 A handler's Redis namespaces are its name and what it declares in ``writes``; the
 engine's own (``keys.ENGINE_NAMESPACES``: ``idem``, ``retry``, ``durability``, ...) are
@@ -18,13 +18,15 @@ import importlib
 import inspect
 import pkgutil
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
+from service.engine.app import App
+from service.engine.app_location import current_app
 from service.engine.context import Context
 from service.engine.errors import ConfigurationError, PermanentError, RetryableError
 from service.engine.keys import ENGINE_NAMESPACES
@@ -230,16 +232,25 @@ def handler(
     return wrap
 
 
-def discover(package: str = "service.handlers") -> list[Handler[Any]]:
-    """Import every module of ``package`` and collect the handlers declared in them."""
-    pkg = importlib.import_module(package)
+def discover(modules: Sequence[str] | None = None) -> list[Handler[Any]]:
+    """Import ``modules`` (default: the app declaration's ``handlers``) and collect the
+    handlers declared in them: a package's every module not named ``_*``, or the module."""
+    if modules is None:
+        modules = current_app().handlers
     found: list[Handler[Any]] = []
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
+    for name in modules:
+        module = importlib.import_module(name)
+        if not hasattr(module, "__path__"):  # a plain module: its own declarations
+            found.extend(_declared(module))
             continue
-        module: ModuleType = importlib.import_module(f"{package}.{info.name}")
-        found.extend(v for v in vars(module).values() if isinstance(v, Handler))
+        for info in sorted(pkgutil.iter_modules(module.__path__), key=lambda i: i.name):
+            if not info.name.startswith("_"):
+                found.extend(_declared(importlib.import_module(f"{name}.{info.name}")))
     return found
+
+
+def _declared(module: ModuleType) -> list[Handler[Any]]:
+    return [v for v in vars(module).values() if isinstance(v, Handler)]
 
 
 class Registry:
@@ -261,10 +272,9 @@ class Registry:
         self._by_name = {n: by_name[n] for n in topics}
 
     @classmethod
-    def from_settings(
-        cls, topics: Mapping[str, str], package: str = "service.handlers"
-    ) -> Registry:
-        return cls(discover(package), topics)
+    def from_settings(cls, topics: Mapping[str, str], app: App | None = None) -> Registry:
+        """The handlers of ``app`` (default: the process's app) bound as ``topics`` says."""
+        return cls(discover((app or current_app()).handlers), topics)
 
     def for_topic(self, topic: str) -> Handler[Any] | None:
         return self._by_topic.get(topic)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from service.engine.app_location import current_app
+
 ENGINE_SQL = Path(__file__).with_name("sql")
 LEDGER = "schema_migrations"
 # pg_advisory_xact_lock key (a bigint): any constant both migrators agree on ("kafka" in ASCII).
@@ -58,15 +60,12 @@ def read_migrations(folder: Path, source: str) -> list[Migration]:
     ]
 
 
-# The project's own migrations (its handlers' tables), unless WORKER_POSTGRES__MIGRATIONS_DIR
-# names another folder.
-PROJECT_SQL = Path(__file__).parents[1] / "migrations"
-
-
 def all_migrations(project_dir: str | Path | None = None) -> list[Migration]:
-    """The engine's first (the inbox), then the project's (``PROJECT_SQL`` by default)."""
+    """The engine's first (the inbox), then the project's: ``project_dir``
+    (WORKER_POSTGRES__MIGRATIONS_DIR) or, unset, the app declaration's ``migrations``."""
     engine = read_migrations(ENGINE_SQL, "engine")
-    return engine + read_migrations(Path(project_dir or PROJECT_SQL), "project")
+    folder = Path(project_dir) if project_dir else current_app().migrations
+    return engine + ([] if folder is None else read_migrations(folder, "project"))
 
 
 async def applied(conn: Any) -> dict[tuple[str, str], str]:

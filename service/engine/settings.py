@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service import project
-from service.engine.naming import HANDLER_NAME, KEY_PREFIX, TOPIC_NAME
+from service.engine.app_location import APP_SETTING, current_app, current_app_spec
+from service.engine.naming import KEY_PREFIX, TOPIC_NAME, check_bindings
 from service.engine.naming import check_topic as _check_topic
 from service.engine.outcome_events import Layout
 from service.engine.policies import BreakerPolicy, RetryPolicy
@@ -30,8 +30,9 @@ class KafkaSettings(BaseModel):
     """How to reach the brokers and which group to join."""
 
     bootstrap_servers: str = "localhost:9092"
-    client_id: str = project.SERVICE_NAME
-    group_id: str = project.CONSUMER_GROUP
+    # Defaults from the app declaration (service/app.py): its name and its consumer group.
+    client_id: str = Field(default_factory=lambda: current_app().name)
+    group_id: str = Field(default_factory=lambda: current_app().consumer_group)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     sasl_username: str | None = None
@@ -91,7 +92,7 @@ class RedisSettings(BaseModel):
     """Where idempotency markers, the retry queue and handler effects live."""
 
     url: SecretStr = SecretStr("redis://localhost:6379/0")
-    key_prefix: str = project.REDIS_KEY_PREFIX
+    key_prefix: str = Field(default_factory=lambda: current_app().redis_key_prefix)
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -330,8 +331,8 @@ class PostgresSettings(BaseModel):
     # synchronous_commit=off): an inbox row would vanish and a grant be made twice.
     require_durable_commit: bool = True
     # The project's migrations, run after the engine's by ``service db migrate``; unset
-    # means the package's own service/migrations/ (the engine's inbox schema ships inside
-    # the package too, service/engine/sql/).
+    # means the app declaration's folder (service/migrations/; the engine's inbox schema
+    # ships inside the package, service/engine/sql/).
     migrations_dir: str | None = None
 
     @field_validator("url", mode="before")
@@ -372,8 +373,13 @@ class Settings(BaseSettings):
         env_parse_none_str="none",
     )
 
-    kafka: KafkaSettings = KafkaSettings()
-    redis: RedisSettings = RedisSettings()
+    # The app declaration the defaults below come from, as module:attribute. Chosen once
+    # per process, before the settings are read (service/engine/app_location.py: the
+    # --app option, this, or [tool.service] app in pyproject.toml).
+    app: str = Field(default_factory=lambda: current_app_spec().target)
+    # Built when the settings are, not at import: their defaults name the app.
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
     retry: RetrySettings = RetrySettings()
     # The circuit breaker of handlers that declare none on @handler (WORKER_BREAKER__*).
     breaker: BreakerPolicy = BreakerPolicy()
@@ -384,9 +390,9 @@ class Settings(BaseSettings):
     console: ConsoleSettings = ConsoleSettings()
     postgres: PostgresSettings = PostgresSettings()
 
-    # Handler name -> the topic it consumes; the default is service/project.py's TOPICS, where
-    # `service new-handler` binds new handlers.
-    topics: dict[str, str] = Field(default_factory=lambda: dict(project.TOPICS))
+    # Handler name -> the topic it consumes; the default is the app declaration's topics
+    # (service/app.py), where `service new-handler` binds new handlers.
+    topics: dict[str, str] = Field(default_factory=lambda: dict(current_app().topics))
     # Records fetched and not yet done, in total and per partition (memory and redelivery bound).
     max_in_flight: int = Field(default=5000, ge=1)
     max_in_flight_per_partition: int = Field(default=2500, ge=1)
@@ -432,18 +438,23 @@ class Settings(BaseSettings):
     # starts, one when it clears; each failed try only at DEBUG).
     outage_summary_interval_s: float = Field(default=10.0, gt=0)
 
+    @field_validator("app")
+    @classmethod
+    def _the_process_app(cls, value: str) -> str:
+        """The app is chosen once, before the settings: a different one here would mix
+        this app's defaults with another's name."""
+        chosen = current_app_spec()
+        if value != chosen.target:
+            raise ValueError(
+                f"{value!r} is not the app this process runs ({chosen.describe()}); "
+                f"the app is chosen at start: pass --app or set {APP_SETTING} before it"
+            )
+        return value
+
     @field_validator("topics")
     @classmethod
     def _topics_legal(cls, value: dict[str, str]) -> dict[str, str]:
-        if not value:
-            raise ValueError("bind at least one handler to a topic")
-        for name, topic in value.items():
-            if not HANDLER_NAME.fullmatch(name):
-                raise ValueError(f"handler name {name!r} must match {HANDLER_NAME.pattern}")
-            _check_topic(topic)
-        if len(set(value.values())) != len(value):
-            raise ValueError("two handlers are bound to the same topic")
-        return value
+        return check_bindings(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -2,7 +2,7 @@
 
 Imports stay light here (no pyspark at import time) so the main CLI starts fast; each command
 imports Spark when it runs. Defaults are the worker's own `Settings` (WORKER_* environment,
-`.env`, service/project.py), so on a box configured for the worker `service pipeline
+`.env`, the app declaration service/app.py), so on a box configured for the worker `service pipeline
 reconcile` needs no flags and reads exactly the topics the worker consumes.
 """
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from service.project import SERVICE_NAME
+from service.engine.app_location import current_app
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -186,7 +186,7 @@ def reconcile(
             "--topic",
             "-t",
             help="Source topic (repeatable). Default: the worker's bindings (WORKER_TOPICS, "
-            "else service/project.py).",
+            "else the app's topics, service/app.py).",
         ),
     ] = None,
     dedupe_field: Annotated[
@@ -336,7 +336,7 @@ def reconcile(
     # leave it running; --master then has no effect.
     running = _running_session()
     owned = running is None
-    spark = running or _session(master, spark_conf, f"{SERVICE_NAME}-reconcile", source)
+    spark = running or _session(master, spark_conf, f"{current_app().name}-reconcile", source)
     try:
         report = run_reconcile(spark, rc)
         if chart is not None:
@@ -520,7 +520,9 @@ def replay(
     # is and leave it running; --master and --conf then have no effect.
     active = _running_session()
     owned = active is None
-    spark = active or _session(master, spark_conf, f"{SERVICE_NAME}-replay", _check_source(source))
+    spark = active or _session(
+        master, spark_conf, f"{current_app().name}-replay", _check_source(source)
+    )
     try:
         report = run_replay(
             spark,

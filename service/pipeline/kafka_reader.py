@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
-from service.project import SERVICE_NAME
+from service.engine.app_location import current_app
 
 __all__ = [
     "EARLIEST",
@@ -71,7 +71,8 @@ class KafkaConfig:
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
-    client_id: str = f"{SERVICE_NAME}-pipeline"
+    # The app's name (service/app.py), read where the config is made: the driver.
+    client_id: str = field(default_factory=lambda: f"{current_app().name}-pipeline")
     request_timeout_ms: int = 30_000
     # A read that makes no progress for this long fails the task instead of hanging the job.
     poll_timeout_ms: int = 120_000

@@ -45,8 +45,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service import project
 from service.engine import long_keys
+from service.engine.app_location import current_app
 from service.engine.errors import ConfigurationError
 from service.pipeline.kafka_reader import (
     EARLIEST,
@@ -136,7 +136,7 @@ def dedupe_fields(registry: Registry) -> dict[str, DedupeField]:
 
 
 def _bound_topics() -> tuple[str, ...]:
-    """The worker's topics: WORKER_TOPICS, else service/project.py's TOPICS (via Settings)."""
+    """The worker's topics: WORKER_TOPICS, else the app's topics (via Settings)."""
     from service.engine.settings import load_settings
 
     return tuple(load_settings().topics.values())
@@ -149,14 +149,14 @@ class ReconcileConfig:
     bootstrap: str
     out_dir: Path
     topics: tuple[str, ...] = field(default_factory=_bound_topics)
-    """Source topics; the default is the worker's own bindings (WORKER_TOPICS or project.py)."""
+    """Source topics; the default is the worker's own bindings (WORKER_TOPICS or the app's)."""
     fields: Mapping[str, DedupeField] | None = None
     """Topic -> where its dedupe key is; None asks the handler registry the worker builds."""
-    outcomes_topic: str = f"{project.CONSUMER_GROUP}.outcomes"
+    outcomes_topic: str = field(default_factory=lambda: f"{current_app().consumer_group}.outcomes")
     dlq_topics: tuple[str, ...] | None = None
     """Dead-letter topics; None means `{topic}.dlq` for every source topic."""
     redis_url: str | None = None
-    key_prefix: str = project.REDIS_KEY_PREFIX
+    key_prefix: str = field(default_factory=lambda: current_app().redis_key_prefix)
     ledger_key: str | None = None
     """Overrides `{key_prefix}:ledger:purchases`. Named explicitly, a missing stream reads as
     empty (every `succeeded` then is a lost grant); the default one missing means "no ledger"
@@ -211,7 +211,7 @@ class ReconcileConfig:
             raise ConfigurationError(
                 f"no handler is bound to topic(s) {', '.join(map(repr, unbound))}, so their "
                 "dedupe key is unknown and reconcile cannot join them: bind them in "
-                "WORKER_TOPICS (or service/project.py), or name the field with "
+                "WORKER_TOPICS (or the app's topics, service/app.py), or name the field with "
                 "--dedupe-field TOPIC=FIELD"
             )
         return {t: known[t] for t in self.topics}

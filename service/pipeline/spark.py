@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.project import SERVICE_NAME
+from service.engine.app_location import current_app
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -68,7 +68,7 @@ class ConnectorUnavailableError(RuntimeError):
 def ivy_dir() -> Path:
     """`${XDG_CACHE_HOME:-~/.cache}/<service>/spark-ivy`: Ivy's cache, never in the checkout."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / SERVICE_NAME / "spark-ivy"
+    return Path(base) / current_app().name / "spark-ivy"
 
 
 def connector_package(version: str | None = None) -> str:
@@ -137,7 +137,7 @@ def parse_conf(pairs: Iterable[str]) -> dict[str, str]:
 def build_spark(
     master: str = "local[*]",
     conf: Mapping[str, str] | None = None,
-    app_name: str = f"{SERVICE_NAME}-pipeline",
+    app_name: str | None = None,
     *,
     kafka_connector: bool = True,
 ) -> SparkSession:
@@ -158,7 +158,8 @@ def build_spark(
     settings = {**DEFAULT_CONF, **(conf or {})}
     if kafka_connector:
         settings.update(connector_conf(base=settings))
-    builder = SparkSession.builder.master(master).appName(app_name)
+    name = app_name or f"{current_app().name}-pipeline"
+    builder = SparkSession.builder.master(master).appName(name)
     for key, value in settings.items():
         builder = builder.config(key, value)
     try:

@@ -19,8 +19,10 @@ What differs from a running worker, on purpose:
   time and every parked record's first-failure time moves ``advance_s`` into the past,
   so what would be due by then is due now and an age-limited retry policy sees the
   record that much older. Nothing else moves: done-marker TTLs, leases, the breaker.
-- Settings come from the arguments and the project's defaults, never from ``WORKER_*``
-  variables or ``.env``: a test must not pass or fail by the shell it runs in.
+- Settings come from the arguments and the app declaration's defaults (service/app.py),
+  never from ``WORKER_*`` variables or ``.env``: a test must not pass or fail by the shell
+  it runs in. Which app that is, the test process chose once (pyproject.toml's
+  ``[tool.service] app``, or ``WORKER_APP``), as ``service`` does at start.
 - A Redis refusal or a topic Kafka refuses (a stall in the worker, retried until an
   operator fixes it) ends the call with ``KitStalled`` instead of retrying forever.
 - A postgres handler (``store="postgres"``) needs a real, migrated database: pass
@@ -40,7 +42,7 @@ import fakeredis
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from service import project
+from service.engine.app_location import current_app
 from service.engine.breaker import Breakers
 from service.engine.errors import ConfigurationError
 from service.engine.idempotency import Idempotency
@@ -53,7 +55,7 @@ from service.engine.processing import Processor
 from service.engine.publisher import Publisher
 from service.engine.records import Delivery, Outcome, clean_headers
 from service.engine.redis_client import RedisOps
-from service.engine.registry import Handler, Registry, discover
+from service.engine.registry import Handler, Registry
 from service.engine.retries import ParkRequest, ParkStatus, RetryQueue
 from service.engine.settings import Settings, describe_validation_error
 from service.engine.stalls import HELD, Stalls
@@ -119,8 +121,8 @@ class HandlerTestKit:
     """One handler bound to one topic, over fakeredis and an in-memory producer.
 
     ``target`` is the ``Handler`` (what ``@handler`` made) or a bound topic name (looked up
-    among the project's handlers and ``service.project.TOPICS``). ``topic`` defaults to the
-    handler's binding in ``TOPICS``, else its name. ``settings`` are keyword overrides of
+    among the app's handlers and its ``topics``, service/app.py). ``topic`` defaults to the
+    handler's binding in the app's ``topics``, else its name. ``settings`` are keyword overrides of
     the worker's settings (e.g. ``retry={"jitter": 0}``, ``idempotency={"ttl_s": 3600}``).
     Use it as ``async with HandlerTestKit(handle_x) as kit:``.
     """
@@ -135,15 +137,18 @@ class HandlerTestKit:
         postgres_url: str | None = None,
         **settings: Any,
     ) -> None:
+        app = current_app()
         if isinstance(target, str):
-            bound = Registry(discover(), project.TOPICS).for_topic(target)
+            bound = Registry.from_settings(app.topics, app).for_topic(target)
             if bound is None:
-                raise ValueError(f"no handler is bound to topic {target!r} in service.project")
+                raise ValueError(
+                    f"no handler is bound to topic {target!r} in the app's topics ({app.name})"
+                )
             self.handler: Handler[Any] = bound
             topic = topic or target
         else:
             self.handler = target
-        self.topic = topic or project.TOPICS.get(self.handler.name) or self.handler.name
+        self.topic = topic or app.topics.get(self.handler.name) or self.handler.name
         topics = {self.handler.name: self.topic}
         if self.handler.store == "postgres":
             if postgres_url is None:

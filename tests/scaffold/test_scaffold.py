@@ -19,12 +19,14 @@ from typer.testing import CliRunner
 import service
 from service.cli import app
 from service.dev import scaffold
-from service.project import TOPICS
+from service.engine.app_location import current_app
 
 PROJECT = Path(service.__file__).resolve().parents[1]
 # This project's first binding (payments -> payments here; another in a generated project).
+TOPICS = dict(current_app().topics)
 BOUND_NAME, BOUND_TOPIC = next(iter(TOPICS.items()))
-BOUND_LINE = f'    "{BOUND_NAME}": "{BOUND_TOPIC}",'
+# An entry of the `topics={...}` argument of `App(...)` in service/app.py.
+BOUND_LINE = f'        "{BOUND_NAME}": "{BOUND_TOPIC}",'
 
 
 @pytest.fixture
@@ -122,7 +124,7 @@ def test_generated_code_is_lint_clean(project: Path) -> None:
     files = [
         f"service/handlers/{long_name}.py",
         f"tests/unit/test_handler_{long_name}.py",
-        "service/project.py",
+        "service/app.py",
     ]
     ruff = Path(sys.executable).with_name("ruff")
     if not ruff.exists():
@@ -176,17 +178,19 @@ def test_existing_test_module_is_never_overwritten(project: Path) -> None:
 
 
 def test_binding_keeps_comments_and_handles_a_one_line_dict(project: Path) -> None:
-    path = project / "service/project.py"
+    path = project / "service/app.py"
     text = path.read_text()
     assert text.count(BOUND_LINE + "\n") == 1
     path.write_text(text.replace(BOUND_LINE + "\n", BOUND_LINE + "  # ours\n"))
     scaffold.bind(project, "fees", "fees")
-    assert BOUND_LINE + '  # ours\n    "fees": "fees",\n}' in path.read_text()
+    assert BOUND_LINE + '  # ours\n        "fees": "fees",\n    },' in path.read_text()
 
-    path.write_text('TOPICS = {"payments": "payments"}  # compact\nOTHER = 1\n')
+    compact = '    topics={"payments": "payments"},  # compact\n'
+    path.write_text(f'app = App(\n    name="x",\n{compact})\n')
     scaffold.bind(project, "fees", "fees")
     assert path.read_text() == (
-        'TOPICS = {\n    "payments": "payments",\n    "fees": "fees",\n}  # compact\nOTHER = 1\n'
+        'app = App(\n    name="x",\n    topics={\n        "payments": "payments",\n'
+        '        "fees": "fees",\n    },  # compact\n)\n'
     )
 
 

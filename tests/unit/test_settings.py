@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service import project
+from service.engine.app_location import current_app
 from service.engine.errors import ConfigurationError
 from service.engine.settings import Settings, describe_validation_error, load_settings
 
@@ -39,13 +39,16 @@ def error_text(**values: Any) -> str:
 
 
 def test_defaults_are_valid() -> None:
-    # The project's own defaults (service/project.py, which `service new-handler` extends).
+    # The app declaration's defaults (service/app.py, which `service new-handler` extends).
+    app = current_app()
     settings = load_settings()
-    assert settings.kafka.group_id == project.CONSUMER_GROUP
-    assert settings.topics == project.TOPICS
+    assert settings.kafka.client_id == app.name
+    assert settings.kafka.group_id == app.consumer_group
+    assert settings.redis.key_prefix == app.redis_key_prefix
+    assert settings.topics == app.topics
     assert settings.kafka.auto_offset_reset == "earliest"
     assert settings.dead_letter_topic("payments") == "payments.dlq"
-    assert settings.outcomes_topic() == f"{project.CONSUMER_GROUP}.outcomes"
+    assert settings.outcomes_topic() == f"{app.consumer_group}.outcomes"
 
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
