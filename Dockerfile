@@ -54,10 +54,13 @@ LABEL org.opencontainers.image.title="payments-worker" \
 # container the port is reached through the container's address (kubelet probes, -p, the
 # compose network), so the image listens on every interface of its own network namespace.
 # Who may connect is the network's business: deploy/k8s/networkpolicy.yaml.
+# The image holds the installed package, not pyproject.toml, so it names the app
+# declaration itself (service/app.py; docs/contracts.md, WORKER_APP).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH \
-    WORKER_HTTP__HOST=0.0.0.0
+    WORKER_HTTP__HOST=0.0.0.0 \
+    WORKER_APP=service.app:app
 
 # Fixed UID/GID so Kubernetes can assert runAsUser: 10001 / runAsNonRoot.
 RUN groupadd --system --gid 10001 worker \

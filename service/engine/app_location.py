@@ -137,11 +137,9 @@ def load_app(spec: AppSpec) -> App:
             _fail(spec, f"module {module_name!r} has no attribute {attribute!r}")
         found = getattr(found, part)
     if not isinstance(found, App):
-        _fail(
-            spec,
-            f"{attribute!r} is a {type(found).__name__}, not an App "
-            "(service.engine.app.App, the app declaration)",
-        )
+        kind = f"the class {found.__name__}" if isinstance(found, type) else "of type "
+        kind += "" if isinstance(found, type) else type(found).__name__
+        _fail(spec, f"{attribute!r} is {kind}, not an App (service.engine.app.App)")
     return found
 
 
@@ -165,9 +163,13 @@ def choose_app(option: str | None = None) -> App:
     """Find, load and keep the process's app; export it for the processes it starts.
 
     The command line calls it at start, with ``--app`` when given, so a bad name stops it
-    before anything else runs. Anything else asks :func:`current_app`.
+    before anything else runs. Without ``option`` an app the process already chose stays
+    (a command run inside a test session runs the session's app). Anything else asks
+    :func:`current_app`.
     """
     global _chosen
+    if option is None and _chosen is not None:
+        return _chosen[0]
     spec = find_app_spec(option)
     app = load_app(spec)
     _chosen = (app, spec)

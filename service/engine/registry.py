@@ -239,7 +239,15 @@ def discover(modules: Sequence[str] | None = None) -> list[Handler[Any]]:
         modules = current_app().handlers
     found: list[Handler[Any]] = []
     for name in modules:
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not (name == exc.name or name.startswith(f"{exc.name}.")):
+                raise  # a module the handlers import is missing: its own traceback says where
+            raise ConfigurationError(
+                f"App handlers: no module named {name!r} (the app declaration's handler "
+                "modules, service/app.py)"
+            ) from None
         if not hasattr(module, "__path__"):  # a plain module: its own declarations
             found.extend(_declared(module))
             continue

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from service import project
 from service.cli import app
+from service.engine.app_location import APP_SETTING, current_app, current_app_spec
 from service.engine.errors import ConfigurationError
 from service.engine.settings import load_settings
 
 # A topic the project binds by default (a generated service binds its own, not "payments").
-BOUND = next(iter(project.TOPICS.values()))
+BOUND = next(iter(current_app().topics.values()))
 
 SECRET = "s3cret-pw"
 
@@ -162,6 +162,9 @@ def test_unsafe_setting_stops_run_before_connecting(
     URL died in a long traceback and the loop ran (waiting for Redis on a dead port)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env.update(
+        # The app as this test process chose it: the worker runs in a folder with no
+        # pyproject.toml, as a container's does.
+        **{APP_SETTING: current_app_spec().target},
         NO_COLOR="1",
         WORKER_REDIS__URL="redis://127.0.0.1:1/0",
         WORKER_KAFKA__BOOTSTRAP_SERVERS="127.0.0.1:1",

@@ -7,6 +7,7 @@ The data is written byte for byte in the formats of docs/contracts.md by
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +17,11 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from typer.testing import CliRunner, Result
 
-from service import Context, handler, project
+from service import Context, handler
 from service.dev.broker import Broker
 from service.dev.redis_server import RedisServer
 from service.dev.servers import free_port
-from service.engine import registry
+from service.engine import app_location, registry
 from service.engine.errors import ConfigurationError
 from service.pipeline.cli import pipeline_app
 from service.pipeline.reconcile import (
@@ -396,11 +397,13 @@ def test_pipeline_defaults_to_the_projects_bindings_without_worker_topics(
     make_topics: Callable[[dict[str, int]], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Defect 11: with WORKER_TOPICS unset the pipeline reads the topics service/project.py
-    binds (as the worker does), never a literal `payments`."""
+    """Defect 11: with WORKER_TOPICS unset the pipeline reads the topics the app declaration
+    (service/app.py) binds, as the worker does, never a literal `payments`."""
     data = write(kafka_broker.bootstrap, unique_name, Scenario(n=120), None, make_topics)
     monkeypatch.delenv("WORKER_TOPICS", raising=False)
-    monkeypatch.setattr(project, "TOPICS", {"payments": data.source_topic})
+    app, spec = app_location.current_app(), app_location.current_app_spec()
+    bound = dataclasses.replace(app, topics={"payments": data.source_topic})
+    monkeypatch.setattr(app_location, "_chosen", (bound, spec))
     args = [
         "reconcile",
         "--bootstrap",

@@ -24,6 +24,7 @@ from aiokafka.errors import KafkaError
 
 from service.dev.broker import Broker
 from service.dev.redis_server import RedisServer
+from service.engine.app_location import current_app_spec
 from service.engine.errors import ConfigurationError
 from service.engine.settings import Settings, load_settings
 from service.engine.worker import Worker
@@ -48,6 +49,8 @@ def assert_clean(text: str, where: str) -> None:
 def secret_env(redis_url: str, bootstrap: str = "127.0.0.1:1", **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env.update(
+        # The app as this test process chose it (the command runs in a temporary folder).
+        WORKER_APP=current_app_spec().target,
         WORKER_KAFKA__BOOTSTRAP_SERVERS=bootstrap,
         WORKER_KAFKA__SECURITY_PROTOCOL="SASL_PLAINTEXT",
         WORKER_KAFKA__SASL_MECHANISM="SCRAM-SHA-512",

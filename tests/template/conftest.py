@@ -23,7 +23,7 @@ ORDERS = {
     "effects_store": "postgres",
 }
 # The slug derived from the name, a topic whose handler name is the example's although it
-# differs from it (so service/project.py binds the example to it: with effects_store=postgres
+# differs from it (so service/app.py binds the example to it: with effects_store=postgres
 # the handler "purchases"), a group id that YAML would read as a number, and no Spark pipeline.
 REFUNDS = {
     "project_name": "Refund Desk",

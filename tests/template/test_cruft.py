@@ -95,15 +95,15 @@ def test_cruft_create_check_update(template_repo: Path, tmp_path: Path) -> None:
     git(project, "add", "-A")
     git(project, "commit", "-q", "-m", "fees handler")
 
-    # The template moves on: a shared file (docs) and a rendered one (service/project.py).
+    # The template moves on: a shared file (docs) and a rendered one (service/app.py).
     contracts = template_repo / "docs" / "contracts.md"
     contracts.write_text(contracts.read_text() + "\nAdded in template v2.\n")
-    for project_file in (
-        template_repo / "service" / "project.py",
-        template_repo / "{{cookiecutter.project_slug}}" / "service" / "project.py",
+    for app_file in (
+        template_repo / "service" / "app.py",
+        template_repo / "{{cookiecutter.project_slug}}" / "service" / "app.py",
     ):
-        text = project_file.read_text()
-        project_file.write_text(text.replace("\nSERVICE_NAME", "\n# v2\nSERVICE_NAME", 1))
+        text = app_file.read_text()
+        app_file.write_text(text.replace("\napp = App(", "\n# v2\napp = App(", 1))
     git(template_repo, "commit", "-q", "-am", "template v2")
     v2 = git(template_repo, "rev-parse", "HEAD")
 
@@ -114,10 +114,10 @@ def test_cruft_create_check_update(template_repo: Path, tmp_path: Path) -> None:
     assert updated.returncode == 0, updated.stdout + updated.stderr
     assert json.loads((project / ".cruft.json").read_text())["commit"] == v2
     assert (project / "docs" / "contracts.md").read_text().endswith("Added in template v2.\n")
-    project_py = (project / "service" / "project.py").read_text()
-    assert "# v2\nSERVICE_NAME" in project_py
+    app_py = (project / "service" / "app.py").read_text()
+    assert "# v2\napp = App(" in app_py
     # The team's handler and its binding survive the update.
-    assert '"fees": "fees",' in project_py and '"ledger": "ledger",' in project_py
+    assert '"fees": "fees",' in app_py and '"ledger": "ledger",' in app_py
     assert (project / "service" / "handlers" / "fees.py").is_file()
     assert cruft(project, "check").returncode == 0
 

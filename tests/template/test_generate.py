@@ -42,7 +42,7 @@ def shared_repository_files() -> set[str]:
 
 
 def test_template_renders_only_the_files_that_vary() -> None:
-    assert {"pyproject.toml", "README.md", "Makefile", ".ci/run", "service/project.py"} == RENDERED
+    assert {"pyproject.toml", "README.md", "Makefile", ".ci/run", "service/app.py"} == RENDERED
 
 
 def test_default_generation_is_the_repository(default_project: Path) -> None:
@@ -54,8 +54,8 @@ def test_default_generation_is_the_repository(default_project: Path) -> None:
         f for f in sorted(shared) if (ROOT / f).read_bytes() != (default_project / f).read_bytes()
     ]
     assert not differing, f"differs from the repository: {differing}"
-    # service/project.py is rendered, and renders to exactly the repository's file.
-    assert "service/project.py" in shared
+    # service/app.py is rendered, and renders to exactly the repository's file.
+    assert "service/app.py" in shared
 
 
 def test_default_generation_top_level(default_project: Path) -> None:
@@ -133,9 +133,10 @@ def test_cookiecutter_defaults_are_the_repository_values() -> None:
     assert generation.DEFAULTS.topic == defaults["first_topic"]
     assert generation.DEFAULTS.python == defaults["python_version"]
     assert defaults["include_k8s"][0] == defaults["include_pipeline"][0] == "yes"
-    project = (ROOT / "service" / "project.py").read_text()
-    assert f'CONSUMER_GROUP = "{generation.DEFAULTS.group}"' in project
-    assert f'REDIS_KEY_PREFIX = "{generation.DEFAULTS.prefix}"' in project
+    declaration = (ROOT / "service" / "app.py").read_text()
+    assert f'name="{generation.DEFAULTS.slug}",' in declaration
+    assert f'consumer_group="{generation.DEFAULTS.group}",' in declaration
+    assert f'redis_key_prefix="{generation.DEFAULTS.prefix}",' in declaration
     assert generation.DEFAULTS.image in (ROOT / "deploy" / "k8s" / "deployment.yaml").read_text()
 
 
@@ -224,14 +225,14 @@ def test_postgres_answer_without_the_example_topic(orders_project: Path) -> None
 
 
 def test_postgres_answer_changes_only_the_binding(default_project: Path, tmp_path: Path) -> None:
-    """Default answers but effects_store=postgres: service/project.py binds the example as
+    """Default answers but effects_store=postgres: service/app.py binds the example as
     "purchases", and only the files naming the project's default bindings differ from the
     repository; the deploy files run the Redis twin, their postgres overlays "purchases"."""
     project = generate(tmp_path / "out", {"effects_store": "postgres"})
     shared = shared_repository_files()
     assert project_files(project, *generation.SHARED) == shared
     differing = {f for f in shared if (ROOT / f).read_bytes() != (project / f).read_bytes()}
-    assert differing == {"service/project.py", "docs/contracts.md"}  # WORKER_TOPICS' default
+    assert differing == {"service/app.py", "docs/contracts.md"}  # WORKER_TOPICS' default
     contracts = (project / "docs" / "contracts.md").read_text()
     assert '| WORKER_TOPICS | JSON object handler name -> topic | {"purchases": "payments"} |' in (
         contracts
@@ -240,7 +241,7 @@ def test_postgres_answer_changes_only_the_binding(default_project: Path, tmp_pat
         project, "-c", "from service.engine.settings import Settings; print(Settings().topics)"
     )
     assert bound.stdout.strip() == str({"purchases": "payments"}), bound.stderr
-    # make run needs no override here: service/project.py binds the example.
+    # make run needs no override here: service/app.py binds the example.
     assert run_recipe(project) == run_recipe(default_project) == ["\t$(BIN)/service demo"]
     assert "Redis and PostgreSQL" in (project / "README.md").read_text()
     assert "PostgreSQL" not in (default_project / "README.md").read_text()
@@ -251,7 +252,7 @@ def test_k8s_and_yaml_quoting(refunds_project: Path) -> None:
     assert project.name == "refund-desk"  # derived from "Refund Desk"
     assert not leftovers(project, "service", "deploy", "Dockerfile", "pyproject.toml")
     # The example on its Redis twin in the base ConfigMap, on its postgres twin (bound by
-    # service/project.py: effects_store=postgres) in the postgres component's.
+    # service/app.py: effects_store=postgres) in the postgres component's.
     bindings = 'WORKER_TOPICS: \'{"payments": "Payments"}\''
     configmap = (project / "deploy" / "k8s" / "configmap.yaml").read_text()
     assert bindings in configmap and 'WORKER_KAFKA__GROUP_ID: "2024"' in configmap
@@ -357,7 +358,7 @@ def test_scaffolded_handler_passes_in_a_generated_project(
 # Unit tests (not owned by the template) that assert this repository's literal defaults, so
 # that scaffolding the README's example handler breaks them: test_defaults_are_valid
 # compares the default bindings to {"payments": "payments"}, and the registry test uses
-# "refunds" as a name no handler has. Comparing against service.project, and an unlikely
+# "refunds" as a name no handler has. Comparing against the app's defaults, and an unlikely
 # name, fixes both; then this set is empty and can go.
 # Unit tests that a scaffolded handler may legitimately break (none: they read the
 # project's defaults instead of fixed values).

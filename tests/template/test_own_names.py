@@ -100,17 +100,18 @@ def producer_sample(readme: str) -> tuple[str, str, str, str]:
 PROBE = """
 import asyncio, json, sys
 from fakeredis import FakeAsyncRedis
-from service import Context, Effects, project
-from service.engine.registry import Registry, discover
+from service import Context, Effects
+from service.app import app
+from service.engine.registry import Registry
 
 topic, key, value = sys.argv[1:4]
-handler = Registry(discover(), project.TOPICS).for_topic(topic)
+handler = Registry.from_settings(app.topics, app).for_topic(topic)
 event = handler.model.model_validate_json(value)
 ctx = Context(
     topic=topic, partition=0, offset=0, key=key.encode(), headers=(), timestamp_ms=0,
     attempt=1, dedupe_key=handler.key_of(event), redis=FakeAsyncRedis(),
-    effects=Effects(prefix=project.REDIS_KEY_PREFIX, namespaces=handler.namespaces),
-    key_prefix=project.REDIS_KEY_PREFIX,
+    effects=Effects(prefix=app.redis_key_prefix, namespaces=handler.namespaces),
+    key_prefix=app.redis_key_prefix,
 )
 asyncio.run(handler(event, ctx))
 print(json.dumps({"handler": handler.name, "keys": [c[1] for c in ctx.effects.commands]}))
