@@ -13,7 +13,8 @@ Finding another run's marker means two runs of one key overlapped: it logs ``OVE
 with both runs. When Redis is down the run goes unwatched; a marker it could not remove
 is logged as ``LEFT`` so the chaos checker does not blame the next run for it.
 
-Loaded into ``python -m service run`` by ``tests/chaos/worker_main.py``.
+Found by the chaos workers' app declaration (``tests/chaos/app.py``, run by
+``tests/chaos/worker_main.py``).
 """
 
 from __future__ import annotations
