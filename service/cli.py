@@ -80,8 +80,10 @@ BrokerChoice = Annotated[
 ]
 
 
-# Commands that work on the project's files, not on its running app: no app to find first.
-WITHOUT_APP = frozenset({"new-handler"})
+# Commands that need no app to start: the scaffold works on the project's files; `dev down`
+# and `dev status` on the dev stack's state (`dev up` finds the app when it reads settings,
+# refused the same way).
+WITHOUT_APP = frozenset({"new-handler", "dev"})
 
 
 @app.callback()

@@ -330,10 +330,11 @@ def test_the_app_option_overrides_and_a_bad_one_stops_the_command(
     assert os.environ[APP_SETTING] == f"{package}.declared:app"  # for the processes it starts
 
 
-def service(cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def service(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``service check-config`` (or ``args``) as its own process, no WORKER_* but ``env``."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("WORKER_", "PYTEST_"))}
     return subprocess.run(
-        [sys.executable, "-m", "service", "check-config"],
+        [sys.executable, "-m", "service", *(args or ("check-config",))],
         cwd=cwd,
         env={**clean, "NO_COLOR": "1", "PYTHONPATH": str(ROOT), **env},
         capture_output=True,
@@ -356,3 +357,7 @@ def test_a_service_started_without_an_app_stops_with_one_line(tmp_path: Path) ->
     named = service(tmp_path, WORKER_APP="service.app:app")
     assert named.returncode == 0, named.stderr
     assert '"app": "service.app:app"' in named.stdout
+    # What needs no app still runs: the dev stack's state, the scaffold's help.
+    status = service(tmp_path, "dev", "status", "--state-dir", str(tmp_path / "stack"))
+    assert status.returncode == 1 and "no dev stack recorded" in status.stdout, status.stderr
+    assert service(tmp_path, "new-handler", "--help").returncode == 0
