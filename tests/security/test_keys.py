@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from service.engine.context import Context, Effects, InvalidEffect
 from service.engine.keys import ENGINE_NAMESPACES, MAX_INLINE_KEY_BYTES, RedisKeys, effect_key
+from service.engine.naming import HANDLER_NAME
 from service.engine.redis_durability import fence_key
-from service.engine.settings import HANDLER_NAME, RedisSettings
+from service.engine.settings import RedisSettings
 
 PREFIX = st.from_regex(r"\A[A-Za-z0-9._-]{1,64}\Z")
 HANDLER = st.from_regex(r"\A" + HANDLER_NAME.pattern.strip("^$") + r"\Z")
