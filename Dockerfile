@@ -59,8 +59,8 @@ LABEL org.opencontainers.image.title="payments-worker" \
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH \
-    WORKER_HTTP__HOST=0.0.0.0 \
-    WORKER_APP=service.app:app
+    WORKER_APP=service.app:app \
+    WORKER_HTTP__HOST=0.0.0.0
 
 # Fixed UID/GID so Kubernetes can assert runAsUser: 10001 / runAsNonRoot.
 RUN groupadd --system --gid 10001 worker \

@@ -354,7 +354,8 @@ def test_a_service_started_without_an_app_stops_with_one_line(tmp_path: Path) ->
     assert wrong.returncode == 2, wrong.stdout + wrong.stderr
     assert wrong.stderr.startswith("WORKER_APP='service.app:App': 'App' is the class App")
     assert wrong.stderr.count("\n") == 1, wrong.stderr
-    named = service(tmp_path, WORKER_APP="service.app:app")
+    # (A project that binds a postgres handler by default needs its URL to pass the check.)
+    named = service(tmp_path, WORKER_APP="service.app:app", WORKER_POSTGRES__URL="dbname=x")
     assert named.returncode == 0, named.stderr
     assert '"app": "service.app:app"' in named.stdout
     # What needs no app still runs: the dev stack's state, the scaffold's help.
