@@ -134,6 +134,11 @@ def parse_conf(pairs: Iterable[str]) -> dict[str, str]:
     return conf
 
 
+def default_app_name() -> str:
+    """`<service>-pipeline`: the app declaration's name, read when a session is built."""
+    return f"{current_app().name}-pipeline"
+
+
 def build_spark(
     master: str = "local[*]",
     conf: Mapping[str, str] | None = None,
@@ -158,7 +163,7 @@ def build_spark(
     settings = {**DEFAULT_CONF, **(conf or {})}
     if kafka_connector:
         settings.update(connector_conf(base=settings))
-    name = app_name or f"{current_app().name}-pipeline"
+    name = app_name or default_app_name()
     builder = SparkSession.builder.master(master).appName(name)
     for key, value in settings.items():
         builder = builder.config(key, value)

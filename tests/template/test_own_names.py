@@ -184,9 +184,9 @@ def test_spark_and_pipeline_client_names_follow_the_project(ledger_project: Path
     names = project_python(
         ledger_project,
         "-c",
-        "import inspect, json; from service.pipeline import spark, kafka_reader; "
-        "print(json.dumps([inspect.signature(spark.build_spark).parameters['app_name'].default,"
-        " kafka_reader.KafkaConfig.__dataclass_fields__['client_id'].default]))",
+        "import json; from service.pipeline import spark, kafka_reader; "
+        "print(json.dumps([spark.default_app_name(),"
+        " kafka_reader.KafkaConfig(bootstrap='127.0.0.1:1').client_id]))",
         timeout=120,
     )
     assert names.returncode == 0, names.stderr[-3000:]
