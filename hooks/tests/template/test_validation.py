@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from service.engine import naming
+from reliable_consumer.engine import naming
 from tests.template.support import (
     HOOKS,
     ROOT,
@@ -39,6 +38,7 @@ VALID = {
     "include_k8s": "yes",
     "include_pipeline": "no",
     "effects_store": "redis",
+    "library_source": "wheels",
 }
 
 INVALID = [
@@ -74,6 +74,7 @@ INVALID = [
     ("effects_store", "mysql"),
     ("effects_store", "Postgres"),
     ("effects_store", ""),
+    ("library_source", "git"),
 ]
 
 
@@ -98,6 +99,7 @@ def test_validation_names_the_field(field: str, value: str) -> None:
         ("image_name", "registry.internal:5000/team/sub/order_events__x"),
         ("author", ""),
         ("effects_store", "postgres"),
+        ("library_source", "index"),
         ("project_name", "Ünïcode Service ✓"),
     ],
 )
@@ -113,7 +115,8 @@ NAMES = st.text(alphabet=st.sampled_from("abcXYZ019._-:/ {}\n"), max_size=70) | 
 @settings(max_examples=400, deadline=None)
 @given(value=NAMES)
 def test_hook_rules_are_the_settings_rules(value: str) -> None:
-    """The pre-generation hook cannot import service/engine/naming.py under cruft; same verdicts."""
+    """The pre-generation hook cannot import reliable_consumer/engine/naming.py under cruft;
+    same verdicts."""
 
     def accepts(check: object) -> bool:
         try:

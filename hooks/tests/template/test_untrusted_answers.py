@@ -19,7 +19,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from tests.template.support import (
     HOOKS,
     ROOT,

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the template repository
 HOOKS = ROOT / "hooks"
 
 # Lines of a generated project that name the template on purpose: (file, the line's text,
@@ -31,7 +31,6 @@ NAMES_THAT_STAY = (
     ("docs/template.md", "`create payments 6`, ...)", "how SITES work"),
     ("docs/template.md", "still says `payments-worker`", "how SITES work"),
     ("docs/template.md", "no `payments-worker` is left", "what the template tests prove"),
-    ("service/dev/demo.py", '"group_id": "payments-demo"', "make run demonstrates the example"),
 )
 
 

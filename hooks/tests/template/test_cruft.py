@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tests.template.support import (
     HOOKS,
     ROOT,
@@ -90,7 +89,9 @@ def test_cruft_create_check_update(template_repo: Path, tmp_path: Path) -> None:
     git(project, "init", "-q", "-b", "main")
     git(project, "add", "-A")
     git(project, "commit", "-q", "-m", "generated")
-    scaffold = project_python(project, "-m", "service", "new-handler", "fees", "--topic", "fees")
+    scaffold = project_python(
+        project, "-m", "reliable_consumer", "new-handler", "fees", "--topic", "fees"
+    )
     assert scaffold.returncode == 0, scaffold.stderr
     git(project, "add", "-A")
     git(project, "commit", "-q", "-m", "fees handler")

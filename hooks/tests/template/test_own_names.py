@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import redis
 from redis.exceptions import NoPermissionError
-
 from tests.template.conftest import LEDGER
 from tests.template.support import NAMES_THAT_STAY, project_files, project_python
 
@@ -102,7 +101,7 @@ import asyncio, json, sys
 from fakeredis import FakeAsyncRedis
 from service import Context, Effects
 from service.app import app
-from service.engine.registry import Registry
+from reliable_consumer.engine.registry import Registry
 
 topic, key, value = sys.argv[1:4]
 handler = Registry.from_settings(app.topics, app).for_topic(topic)
@@ -184,7 +183,7 @@ def test_spark_and_pipeline_client_names_follow_the_project(ledger_project: Path
     names = project_python(
         ledger_project,
         "-c",
-        "import json; from service.pipeline import spark, kafka_reader; "
+        "import json; from reliable_consumer_pipeline import spark, kafka_reader; "
         "print(json.dumps([spark.default_app_name(),"
         " kafka_reader.KafkaConfig(bootstrap='127.0.0.1:1').client_id]))",
         timeout=120,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from tests.template.support import generate
 
 # A new team's answers: spaces and capitals in the name, a slug with dashes, another topic
@@ -41,6 +40,16 @@ LEDGER = {
     "first_topic": "billing.refunds-issued_v2",
     "redis_key_prefix": "acme_refunds.v2",
 }
+# A team's usual start: its own names and first topic, effects in PostgreSQL, Kubernetes
+# manifests and the pipeline kept (the answers the issue tracker found failing first).
+BILLING = {
+    "project_name": "Invoice Settlement",
+    "first_topic": "billing.invoices-paid",
+    "consumer_group": "invoice-settlement.workers",
+    "redis_key_prefix": "invoices",
+    "image_name": "ghcr.io/acme/invoice-settlement",
+    "effects_store": "postgres",
+}
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +71,8 @@ def refunds_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def ledger_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(tmp_path_factory.mktemp("ledger") / "out", LEDGER)
+
+
+@pytest.fixture(scope="session")
+def billing_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("billing") / "out", BILLING)
