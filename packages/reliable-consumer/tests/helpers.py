@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar, cast, overload
 
 import pytest
+from reliable_consumer.testing.ci import on_ci as on_ci  # the suites import it from here
 
 T = TypeVar("T")
 
