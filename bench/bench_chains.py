@@ -46,19 +46,19 @@ from typing import Any, Literal, cast
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
+from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.engine import runtime
+from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.settings import Settings
+from reliable_consumer.engine.worker import Worker
 from rich.console import Console
 from rich.table import Table
 
 from service import Context, handler
-from service.dev.broker import create_topics
-from service.dev.redis_server import RedisServer
-from service.dev.tansu import TansuBroker
-from service.engine import runtime
-from service.engine.faults import HEADER as FAULT_HEADER
-from service.engine.metrics import Metrics
-from service.engine.registry import Registry
-from service.engine.settings import Settings
-from service.engine.worker import Worker
 
 NEVER = b"transient:1000000000"  # fails every attempt of the run
 WAIT_S = 300.0  # deadline of one run's drain

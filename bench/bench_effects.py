@@ -42,21 +42,21 @@ from pathlib import Path
 import psycopg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from reliable_consumer.dev import sample
+from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.postgres_server import PostgresServer
+from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.engine import runtime
+from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.registry import Registry, discover
+from reliable_consumer.engine.schema import all_migrations, migrate
+from reliable_consumer.engine.settings import Settings
+from reliable_consumer.engine.worker import Worker
 from rich.console import Console
 from rich.table import Table
 
 from bench.bench_worker import Measured, finished
-from service.dev import sample
-from service.dev.broker import create_topics
-from service.dev.postgres_server import PostgresServer
-from service.dev.redis_server import RedisServer
-from service.dev.tansu import TansuBroker
-from service.engine import runtime
-from service.engine.metrics import Metrics
-from service.engine.registry import Registry, discover
-from service.engine.schema import all_migrations, migrate
-from service.engine.settings import Settings
-from service.engine.worker import Worker
 
 # What each server's perf counters count: CPU time, and the calls that make writes durable.
 PERF_EVENTS = ("task-clock", "syscalls:sys_enter_fdatasync", "syscalls:sys_enter_fsync")

@@ -28,19 +28,19 @@ from dataclasses import dataclass
 
 import psutil
 from pydantic import BaseModel
+from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.engine import outcome_events, runtime
+from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.outcome_events import Event, Layout
+from reliable_consumer.engine.records import Delivery, Outcome
+from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.settings import Settings
+from reliable_consumer.engine.worker import Worker
 
 from bench.__main__ import Options
 from bench.report import Progress, Row, Target
 from bench.stack import BenchStack, produce
 from service import Context, handler
-from service.dev.broker import create_topics
-from service.engine import outcome_events, runtime
-from service.engine.metrics import Metrics
-from service.engine.outcome_events import Event, Layout
-from service.engine.records import Delivery, Outcome
-from service.engine.registry import Registry
-from service.engine.settings import Settings
-from service.engine.worker import Worker
 
 TOPIC = "audit-bench"
 PARTITIONS = 6

@@ -2,9 +2,9 @@
 
     python -m bench.bench_reconcile --records 1000000
 
-Starts its own Tansu broker and Redis (service.dev.devstack), writes N payment notifications with
-an outcome for each (some retried, some dead-lettered, the rest granted, with ledger entries),
-then on one SparkSession (`--master`, default local[2]) measures:
+Starts its own Tansu broker and Redis (reliable_consumer.dev.devstack), writes N payment
+notifications with an outcome for each (some retried, some dead-lettered, the rest granted,
+with ledger entries), then on one SparkSession (`--master`, default local[2]) measures:
 
 (a) the floor: `read_topic(source).count()`, i.e. how fast the Kafka source alone moves
     records into Spark;
@@ -24,16 +24,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer_pipeline.reconcile import (
+    DedupeField,
+    ReconcileConfig,
+    print_report,
+    run_reconcile,
+)
+from reliable_consumer_pipeline.source import read_topic
+from reliable_consumer_pipeline.spark import build_spark, parse_conf
+from reliable_consumer_pipeline.synthetic import Scenario, produce_dataset
 from rich.console import Console
 from rich.table import Table
-
-from service.dev.broker import create_topics
-from service.dev.redis_server import RedisServer
-from service.dev.tansu import TansuBroker
-from service.pipeline.reconcile import DedupeField, ReconcileConfig, print_report, run_reconcile
-from service.pipeline.source import read_topic
-from service.pipeline.spark import build_spark, parse_conf
-from service.pipeline.synthetic import Scenario, produce_dataset
 
 console = Console()
 
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             report = run_reconcile(spark, rc)
             runs.append((time.perf_counter() - started, report.timings))
         if args.chart is not None:
-            from service.pipeline.chart import write_chart
+            from reliable_consumer_pipeline.chart import write_chart
 
             write_chart(spark.read.parquet(str(out / "payments")), args.chart)
 

@@ -39,18 +39,18 @@ from typing import TYPE_CHECKING, Any
 import redis
 from aiokafka import AIOKafkaConsumer
 from pydantic import BaseModel
+from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.engine import runtime
+from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.settings import Settings
+from reliable_consumer.engine.worker import Worker
 
 from bench.load import CpuMeter, server_processes
 from bench.report import Measured, Progress, Row, Target
 from bench.service_process import ServiceRun, ledger_key
 from bench.stack import BenchStack, produce
 from service import Context, handler
-from service.dev.broker import create_topics
-from service.engine import runtime
-from service.engine.metrics import Metrics
-from service.engine.registry import Registry
-from service.engine.settings import Settings
-from service.engine.worker import Worker
 
 if TYPE_CHECKING:
     from bench.__main__ import Options

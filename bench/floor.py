@@ -29,22 +29,22 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
+from reliable_consumer.engine import lua_finish
+from reliable_consumer.engine.context import Effects
+from reliable_consumer.engine.idempotency import Idempotency, TokenSource
+from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.outcome_events import Event, encode
+from reliable_consumer.engine.processing import Processor
+from reliable_consumer.engine.publisher import Publisher
+from reliable_consumer.engine.records import Delivery, Outcome
+from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.retries import RetryQueue
+from reliable_consumer.engine.settings import Settings
 
 from bench.bench_worker import Payment, trivial
 from bench.stack import sample_payment
 from service import Context
-from service.engine import lua_finish
-from service.engine.context import Effects
-from service.engine.idempotency import Idempotency, TokenSource
-from service.engine.keys import RedisKeys
-from service.engine.metrics import Metrics
-from service.engine.outcome_events import Event, encode
-from service.engine.processing import Processor
-from service.engine.publisher import Publisher
-from service.engine.records import Delivery, Outcome
-from service.engine.registry import Registry
-from service.engine.retries import RetryQueue
-from service.engine.settings import Settings
 
 BATCH = 5000
 CHUNK = 500  # Idempotency's script chunk

@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
+from reliable_consumer.engine.intake import POLL_TIMEOUT_MS
+from reliable_consumer.engine.kafka_client import make_consumer
+from reliable_consumer.engine.settings import KafkaSettings
 
 from bench.load import CpuMeter, Offered, PacedProducer, server_processes
 from bench.report import Progress, Row, Target
 from bench.service_process import ServiceRun, read_grants
 from bench.stack import BenchStack
-from service.engine.intake import POLL_TIMEOUT_MS
-from service.engine.kafka_client import make_consumer
-from service.engine.settings import KafkaSettings
 
 if TYPE_CHECKING:
     from bench.__main__ import Options

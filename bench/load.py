@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import psutil
 from aiokafka import AIOKafkaProducer
+from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
 
 from bench.stack import BenchStack, sample_payment
-from service.dev.apache_kafka import ApacheKafkaCluster
 
 # The paced producer wakes at most this often and sends every record due by then (at 1k/s,
 # bursts of 5). A wake-up per record cost twice the CPU, in the producer and in the broker

@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, Any, cast
 import redis
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
+from reliable_consumer.engine.member_report import read_member_reports
+from reliable_consumer.engine.settings import KafkaSettings
 
 from bench.latency import log_tail, wait_granted
 from bench.load import Offered, PacedProducer
 from bench.report import Progress, Row, Target
 from bench.service_process import Grant, ServiceRun, ledger_key, read_grants
 from bench.stack import BenchStack
-from service.engine.member_report import read_member_reports
-from service.engine.settings import KafkaSettings
 
 if TYPE_CHECKING:
     from bench.__main__ import Options

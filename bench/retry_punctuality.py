@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING
 
 import psutil
 import redis.asyncio as aioredis
+from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.records import Delivery
+from reliable_consumer.engine.redis_client import RedisOps
+from reliable_consumer.engine.retries import ParkRequest, ParkStatus, RetryQueue
+from reliable_consumer.engine.settings import RedisSettings
 
 from bench.latency import percentiles
 from bench.report import Progress, Row, Target
 from bench.service_process import ServiceRun, ledger_key, read_grants
 from bench.stack import BenchStack, produce, sample_payment
-from service.engine.keys import RedisKeys
-from service.engine.records import Delivery
-from service.engine.redis_client import RedisOps
-from service.engine.retries import ParkRequest, ParkStatus, RetryQueue
-from service.engine.settings import RedisSettings
 
 if TYPE_CHECKING:
     from bench.__main__ import Options

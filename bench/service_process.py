@@ -24,11 +24,10 @@ from typing import IO, Self, cast
 
 import psutil
 import redis
-
-from service.dev.broker import create_topics
-from service.dev.servers import free_port
-from service.engine.keys import effect_key
-from service.engine.settings import Settings
+from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.servers import free_port
+from reliable_consumer.engine.keys import effect_key
+from reliable_consumer.engine.settings import Settings
 
 READY_TIMEOUT_S = 120.0
 
@@ -92,7 +91,7 @@ def read_grants(redis_url: str, prefix: str, *, after: bytes = b"-") -> list[Gra
 
 
 class ServiceRun:
-    """``python -m service run`` on the payments handler, with default settings otherwise.
+    """``python -m reliable_consumer run`` on the payments handler, with default settings otherwise.
 
     ``env`` adds or overrides WORKER_* variables (e.g. a shorter session timeout). The
     process's log goes to ``log_path`` (default: discarded) so a pipe never fills.
@@ -149,7 +148,10 @@ class ServiceRun:
         if self.log_path is not None:
             self._log = out = self.log_path.open("ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "service", self.command], env=self.env, stdout=out, stderr=out
+            [sys.executable, "-m", "reliable_consumer", self.command],
+            env=self.env,
+            stdout=out,
+            stderr=out,
         )
         self.process = psutil.Process(self.popen.pid)
         return self

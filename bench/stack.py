@@ -18,11 +18,10 @@ from typing import Literal, Self
 
 import redis
 from aiokafka import AIOKafkaProducer
-
-from service.dev.apache_kafka import ApacheKafkaCluster
-from service.dev.broker import create_topics
-from service.dev.redis_server import RedisServer
-from service.dev.tansu import TansuBroker
+from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.tansu import TansuBroker
 
 BrokerKind = Literal["kafka", "tansu"]
 

@@ -1,11 +1,15 @@
-"""What the post-generation hook does: bring in the shared code, then apply the answers.
+"""What the post-generation hook does: bring in the example service, apply the answers,
+and give the project its engine.
 
-The template repository *is* a runnable service, and it is the only copy of the code:
-cookiecutter renders just the files that vary per project (the folder
-``{{cookiecutter.project_slug}}/``), and this module copies everything else from the
-template checkout into the new project and rewrites the few places in those shared
-files that name the project (``SITES`` below). Generated with the default answers,
-every shared file is byte-identical to the repository's (tests/template proves it).
+A generated service holds only its team's files; the engine is the library
+``reliable-consumer`` (packages/reliable-consumer), a pinned dependency. The template
+repository's top level *is* the example service (``service/``, ``tests/``, ``deploy/``,
+``Dockerfile``): cookiecutter renders just the files that vary per project (the folder
+``{{cookiecutter.project_slug}}/``), and this module copies the example's files from the
+template checkout into the new project, rewrites the few places in them that name the
+project (``SITES`` below), binds the first topic, and builds the library's wheels into
+``wheels/`` (answer ``library_source=wheels``). Generated with the default answers, every
+copied file is byte-identical to the repository's (hooks/tests/template proves it).
 
 Loaded by ``hooks/post_gen_project.py`` from the checkout, by file path, and run in
 whatever interpreter runs cookiecutter: standard library only.
@@ -15,32 +19,45 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import importlib
+import importlib.util
 import json
 import os
 import re
 import shutil
+import subprocess
 import sys
+import tomllib
 import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 TEMPLATE_DIR = "{{cookiecutter.project_slug}}"
-# Copied from the template checkout into every generated project.
-SHARED = ("service", "tests", "docs", "deploy", "Dockerfile", ".dockerignore", ".gitignore")
-# Inside SHARED, but about the template itself (or bench/, which stays in it): never copied.
-TEMPLATE_ONLY = ("tests/template", "tests/benchmarks")
+# Copied from the template checkout into every generated project: the example service.
+SHARED = (
+    "service",
+    "tests",
+    "docs",
+    "deploy",
+    "Dockerfile",
+    ".dockerignore",
+    ".gitignore",
+    "constraints.txt",
+)
+# The library and its pipeline: built into the project's wheels/, never copied as code.
+LIBRARY = "packages/reliable-consumer"
+PIPELINE_LIBRARY = "packages/reliable-consumer-pipeline"
+WHEELS = "wheels"
 # Dropped when the answer is "no".
-OPTIONAL = {
-    "include_k8s": ("deploy/k8s",),
-    "include_pipeline": ("service/pipeline", "tests/pipeline"),
-}
+OPTIONAL: dict[str, tuple[str, ...]] = {"include_k8s": ("deploy/k8s",)}
 # Test modules elsewhere under tests/ that need a dropped part are dropped with it. Today
 # tests/deploy/test_deploy_artifacts.py reads deploy/k8s at import time, so a project
-# without Kubernetes manifests loses that whole module (docs/template.md).
+# without Kubernetes manifests loses that whole module (docs/template.md); a project
+# without the pipeline loses any test that imports it.
 OPTIONAL_TESTS = {
     "include_k8s": re.compile(r"""["']k8s["']|deploy/k8s"""),
-    "include_pipeline": re.compile(r"\bservice\.pipeline\b|from service import pipeline"),
+    "include_pipeline": re.compile(r"\breliable_consumer_pipeline\b"),
 }
 # The worked example every project keeps (make run, the integration tests use it).
 EXAMPLE_HANDLER = "payments"
@@ -50,7 +67,7 @@ EXAMPLE_MODEL = "PaymentSucceeded"
 POSTGRES_EXAMPLE = "purchases"
 EXAMPLES = {"redis": EXAMPLE_HANDLER, "postgres": POSTGRES_EXAMPLE}
 # deploy/README.md's test record for a scaffolded first handler: its model's one required
-# field (service/dev/scaffold.py); tests/template/test_own_names.py runs it through it.
+# field (reliable_consumer/dev/scaffold.py); tests/template/test_own_names.py runs it through it.
 SCAFFOLD_SAMPLE_ID = "evt_1"
 
 
@@ -71,6 +88,8 @@ class Answers:
     include_k8s: bool
     include_pipeline: bool
     effects_store: str = "redis"
+    library_source: str = "wheels"
+    library_version: str = ""
     first_handler: str = EXAMPLE_HANDLER
     first_model: str = EXAMPLE_MODEL
     topics: tuple[tuple[str, str], ...] = ((EXAMPLE_HANDLER, "payments"),)
@@ -87,6 +106,8 @@ class Answers:
             include_k8s=context["include_k8s"] == "yes",
             include_pipeline=context["include_pipeline"] == "yes",
             effects_store=context["effects_store"],
+            library_source=context.get("library_source", "wheels"),
+            library_version=context.get("library_version", ""),
         )
 
     @property
@@ -250,8 +271,6 @@ DOCKERFILE = ("Dockerfile",)
 DOCS = ("docs/*.md", "deploy/README.md")
 DEPLOY_README = ("deploy/README.md",)
 TESTS = ("tests/*.py",)
-PIPELINE = ("service/pipeline/*.py",)
-POMS = ("*pom.xml",)
 NAME = "payments-worker"
 NAME_TOKEN = _token(NAME)
 # The project's name, also inside longer names: payments-worker-config, payments-worker.json.
@@ -273,11 +292,10 @@ SITES: tuple[Site, ...] = (
     Site(YAML, r"WORKER_KAFKA__GROUP_ID:\s*\"?" + NAME_TOKEN, _group, True, yaml_scalar=True),
     Site(K8S, r"consumerGroup:\s*\"?" + NAME_TOKEN, _group, required=True),
     Site(COMPOSE, OUTCOMES, _group, required=True),
-    Site((*DOCS, *TESTS, *PIPELINE), OUTCOMES, _group),
+    Site((*DOCS, *TESTS), OUTCOMES, _group),
     Site(DOCS, r"WORKER_KAFKA__GROUP_ID \|[^|\n]*\| " + NAME_TOKEN, _group),
     Site(DOCS, r"WORKER_KAFKA__CLIENT_ID \|[^|\n]*\| " + NAME_TOKEN, _slug),
     Site(TESTS, r"group_id == \"(?P<old>payments-worker)\"", _group),
-    Site(PIPELINE, r"WORKER_KAFKA__GROUP_ID', '(?P<old>payments-worker)'", _group),
     # The Redis key prefix.
     Site(YAML, r"WORKER_REDIS__KEY_PREFIX:\s*\"?" + NAME_TOKEN, _prefix, True, yaml_scalar=True),
     Site(DOCS, r"WORKER_REDIS__KEY_PREFIX \|[^|\n]*\| " + NAME_TOKEN, _prefix),
@@ -294,8 +312,6 @@ SITES: tuple[Site, ...] = (
     ),
     Site(DOCS, r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?=:ledger:)", _prefix),
     Site(TESTS, r"key_prefix == \"(?P<old>payments-worker)\"", _prefix),
-    Site(PIPELINE, r"key_prefix: str = \"(?P<old>payments-worker)\"", _prefix),
-    Site(PIPELINE, r"KEY_PREFIX\"[^\]]*\]\s*=\s*\"(?P<old>payments-worker)\"", _prefix),
     # The topic bindings and the first topic.
     # The base deploy files run the example on Redis, the postgres overlays (compose,
     # deploy/k8s/postgres) on PostgreSQL, whichever twin service/app.py binds.
@@ -311,8 +327,6 @@ SITES: tuple[Site, ...] = (
     Site(DEPLOY, r"--topic (?P<old>payments)(?![\w.-])", _topic),
     Site(TESTS, r"PAYMENTS_TOPIC = \"(?P<old>payments)\"", _topic),
     Site(TESTS, r"topics == \{\"(?P<old>payments)\": PAYMENTS_TOPIC\}", _deploy_first_handler),
-    # A Maven project that fetches development servers' jars (its name, wherever it lives).
-    Site(POMS, r"<groupId>local\.(?P<old>payments-worker)</groupId>", _slug),
     # Everything else that names the project: Kubernetes names, labels, compose, Grafana.
     Site(K8S, r"part-of: (?P<old>payments)$", _part_of),
     Site((*DEPLOY, *DOCKERFILE), NAME_ANYWHERE, _slug, required=True),
@@ -326,8 +340,9 @@ def post_generate(project: Path, template: Path, context: Mapping[str, Any]) -> 
     """Turn the freshly rendered folder into a complete project."""
     answers = Answers.from_context(context)
     copy_shared(template, project, answers)
-    answers = bind_first_topic(project, answers)
+    answers = bind_first_topic(project, template, answers)
     apply_answers(project, answers)
+    build_wheels(template, project, answers)
 
 
 def copy_shared(template: Path, project: Path, answers: Answers) -> None:
@@ -336,10 +351,10 @@ def copy_shared(template: Path, project: Path, answers: Answers) -> None:
     rendered = {
         p.relative_to(rendered_root).as_posix() for p in rendered_root.rglob("*") if p.is_file()
     }
-    skip = set(TEMPLATE_ONLY)
-    dropped = [answer for answer in OPTIONAL if not getattr(answers, answer)]
+    skip: set[str] = set()
+    dropped = [answer for answer in OPTIONAL_TESTS if not getattr(answers, answer)]
     for answer in dropped:
-        skip.update(OPTIONAL[answer])
+        skip.update(OPTIONAL.get(answer, ()))
     ignored = _gitignore(template / ".gitignore")
     for top in SHARED:
         if not (template / top).exists():
@@ -359,7 +374,7 @@ def _needs_dropped_part(template: Path, relative: str, dropped: list[str]) -> bo
     return any(OPTIONAL_TESTS[answer].search(source) for answer in dropped)
 
 
-def bind_first_topic(project: Path, answers: Answers) -> Answers:
+def bind_first_topic(project: Path, template: Path, answers: Answers) -> Answers:
     """Give the first topic its own handler (scaffolded), or bind the example to it.
 
     The default answer (``payments``) is bound by the rendered service/app.py. Any
@@ -367,7 +382,7 @@ def bind_first_topic(project: Path, answers: Answers) -> Answers:
     ``service new-handler`` code, so what generation writes and what the scaffold writes
     can never differ.
     """
-    scaffold = _import_scaffold(project)
+    scaffold = _import_scaffold(template)
     if answers.topic != DEFAULTS.topic:
         name = scaffold.handler_name_for_topic(answers.topic)
         if name == EXAMPLE_HANDLER:  # e.g. `Payments`: the example is the right handler
@@ -477,24 +492,68 @@ def _walk(root: Path, top: str, skip: set[str], ignored: list[str]) -> Iterator[
                 yield relative
 
 
-def _import_scaffold(project: Path) -> types.ModuleType:
-    """The generated project's ``service.dev.scaffold``, without running ``service/__init__``.
+def _import_scaffold(template: Path) -> types.ModuleType:
+    """The library's ``reliable_consumer.dev.scaffold``, from the template checkout, without
+    running the library's ``__init__``.
 
-    That package imports pydantic and the rest of the project's dependencies, which
-    the interpreter running cookiecutter does not have; the scaffold and the naming
-    rules it uses need only the standard library.
+    That package imports pydantic and the rest of the library's dependencies, which the
+    interpreter running cookiecutter does not have; the scaffold and the naming rules it
+    uses need only the standard library.
     """
-    saved = {k: v for k, v in sys.modules.items() if k == "service" or k.startswith("service.")}
+    name = "reliable_consumer"
+    saved = {k: v for k, v in sys.modules.items() if k == name or k.startswith(f"{name}.")}
     for key in saved:
         del sys.modules[key]
-    package = types.ModuleType("service")
-    package.__path__ = [str(project / "service")]
-    sys.modules["service"] = package
+    package = types.ModuleType(name)
+    package.__path__ = [str(template / LIBRARY / "src" / name)]
+    sys.modules[name] = package
     try:
-        import importlib
-
-        return importlib.import_module("service.dev.scaffold")
+        return importlib.import_module(f"{name}.dev.scaffold")
     finally:
-        for key in [k for k in sys.modules if k == "service" or k.startswith("service.")]:
+        for key in [k for k in sys.modules if k == name or k.startswith(f"{name}.")]:
             del sys.modules[key]
         sys.modules.update(saved)
+
+
+def build_wheels(template: Path, project: Path, answers: Answers) -> None:
+    """Build the library (and its pipeline, when the project includes it) into ``wheels/``.
+
+    ``wheels/`` always exists (the Dockerfile copies it); with ``library_source=index`` it
+    holds only its README.
+
+    The project installs the engine from there (its Makefile and Dockerfile pass
+    ``--find-links wheels``), so a fresh machine needs no package index of the team's. The
+    wheel's version must be the one the project pins: a checkout whose library says
+    otherwise stops generation here rather than at the project's first ``make``.
+    """
+    out = project / WHEELS
+    out.mkdir(exist_ok=True)
+    shutil.copy2(template / WHEELS / "README.md", out / "README.md")
+    if answers.library_source != "wheels":  # the engine comes from the team's index
+        return
+    sources = [LIBRARY] + ([PIPELINE_LIBRARY] if answers.include_pipeline else [])
+    for source in sources:
+        version = _declared_version(template / source / "pyproject.toml")
+        if answers.library_version and version != answers.library_version:
+            raise GenerationError(
+                f"{source}/pyproject.toml says version {version}, but cookiecutter.json's "
+                f"_library_version is {answers.library_version}: make them agree"
+            )
+        command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps"]
+        if importlib.util.find_spec("hatchling") is not None:
+            # The build backend is here already: skip pip's isolated build environment,
+            # which fetches it from the index for every build (~10 s each).
+            command.append("--no-build-isolation")
+        command += ["--wheel-dir", str(out), str(template / source)]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise GenerationError(
+                f"building the wheel of {source} failed (pip wheel, exit {result.returncode}); "
+                "generate with library_source=index to take the engine from your package "
+                f"index instead:\n{result.stdout}{result.stderr}"
+            )
+
+
+def _declared_version(pyproject: Path) -> str:
+    with pyproject.open("rb") as file:
+        return str(tomllib.load(file)["project"]["version"])

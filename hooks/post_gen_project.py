@@ -28,6 +28,8 @@ CONTEXT_JSON = r"""{{ {
     "include_k8s": cookiecutter.include_k8s,
     "include_pipeline": cookiecutter.include_pipeline,
     "effects_store": cookiecutter.effects_store,
+    "library_source": cookiecutter.library_source,
+    "library_version": cookiecutter._library_version,
     "_repo_dir": cookiecutter.get("_repo_dir", "") | string,
     "_template": cookiecutter.get("_template", "") | string,
     "_commit": cookiecutter.get("_commit", "") | string,

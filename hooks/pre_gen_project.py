@@ -5,7 +5,7 @@ cookiecutter removes the project folder it had just created.
 
 Self-contained on purpose: cruft does not tell hooks where the template checkout is,
 so this hook cannot import the repository's code. The topic, group and prefix rules
-are service/engine/naming.py's; tests/template/test_validation.py proves they agree.
+are reliable_consumer/engine/naming.py's; tests/template/test_validation.py proves they agree.
 
 Answers are text, never templates: cookiecutter renders every answer it is given as Jinja
 *before* this hook runs, and cruft renders the answers stored in .cruft.json again on each
@@ -34,6 +34,7 @@ ANSWERS_JSON = r"""{{ {
     "include_k8s": cookiecutter.include_k8s,
     "include_pipeline": cookiecutter.include_pipeline,
     "effects_store": cookiecutter.effects_store,
+    "library_source": cookiecutter.library_source,
 } | tojson }}"""
 # The answers as they were given, before cookiecutter rendered them (cookiecutter's own
 # copy, `_cookiecutter`; cruft passes none, and then only the rendered answers are checked).
@@ -51,7 +52,7 @@ TEMPLATE_EXPRESSIONS = {
 }
 # {% endraw %}
 
-# service/engine/naming.py: TOPIC_NAME (also used for group ids) and KEY_PREFIX.
+# reliable_consumer/engine/naming.py: TOPIC_NAME (also used for group ids) and KEY_PREFIX.
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 KEY_PREFIX = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # A distribution name, a folder, and a Kubernetes name (namespace, labels): no '_'.
@@ -149,6 +150,16 @@ def _effects_store(value: str) -> str | None:
     return f"{value!r}: answer {' or '.join(EFFECTS_STORES)} (where the example keeps its grants)"
 
 
+# Where the engine is installed from: wheels built now into the project, or the team's index.
+LIBRARY_SOURCES = ("wheels", "index")
+
+
+def _library_source(value: str) -> str | None:
+    if value in LIBRARY_SOURCES:
+        return None
+    return f"{value!r}: answer {' or '.join(LIBRARY_SOURCES)} (where the engine is installed from)"
+
+
 CHECKS: dict[str, Callable[[str], str | None]] = {
     "project_name": _text(100, empty_ok=False),
     "project_slug": _slug,
@@ -162,6 +173,7 @@ CHECKS: dict[str, Callable[[str], str | None]] = {
     "include_k8s": _yes_no,
     "include_pipeline": _yes_no,
     "effects_store": _effects_store,
+    "library_source": _library_source,
 }
 
 

@@ -39,14 +39,12 @@ if str(ROOT) not in sys.path:  # run as `python scripts/soak.py` from anywhere
 import psutil  # noqa: E402
 import redis as redis_client  # noqa: E402
 import typer  # noqa: E402
+from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster, available  # noqa: E402
+from reliable_consumer.dev.broker import Broker  # noqa: E402
+from reliable_consumer.dev.redis_server import RedisServer  # noqa: E402
+from reliable_consumer.dev.tansu import TansuBroker  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-
-from bench.rss import MIN_GRANTS_FOR_GROWTH, Incarnation, Point  # noqa: E402
-from service.dev.apache_kafka import ApacheKafkaCluster, available  # noqa: E402
-from service.dev.broker import Broker  # noqa: E402
-from service.dev.redis_server import RedisServer  # noqa: E402
-from service.dev.tansu import TansuBroker  # noqa: E402
 from tests.chaos.engine import (  # noqa: E402
     SEED_ENV,
     ChaosConfig,
@@ -58,6 +56,8 @@ from tests.chaos.engine import (  # noqa: E402
     source_partitions,
 )
 from tests.chaos.outside import ledger_key  # noqa: E402
+
+from bench.rss import MIN_GRANTS_FOR_GROWTH, Incarnation, Point  # noqa: E402
 
 EXIT_LOST_OR_DOUBLED = 1
 EXIT_UNUSABLE = 2  # a bad option (typer's own code for those), or the broker cannot run here

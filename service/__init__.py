@@ -1,9 +1,16 @@
-"""A reliable Kafka consumer service: the public API a handler module needs."""
+"""The payments worker: the handler API, re-exported so handlers write
+``from service import handler``."""
 
-from service.engine.context import Context, Effects
-from service.engine.errors import PermanentError, RetryableError
-from service.engine.policies import BreakerPolicy, RetryPolicy
-from service.engine.registry import Handler, handler
+from reliable_consumer import (
+    BreakerPolicy,
+    Context,
+    Effects,
+    Handler,
+    PermanentError,
+    RetryableError,
+    RetryPolicy,
+    handler,
+)
 
 __all__ = [
     "BreakerPolicy",

@@ -1,7 +1,8 @@
 """What makes this service this one: its name, its default bindings, where its code is.
 
-The project template renders this file from the answers given at generation time;
-everything else in ``service/`` is shared code copied from the template repository
+The project template renders this file from the answers given at generation time. The
+engine is the library ``reliable-consumer`` (pinned in pyproject.toml); ``service/`` holds
+this service's own code: this declaration, ``handlers/`` and ``migrations/``
 (docs/template.md). The engine imports nothing of the service by a fixed name: it finds
 this declaration by ``[tool.service] app`` in pyproject.toml (or ``WORKER_APP``, or
 ``service --app``). Environment variables override each default at run time.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.engine.app import App
+from reliable_consumer import App
 
 app = App(
     # The distribution name; also the default Kafka client id (WORKER_KAFKA__CLIENT_ID).

@@ -21,9 +21,8 @@ import pytest
 import yaml
 from prometheus_client import Histogram
 from prometheus_client.metrics import MetricWrapperBase
-
-from service.engine.metrics import Metrics
-from tests.helpers import on_ci
+from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.testing import on_ci
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
@@ -256,7 +255,7 @@ def test_rules_use_only_the_worker_metrics_and_their_labels() -> None:
         used = expr_metrics(rule["expr"])
         assert used, f"{name} uses no worker metric: {rule['expr']}"
         unknown = used - set(exposed)
-        assert not unknown, f"{name}: not metrics of service/engine/metrics.py: {unknown}"
+        assert not unknown, f"{name}: not metrics of reliable_consumer/engine/metrics.py: {unknown}"
         labels = set().union(*(exposed[m] for m in used)) | TARGET_LABELS
         assert grouping_labels(rule["expr"]) <= labels, (name, grouping_labels(rule["expr"]))
         for metric, matchers in re.findall(

@@ -20,10 +20,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from reliable_consumer.console.app import create_app
+from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.settings import Settings
 
-from service.console.app import create_app
-from service.engine.registry import Registry
-from service.engine.settings import Settings
 from tests.deploy.test_deploy_artifacts import (
     EXAMPLE_SECRET_FILE,
     K8S,

@@ -36,10 +36,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from pydantic import BaseModel
+from reliable_consumer.engine.settings import Settings
 from yamllint import linter as yamllint_linter
 from yamllint.config import YamlLintConfig
-
-from service.engine.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -821,7 +820,7 @@ def test_dashboard_structure() -> None:
 
 def test_the_metrics_contract_is_what_the_worker_exposes() -> None:
     """METRICS above is checked against the worker's own registry, so neither drifts."""
-    from service.engine.metrics import Metrics
+    from reliable_consumer.engine.metrics import Metrics
 
     exposed: dict[str, tuple[str, frozenset[str]]] = {}
     for family in Metrics().registry.collect():
@@ -832,7 +831,7 @@ def test_the_metrics_contract_is_what_the_worker_exposes() -> None:
             break
         exposed[name] = (family.type, labels)
     for name, (kind, _labels) in METRICS.items():
-        assert name in exposed, f"{name} is not a metric of service/engine/metrics.py"
+        assert name in exposed, f"{name} is not a metric of reliable_consumer/engine/metrics.py"
         assert exposed[name][0] == kind, (name, exposed[name][0])
     assert set(exposed) <= set(METRICS), f"not in the contract: {set(exposed) - set(METRICS)}"
 
@@ -1010,7 +1009,10 @@ def test_dockerignore_keeps_the_context_small() -> None:
         "pyproject.toml",
         "README.md",
         "service/__init__.py",
-        "service/cli.py",
+        "service/app.py",
         "service/handlers/payments.py",
+        "service/migrations/0001_purchases.sql",
+        "constraints.txt",
+        "wheels/reliable_consumer-0.2.0-py3-none-any.whl",
     ):
         assert not _dockerignored(path, patterns), f"{path} is needed by the image build"

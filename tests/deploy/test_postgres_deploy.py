@@ -14,15 +14,16 @@ from __future__ import annotations
 import copy
 import functools
 import re
+import tomllib
 from typing import Any
 from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
 import yaml
+from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.settings import Settings
 
-from service.engine.registry import Registry
-from service.engine.settings import Settings
 from tests.deploy.test_deploy_artifacts import (
     DEPLOY,
     K8S,
@@ -94,6 +95,12 @@ def postgres_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def registry_of(settings: Settings) -> Registry:
     return Registry.from_settings(settings.topics)
+
+
+def overlay_topics(base_topics: dict[str, str]) -> dict[str, str]:
+    """The postgres overlays' bindings: the base files' with the example on its PostgreSQL
+    twin (``purchases``) in place of its Redis one (``payments``), every other as it is."""
+    return {("purchases" if n == "payments" else n): t for n, t in base_topics.items()}
 
 
 @functools.cache
@@ -239,7 +246,8 @@ def test_compose_worker_binds_the_postgres_handler_to_the_compose_database(
     for name in ("worker", "console"):
         settings = load_settings_from(service_env(merged_services()[name], shell))
         registry = registry_of(settings)
-        assert registry.uses_postgres, name
+        assert settings.topics == overlay_topics(base_topics), name
+        assert registry.uses_postgres == ("payments" in base_topics), name
         assert set(settings.topics.values()) == set(base_topics.values()), name
         assert settings.postgres.url is not None
         url = urlsplit(settings.postgres.url.get_secret_value())
@@ -322,8 +330,9 @@ def test_component_binds_purchases_and_wires_the_url_into_the_worker() -> None:
     configmap = patched(k8s_object("ConfigMap"))
     kubernetes_validate.validate(configmap, K8S_VERSION, strict=True)
     settings = load_settings_from(pod_env_of(container, configmap))
-    assert registry_of(settings).uses_postgres
     base = load_settings_from(pod_env_of(deployment_container(), k8s_object("ConfigMap")))
+    assert settings.topics == overlay_topics(base.topics)
+    assert registry_of(settings).uses_postgres == ("payments" in base.topics)
     assert not registry_of(base).uses_postgres
     # The same topic, so the KEDA trigger and the topic-init lists stay right.
     assert set(settings.topics.values()) == set(base.topics.values())
@@ -341,12 +350,17 @@ def test_the_patched_objects_are_the_bases() -> None:
 
 
 def test_the_image_installs_the_postgres_extra_and_ships_the_migrations() -> None:
+    """The project's wheel pins the engine with its `postgres` extra (psycopg), and the
+    image installs that wheel; the engine's SQL travels in its wheel, the project's in its."""
     builder = "\n".join(f"{k} {a}" for k, a in dockerfile_stages()[0])
-    assert re.search(r"pip install .*\.whl\)?\[postgres\]", builder), builder
+    assert re.search(r"pip install .*\.whl", builder), builder
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    engine = [d for d in dependencies if d.startswith("reliable-consumer[")]
+    assert engine and "postgres" in engine[0].split("[", 1)[1].split("]")[0].split(","), engine
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     patterns = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    for path in sorted(ROOT.glob("service/engine/sql/*.sql")) + sorted(
-        ROOT.glob("service/migrations/*.sql")
-    ):
+    migrations = sorted(ROOT.glob("service/migrations/*.sql"))
+    assert migrations
+    for path in migrations:
         relative = path.relative_to(ROOT).as_posix()
         assert not _dockerignored(relative, patterns), f"{relative} would miss the image"

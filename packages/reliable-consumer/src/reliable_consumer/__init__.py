@@ -1,0 +1,35 @@
+"""reliable-consumer: an asyncio Kafka worker that processes each record once and never stalls.
+
+A service built on it holds only its own code: an app declaration (``App``: its name,
+consumer group, Redis key prefix, topic bindings, handler modules, migrations) and its
+handlers (``@handler``). Everything else — the record's path from fetch to commit, the
+Redis delay queue, dead letters, the operator CLI (``service``), the console, the handler
+test kit and the embedded dev stack — is this library, upgraded by changing its pinned
+version (docs/template.md).
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from reliable_consumer.engine.app import App
+from reliable_consumer.engine.context import Context, Effects
+from reliable_consumer.engine.errors import PermanentError, RetryableError
+from reliable_consumer.engine.policies import BreakerPolicy, RetryPolicy
+from reliable_consumer.engine.registry import Handler, handler
+
+try:
+    __version__ = version("reliable-consumer")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "App",
+    "BreakerPolicy",
+    "Context",
+    "Effects",
+    "Handler",
+    "PermanentError",
+    "RetryPolicy",
+    "RetryableError",
+    "__version__",
+    "handler",
+]

@@ -1,0 +1,3 @@
+from reliable_consumer.cli import app
+
+app()

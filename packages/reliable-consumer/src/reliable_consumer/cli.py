@@ -1,0 +1,368 @@
+"""The ``service`` command: run the worker, the retry scheduler, the dev stack, the demo."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from reliable_consumer.dev.from_copy import migrate_from_copy_command
+from reliable_consumer.dev.scaffold import new_handler_command
+from reliable_consumer.engine import runtime
+from reliable_consumer.engine.app_location import (
+    APP_OPTION,
+    APP_SETTING,
+    PYPROJECT_TABLE,
+    choose_app,
+)
+from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.observability import configure_logging
+from reliable_consumer.engine.settings import Settings, load_settings
+from reliable_consumer.extras import MissingExtra, require
+from reliable_consumer.ops.cli_group import dlq_redrive_command, offsets_app, status_command
+from reliable_consumer.ops.cli_records import (
+    audit_command,
+    dlq_list,
+    dlq_show,
+    retries_app,
+    trace_command,
+)
+from reliable_consumer.ops.db import db_app
+
+# Never print local variables in a crash report: they hold unwrapped secrets (the Redis URL,
+# the SASL password in the aiokafka arguments). Older typer versions showed them by default.
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help=__doc__,
+    pretty_exceptions_show_locals=False,
+)
+dev_app = typer.Typer(
+    no_args_is_help=True,
+    help="The embedded broker and Redis (and PostgreSQL, if needed) for development.",
+)
+dlq_app = typer.Typer(no_args_is_help=True, help="Dead-letter topic tools.")
+app.add_typer(dev_app, name="dev")
+app.add_typer(dlq_app, name="dlq")
+app.command("new-handler")(new_handler_command)  # scaffold: reliable_consumer/dev/scaffold.py
+app.command("migrate-from-copy")(migrate_from_copy_command)  # reliable_consumer/dev/from_copy.py
+app.command("status")(status_command)  # reliable_consumer/ops/cli_group.py
+app.add_typer(offsets_app, name="offsets")
+dlq_app.command("redrive")(dlq_redrive_command)
+app.add_typer(retries_app, name="retries")  # reliable_consumer/ops/cli_records.py
+dlq_app.command("list")(dlq_list)
+dlq_app.command("show")(dlq_show)
+app.command("trace")(trace_command)
+app.command("audit")(audit_command)
+app.add_typer(
+    db_app, name="db"
+)  # reliable_consumer/ops/db.py: the PostgreSQL effects store's schema
+
+
+def _mount_pipeline() -> None:
+    """`service pipeline ...` when the Spark extra is installed (it is not in the image)."""
+    try:
+        from reliable_consumer_pipeline.cli import pipeline_app
+    except ImportError:  # pyspark absent: the worker does not need it
+        return
+    app.add_typer(pipeline_app, name="pipeline", help="Spark: reconcile and replay topics.")
+
+
+_mount_pipeline()
+console = Console()
+err = Console(stderr=True)
+
+StateDir = Annotated[
+    Path | None, typer.Option(help="Where the dev stack keeps its state (default ./.devstack).")
+]
+BrokerChoice = Annotated[
+    str,
+    typer.Option(
+        "--broker",
+        help="tansu (embedded, the default: needs nothing more) or kafka "
+        "(Apache Kafka from Maven Central: needs java and mvn).",
+    ),
+]
+
+
+# Commands that need no app to start: the scaffold and the migration from a copied engine
+# work on the project's files; `dev down` and `dev status` on the dev stack's state (`dev up`
+# finds the app when it reads settings, refused the same way).
+WITHOUT_APP = frozenset({"new-handler", "migrate-from-copy", "dev"})
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        from reliable_consumer import __version__
+
+        console.print(f"reliable-consumer {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def choose(
+    ctx: typer.Context,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help="Print the engine's version (the reliable-consumer library) and exit.",
+        ),
+    ] = False,
+    app_target: Annotated[
+        str | None,
+        typer.Option(
+            APP_OPTION,
+            metavar="MODULE:ATTRIBUTE",
+            help=f"The app declaration to run, e.g. service.app:app (default: {APP_SETTING}, "
+            f"else app in the tool.{PYPROJECT_TABLE} table of pyproject.toml).",
+        ),
+    ] = None,
+) -> None:
+    """Find the app declaration first, so a wrong one stops every command with one line."""
+    if app_target is None and ctx.invoked_subcommand in WITHOUT_APP:
+        return
+    try:
+        choose_app(app_target)
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
+
+
+def _dev_failed(exc: Exception) -> typer.Exit:
+    """A dev server that could not start: its reason as it is, exit code 1."""
+    err.print(f"[red]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+    return typer.Exit(1)
+
+
+def _require(extra: str, what: str) -> None:
+    """Stop with one line naming the extra to install when ``what`` needs a missing one."""
+    try:
+        require(extra, what)
+    except MissingExtra as exc:
+        err.print(f"[red]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def _refuse(exc: ConfigurationError) -> typer.Exit:
+    """Print a configuration error as it is (no markup, no wrapping mid-line); exit code 2."""
+    err.print(f"[red]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+def _settings() -> Settings:
+    try:
+        return load_settings()
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
+
+
+def _run_worker(consume: bool) -> None:
+    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.worker import Worker
+
+    settings = _settings()
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        registry = Registry.from_settings(settings.topics)
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
+
+    async def main() -> None:
+        worker = Worker(settings, registry, consume=consume)
+        worker.install_signal_handlers()
+        await worker.run()
+
+    try:
+        runtime.run(main(), settings.event_loop)
+    except ConfigurationError as exc:  # found while connecting, e.g. Redis persistence off
+        raise _refuse(exc) from None
+
+
+@app.command()
+def run() -> None:
+    """Run the worker (consumer, retry scheduler, health and metrics)."""
+    _run_worker(consume=True)
+
+
+@app.command("retry-scheduler")
+def retry_scheduler() -> None:
+    """Run only the retry scheduler, as its own process."""
+    _run_worker(consume=False)
+
+
+@app.command("check-config")
+def check_config() -> None:
+    """Validate the settings and print them (secrets masked); exit 2 naming a bad one."""
+    from reliable_consumer.engine.breaker import Breakers
+    from reliable_consumer.engine.registry import Registry
+
+    settings = _settings()
+    try:
+        registry = Registry.from_settings(settings.topics)  # the handlers `run` would bind
+        breakers = Breakers(registry, settings.breaker)
+        registry.check_stores(settings.postgres.url is not None)
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
+    handlers = {
+        h.name: {
+            "topic": topic,
+            "retry": (h.retry or settings.retry.policy()).model_dump(mode="json"),
+            "circuit": (b.name if (b := breakers.for_handler(h.name)) else None),
+            "breaker": b.policy.model_dump(mode="json") if b else None,
+            "ordering": h.ordering or ("none" if settings.ordering == "none" else "key"),
+            "store": h.store,
+        }
+        for topic, h in registry.items()
+    }
+    console.print_json(json.dumps({**settings.model_dump(mode="json"), "handlers": handlers}))
+
+
+@app.command()
+def demo(
+    records: Annotated[int, typer.Option(min=10, help="Sample notifications to produce.")] = 2000,
+    state_dir: StateDir = None,
+    exit_when_done: Annotated[
+        bool, typer.Option(help="Stop once the sample is processed instead of running on.")
+    ] = False,
+    keep: Annotated[
+        bool, typer.Option(help="Leave the broker and Redis running on exit (`make dev-down`).")
+    ] = False,
+    broker: BrokerChoice = "tansu",
+) -> None:
+    """Start the dev stack, produce sample payments, run the worker with a live view.
+
+    On exit it stops the broker and Redis it started, unless --keep; a stack that
+    `service dev up` started is left running. With the example bound to its postgres
+    handler (WORKER_TOPICS='{"purchases": "payments"}'), PostgreSQL runs too and holds
+    the grants.
+    """
+    _require("devstack", "service demo")
+    from reliable_consumer.dev.demo import run_demo
+    from reliable_consumer.dev.demo_grants import demo_example
+    from reliable_consumer.dev.servers import DevStackError
+
+    example = demo_example(_settings().topics)
+
+    configure_logging("ERROR", "console")  # the live view tells the story; errors still show
+    try:
+        code = runtime.run(
+            run_demo(
+                records=records,
+                state_dir=state_dir,
+                exit_when_done=exit_when_done,
+                console=console,
+                keep=keep,
+                broker=broker,
+                example=example,
+            )
+        )
+    except DevStackError as exc:
+        raise _dev_failed(exc) from None
+    raise typer.Exit(code)
+
+
+@dev_app.command("up")
+def dev_up(
+    state_dir: StateDir = None,
+    broker: BrokerChoice = "tansu",
+    postgres: Annotated[
+        bool | None,
+        typer.Option(
+            "--postgres/--no-postgres",
+            help="Also start the embedded PostgreSQL (default: when a bound handler keeps "
+            'its effects there, e.g. WORKER_TOPICS=\'{"purchases": "payments"}\').',
+        ),
+    ] = None,
+) -> None:
+    """Start the broker and Redis, and PostgreSQL if needed (or report the running ones)."""
+    _require("devstack", "service dev up")
+    from reliable_consumer.dev.servers import DevStackError
+    from reliable_consumer.dev.stack import DevStack, bound_to_postgres
+
+    if postgres is None:
+        try:
+            postgres = bound_to_postgres(_settings().topics)
+        except ConfigurationError as exc:
+            raise _refuse(exc) from None
+    try:
+        info = DevStack.up(state_dir, broker=broker, postgres=postgres)
+    except DevStackError as exc:
+        raise _dev_failed(exc) from None
+    console.print(f"Broker:          {info.broker_name}", highlight=False)
+    console.print(f"Kafka bootstrap: {info.bootstrap}\nRedis URL:       {info.redis_url}")
+    if info.postgres_url:
+        console.print(f"PostgreSQL URL:  {info.postgres_url}", highlight=False)
+    console.print(f"export WORKER_KAFKA__BOOTSTRAP_SERVERS={info.bootstrap}", highlight=False)
+    console.print(f"export WORKER_REDIS__URL={info.redis_url}", highlight=False)
+    if info.postgres_url:
+        console.print(f"export WORKER_POSTGRES__URL={info.postgres_url}", highlight=False)
+        console.print("then `service db migrate` creates the inbox and purchases tables")
+
+
+@dev_app.command("down")
+def dev_down(
+    state_dir: StateDir = None,
+    purge: Annotated[bool, typer.Option(help="Also delete Redis's and PostgreSQL's data.")] = False,
+) -> None:
+    """Stop the broker, Redis and PostgreSQL (if the stack has it)."""
+    _require("devstack", "service dev down")
+    from reliable_consumer.dev.stack import DevStack
+
+    stopped = DevStack.down(state_dir, purge=purge)
+    console.print("stopped" if stopped else "no dev stack was running")
+
+
+@dev_app.command("status")
+def dev_status(state_dir: StateDir = None) -> None:
+    """Where the dev stack listens and whether it answers."""
+    _require("devstack", "service dev status")
+    from reliable_consumer.dev.stack import DevStack
+
+    info = DevStack.status(state_dir)
+    if info is None:
+        console.print("no dev stack recorded")
+        raise typer.Exit(1)
+    mark = {True: "[green]up[/]", False: "[red]down[/]"}
+    console.print(
+        f"Kafka {info.bootstrap} {mark[info.broker_healthy]} "
+        f"({info.broker_name}, pid {info.broker_pid})"
+    )
+    console.print(f"Redis {info.redis_url} {mark[info.redis_healthy]} (pid {info.redis_pid})")
+    if info.postgres_url:
+        console.print(
+            f"PostgreSQL {info.postgres_url} {mark[info.postgres_healthy]} "
+            f"(pid {info.postgres_pid})"
+        )
+    if not info.healthy:
+        raise typer.Exit(1)
+
+
+@app.command("console")
+def console_command() -> None:
+    """Serve the web console (WORKER_CONSOLE__HOST/PORT); read-only without a token."""
+    _require("console", "service console")
+    from reliable_consumer.console.server import serve
+    from reliable_consumer.engine.registry import Registry
+
+    settings = _settings()
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        registry = Registry.from_settings(settings.topics)
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
+    serve(settings, registry)
+
+
+def main() -> None:  # pragma: no cover - console script shim
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

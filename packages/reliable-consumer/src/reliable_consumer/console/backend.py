@@ -1,0 +1,174 @@
+"""The console's only way to the data: the ``reliable_consumer.ops`` functions, each under a
+deadline.
+
+A page never talks to Kafka or Redis itself. A backend that does not answer in time, or
+refuses the connection, becomes ``BackendUnavailable``: the page says so (HTTP 503)
+instead of hanging or showing a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from reliable_consumer.engine.redis_client import make_client
+from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.settings import Settings
+from reliable_consumer.ops import redrive, retry_admin, status, trace
+from reliable_consumer.ops.action_log import Action, read_actions
+from reliable_consumer.ops.dead_letters import (
+    DeadLetter,
+    DeadLetterFilter,
+    DeadLetterTally,
+    find_dead_letter,
+    list_dead_letters,
+)
+
+T = TypeVar("T")
+
+# Long enough for a cold consumer to fetch a dead-letter topic, short enough for a person.
+CALL_TIMEOUT_S = 10.0
+DOWN = (TimeoutError, KafkaError, RedisError, OSError)
+
+
+class BackendUnavailable(Exception):
+    """Kafka or Redis did not answer: what was asked and why, for the error banner."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        detail = str(cause) or type(cause).__name__
+        if isinstance(cause, TimeoutError):
+            detail = f"no answer within {CALL_TIMEOUT_S:g} s"
+        super().__init__(f"{what}: {detail}")
+        self.what = what
+        self.cause = type(cause).__name__
+
+
+class Backend:
+    """The ops calls a page may make, bound to one process's settings and registry."""
+
+    def __init__(
+        self, settings: Settings, registry: Registry, timeout_s: float = CALL_TIMEOUT_S
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.timeout_s = timeout_s
+        # The overview refreshes every few seconds: read each dead-letter topic once, then
+        # only what arrived since.
+        self._dead_letter_tally = DeadLetterTally()
+
+    @property
+    def topics(self) -> list[str]:
+        """The bound source topics: the only ones whose dead letters the console shows."""
+        return sorted(self.settings.topics.values())
+
+    async def _call(self, what: str, call: Awaitable[T]) -> T:
+        try:
+            return await asyncio.wait_for(call, self.timeout_s)
+        except DOWN as exc:
+            raise BackendUnavailable(what, exc) from exc
+
+    async def status(self) -> dict[str, Any]:
+        found = await self._call(
+            "reading the group's status",
+            status.collect_status(self.settings, self.registry, tally=self._dead_letter_tally),
+        )
+        return found.to_json()
+
+    async def retries(
+        self, selection: retry_admin.RetryFilter | None, limit: int
+    ) -> list[retry_admin.RetryItem]:
+        return await self._call(
+            "reading the retry queue",
+            retry_admin.list_retries(self.settings, self.registry, selection, limit=limit),
+        )
+
+    async def retry(self, retry_id: str) -> retry_admin.RetryItem | None:
+        return await self._call(
+            "reading the retry item",
+            retry_admin.show_retry(self.settings, self.registry, retry_id),
+        )
+
+    async def retry_now(
+        self, selection: retry_admin.RetryFilter, actor: str, *, dry_run: bool = False
+    ) -> dict[str, Any]:
+        return await self._call(
+            "making retries due",
+            retry_admin.retry_now(
+                self.settings,
+                self.registry,
+                selection,
+                actor=actor,
+                source="console",
+                dry_run=dry_run,
+            ),
+        )
+
+    async def drop(
+        self, selection: retry_admin.RetryFilter, actor: str, *, dry_run: bool = False
+    ) -> dict[str, Any]:
+        return await self._call(
+            "dropping retries",
+            retry_admin.drop_retries(
+                self.settings,
+                self.registry,
+                selection,
+                actor=actor,
+                source="console",
+                dry_run=dry_run,
+            ),
+        )
+
+    async def dead_letters(
+        self, topic: str, selection: DeadLetterFilter, limit: int
+    ) -> list[DeadLetter]:
+        return await self._call(
+            f"reading the dead letters of {topic}",
+            list_dead_letters(self.settings, topic, selection, limit=limit),
+        )
+
+    async def dead_letter(self, topic: str, partition: int, offset: int) -> DeadLetter | None:
+        return await self._call(
+            "reading the dead letter",
+            find_dead_letter(self.settings, topic, partition, offset),
+        )
+
+    async def redrive(
+        self,
+        topic: str,
+        selection: DeadLetterFilter,
+        actor: str,
+        *,
+        dry_run: bool,
+    ) -> dict[str, Any]:
+        report = await self._call(
+            f"redriving the dead letters of {topic}",
+            redrive.redrive(
+                self.settings,
+                topic,
+                selection=selection,
+                dry_run=dry_run,
+                actor=actor,
+                source="console",
+            ),
+        )
+        return report.to_json()
+
+    async def trace(self, dedupe_key: str) -> dict[str, Any]:
+        found = await self._call(
+            "tracing the payment", trace.trace(self.settings, self.registry, dedupe_key)
+        )
+        return found.to_json()
+
+    async def actions(self, limit: int) -> list[Action]:
+        async def read() -> list[Action]:
+            client = make_client(self.settings.redis)
+            try:
+                return await read_actions(client, self.settings.redis.key_prefix, limit=limit)
+            finally:
+                await client.aclose()
+
+        return await self._call("reading the audit log", read())

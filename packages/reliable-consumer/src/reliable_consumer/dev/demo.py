@@ -1,0 +1,508 @@
+"""`make run`: the worker on the embedded stack, processing sample payment notifications.
+
+Starts (or reuses) the dev broker and Redis, produces a sample with transient, permanent
+and malformed records and refunds (one refund follows a payment that fails twice: the
+ledger must still read grant, then refund), and runs the worker with a live progress view.
+Then the grant dependency goes down for a few seconds: the circuit breaker opens and holds
+the payments instead of spending their retries or dead-lettering them, and closes once the
+dependency is back. Prints a summary once everything has settled, then keeps running until
+Ctrl-C. On the way out it stops the servers it started (unless `--keep`) and leaves ones
+that `service dev up` started, saying which and how to stop them: a newcomer must not find
+stray servers later.
+
+With the example bound to its postgres handler (``WORKER_TOPICS='{"purchases": "payments"}'``
+or the app's topics in service/app.py), the stack also runs the embedded PostgreSQL, the
+demo migrates it (`service db migrate`) and reads the grants from the purchases table
+(demo_grants.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiokafka import AIOKafkaProducer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from reliable_consumer.dev import sample
+from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.demo_grants import (
+    REDIS_EXAMPLE,
+    Grants,
+    PostgresGrants,
+    RedisGrants,
+    migrate,
+    uses_postgres,
+)
+from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.stack import DEFAULT_BROKER, STOP_HINT, DevStack, DevStackInfo
+from reliable_consumer.engine.kafka_client import connection_kwargs
+from reliable_consumer.engine.settings import Settings
+from reliable_consumer.engine.worker import Worker
+from reliable_consumer.ops import audit
+
+TOPIC = "payments"  # the demo's topic, whichever example handler is bound to it
+OUTCOMES = ("succeeded", "retry_scheduled", "dead_lettered", "duplicate")
+KINDS = ("ok", "transient", "permanent", "malformed", "duplicate", "refund")
+CIRCUIT_STATES = {0: "closed", 1: "half-open", 2: "open"}
+# The simulated outage: this many payments, their grant dependency down this long.
+OUTAGE_PAYMENTS = 30
+OUTAGE_S = 8.0
+# How long the outage may take to settle before the demo says so and moves on.
+OUTAGE_DEADLINE_S = 90.0
+
+
+def demo_settings(
+    bootstrap: str,
+    redis_url: str,
+    topic: str,
+    http_port: int,
+    *,
+    example: str = REDIS_EXAMPLE,
+    postgres_url: str | None = None,
+) -> Settings:
+    return Settings(
+        kafka={"bootstrap_servers": bootstrap, "group_id": "payments-demo"},
+        redis={"url": redis_url, "key_prefix": "demo"},
+        topics={example: topic},
+        postgres={"url": postgres_url},
+        # Snappy backoff so the sample settles in seconds; no attempt cap (as in production,
+        # an age limit ends retries), so an outage cannot spend them before the breaker opens.
+        retry={"base_delay_ms": 300, "max_delay_ms": 3000, "max_attempts": None, "max_age_s": 600},
+        # A breaker that opens within a second of an outage on a quiet service and probes
+        # every 2 to 4 s. Ten runs at least: with five, the first runs of a ten-record
+        # sample (10% transient failures) can fail often enough to open it.
+        breaker={"min_calls": 10, "window_s": 10, "cool_down_s": 2, "max_cool_down_s": 4},
+        http={"port": http_port, "host": "127.0.0.1"},
+        fault_injection=True,
+        log_format="console",
+        log_level="WARNING",
+    )
+
+
+def _counts(worker: Worker) -> dict[str, int]:
+    registry = worker.metrics.registry
+    h = worker.registry.for_topic(TOPIC)  # the example bound to the demo's topic
+    labels = {"handler": h.name if h is not None else REDIS_EXAMPLE}
+    return {
+        o: int(registry.get_sample_value("worker_records_total", {**labels, "outcome": o}) or 0)
+        for o in OUTCOMES
+    }
+
+
+def _circuit(worker: Worker, topic: str) -> str:
+    """The circuit in front of the topic's handler: its dependency's, else its own name."""
+    h = worker.registry.for_topic(topic)
+    return (h.dependency or h.name) if h is not None else topic
+
+
+@dataclass
+class _Circuit:
+    """The breaker as the worker's metrics show it (what /metrics serves)."""
+
+    state: str
+    held: int
+    opened: int  # transitions to open so far
+
+    @classmethod
+    def read(cls, worker: Worker, circuit: str) -> _Circuit:
+        registry = worker.metrics.registry
+        labels = {"circuit": circuit}
+        value = registry.get_sample_value("worker_circuit_state", labels)
+        held = registry.get_sample_value("worker_circuit_held_records", labels)
+        opened = registry.get_sample_value(
+            "worker_circuit_transitions_total", {**labels, "to": "open"}
+        )
+        state = CIRCUIT_STATES.get(int(value), "?") if value is not None else "not wired"
+        return cls(state, int(held or 0), int(opened or 0))
+
+
+@dataclass
+class _RefundWatch:
+    """The refund whose payment fails twice: the ledger's order once both are applied."""
+
+    payment_id: str
+    history: list[str] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.history) >= 2
+
+    async def update(self, grants: Grants) -> None:
+        if not self.done:
+            self.history = await grants.history(self.payment_id)
+
+    def line(self) -> Text:
+        order = " -> ".join(self.history) or "nothing yet"
+        if self.history == ["grant", "refund"]:
+            return Text(
+                f"refund of {self.payment_id} (its payment failed twice): ledger {order}, in order",
+                style="green",
+            )
+        if self.done:
+            return Text(f"refund of {self.payment_id}: ledger {order}: OUT OF ORDER", style="red")
+        return Text(f"refund of {self.payment_id} waits behind its failing payment: ledger {order}")
+
+
+def _progress(
+    worker: Worker, produced: int, state: _Snapshot | None, refund: _RefundWatch | None
+) -> Panel:
+    counts = _counts(worker)
+    table = Table.grid(padding=(0, 2))
+    table.add_row(*(f"[bold]{o}[/] {counts[o]}" for o in OUTCOMES))
+    parts: list[Table | Text] = [table]
+    circuit = _circuit(worker, TOPIC)
+    parts.append(Text(f"circuit {circuit}: {_Circuit.read(worker, circuit).state}"))
+    if state is not None:
+        parts.append(_offsets_table(state))
+        parts.append(Text(f"retry queue: waiting {state.depth[0]}, running {state.depth[1]}"))
+    if refund is not None:
+        parts.append(refund.line())
+    return Panel(Group(*parts), title=f"processing {produced} sample notifications")
+
+
+def _offsets_table(state: _Snapshot) -> Table:
+    offsets = Table("partition", "committed", "high watermark", "lag", box=None)
+    for p in state.offsets:
+        offsets.add_row(str(p.partition), str(p.committed), str(p.high_watermark), str(p.lag))
+    return offsets
+
+
+class _Snapshot:
+    def __init__(self, offsets: list[audit.PartitionOffsets], depth: tuple[int, int, int]) -> None:
+        self.offsets = offsets
+        self.depth = depth
+
+    @property
+    def settled(self) -> bool:
+        # An empty partition has no committed offset (None) and a high watermark of 0.
+        done = all((p.committed or 0) == p.high_watermark for p in self.offsets)
+        return done and self.depth == (0, 0, 0)
+
+
+async def _snapshot(settings: Settings) -> _Snapshot:
+    topic = TOPIC
+    offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
+    depth = await audit.retry_queue_depth(
+        settings.redis.url.get_secret_value(), settings.redis.key_prefix
+    )
+    return _Snapshot(offsets, depth)
+
+
+async def run_demo(
+    *,
+    records: int,
+    state_dir: Path | None,
+    exit_when_done: bool,
+    console: Console,
+    keep: bool = False,
+    broker: str = DEFAULT_BROKER,
+    example: str = REDIS_EXAMPLE,
+) -> int:
+    """`example` names the handler the demo binds to its topic (demo_grants.demo_example)."""
+    name = "Apache Kafka, 1 node" if broker == "kafka" else "the embedded broker, Tansu"
+    postgres = uses_postgres(example)
+    servers = "Redis (AOF always) and PostgreSQL (fsync on)" if postgres else "Redis (AOF always)"
+    console.print(f"[bold]1/5[/] starting {name}, {servers}...")
+    # Not in a thread: a Ctrl-C now cancels at the first await below, inside the `try`.
+    info = DevStack.up(state_dir, broker=broker, postgres=postgres)
+    console.print(f"    Kafka {info.bootstrap}   Redis {info.redis_url}   state {info.state_dir}")
+    try:
+        return await _demo(info, records, exit_when_done, console, example)
+    finally:
+        _leave_stack(info, keep, console)
+
+
+def _leave_stack(info: DevStackInfo, keep: bool, console: Console) -> None:
+    """Stop what this demo started (unless asked to keep it); say what keeps running."""
+    servers = f"the broker ({info.bootstrap}) and Redis ({info.redis_url})"
+    if info.postgres_url:
+        servers = (
+            f"the broker ({info.bootstrap}), Redis ({info.redis_url}) "
+            f"and PostgreSQL ({info.postgres_url})"
+        )
+    if not info.started:
+        joined = " (PostgreSQL joined them for this demo)" if info.postgres_started else ""
+        console.print(
+            f"{servers.capitalize()} were already running (`make dev-up`){joined} and keep "
+            f"running; stop them with `{STOP_HINT}`."
+        )
+    elif keep:
+        console.print(
+            f"{servers.capitalize()} keep running (--keep); stop them with `{STOP_HINT}`."
+        )
+    else:
+        DevStack.down(info.state_dir)
+        console.print(
+            f"Stopped {servers}, which this demo started "
+            "(`.venv/bin/service demo --keep` leaves them running)."
+        )
+
+
+async def _demo(
+    info: DevStackInfo, records: int, exit_when_done: bool, console: Console, example: str
+) -> int:
+    topic = TOPIC
+    settings = demo_settings(
+        info.bootstrap,
+        info.redis_url,
+        topic,
+        free_port(),
+        example=example,
+        postgres_url=info.postgres_url,
+    )
+    grants: Grants = RedisGrants(info.redis_url, settings.redis.key_prefix)
+    if info.postgres_url is not None:
+        applied = await migrate(settings.postgres)
+        done = f"applied {', '.join(applied)}" if applied else "already up to date"
+        console.print(f"    PostgreSQL {info.postgres_url}   service db migrate: {done}")
+        console.print(f"    export WORKER_POSTGRES__URL={info.postgres_url}", highlight=False)
+        grants = PostgresGrants(info.postgres_url)
+    await create_topics(
+        info.bootstrap,
+        {topic: 6, settings.dead_letter_topic(topic): 1, settings.outcomes_topic() or "": 1},
+    )
+
+    run_id = uuid.uuid4().hex[:6]
+    mix = sample.Mix(transient=0.10, permanent=0.02, malformed=0.02, duplicate=0.02, refund=0.02)
+    batch = sample.generate(records, mix, seed=int(run_id, 16), prefix=f"pay_{run_id}")
+    kinds = {k: sum(1 for r in batch if r.kind == k) for k in KINDS}
+    console.print(f"[bold]2/5[/] producing {len(batch)} notifications to '{topic}': {kinds}")
+    await _produce(settings, topic, batch)
+
+    console.print(
+        f"[bold]3/5[/] running the worker (metrics: http://127.0.0.1:{settings.http.port}/metrics)"
+    )
+    worker = Worker(settings)
+    task = asyncio.create_task(worker.run())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, worker.request_stop)
+    # The sample opens with a payment that fails twice, then its refund on the same key.
+    first_refund = next((r.refund_of for r in batch if r.refund_of), None)
+    refund = _RefundWatch(first_refund) if first_refund else None
+    snapshot: _Snapshot | None = None
+    live_view = _progress(worker, len(batch), None, refund)
+    with Live(live_view, console=console, refresh_per_second=4) as live:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if worker.health.started:
+                snapshot = await _snapshot(settings)
+                if refund is not None:
+                    await refund.update(grants)
+            live.update(_progress(worker, len(batch), snapshot, refund))
+            if (
+                snapshot is not None
+                and snapshot.settled
+                and _counts(worker)["succeeded"]
+                and (refund is None or refund.done)
+            ):
+                break
+    if task.done():
+        task.result()
+        return 1
+
+    console.print(
+        f"[bold]4/5[/] the grant dependency goes down for {OUTAGE_S:g} s under "
+        f"{OUTAGE_PAYMENTS} more payments (x-fault: down-until)"
+    )
+    outage = await _outage(settings, worker, task, console, run_id, grants)
+    if task.done():
+        task.result()
+        return 1
+
+    console.print("[bold]5/5[/] summary")
+    console.print(await _summary(settings, batch, worker, refund, outage, grants))
+    console.print(outage.line())
+    if exit_when_done:
+        worker.request_stop()
+    else:
+        console.print("The worker keeps running; produce more to 'payments' or press Ctrl-C.")
+    await task
+    console.print("stopped gracefully: in-flight records finished, offsets committed.")
+    return 0
+
+
+async def _produce(settings: Settings, topic: str, records: list[sample.SampleRecord]) -> None:
+    producer = AIOKafkaProducer(linger_ms=5, **connection_kwargs(settings.kafka))
+    await producer.start()
+    try:
+        await sample.produce(producer, topic, records)
+    finally:
+        await producer.stop()
+
+
+@dataclass
+class _Outage:
+    """What the outage did, measured from the outside and from the worker's metrics."""
+
+    payments: list[str]
+    started: float = field(default_factory=time.monotonic)
+    opened: int = 0  # transitions to open since the outage began
+    max_held: int = 0
+    dead_lettered: int = 0  # dead letters since the outage began
+    parked: int = 0  # retry_scheduled outcomes since the outage began (parks and re-parks)
+    granted: int = 0  # outage payments with exactly one ledger entry
+    circuit: str = "?"
+    settled: bool = False
+
+    @property
+    def all_granted(self) -> bool:
+        return self.granted == len(self.payments)
+
+    def line(self) -> str:
+        opened = "circuit opened" if self.opened else "circuit did NOT open"
+        end = (
+            "all granted after it closed"
+            if self.all_granted and self.circuit == "closed"
+            else f"{self.granted}/{len(self.payments)} granted, circuit {self.circuit}"
+        )
+        if not self.settled:
+            end += f", not settled after {OUTAGE_DEADLINE_S:g} s"
+        return f"outage: {opened}, {self.max_held} held, {self.dead_lettered} dead-lettered, {end}"
+
+
+async def _outage(
+    settings: Settings,
+    worker: Worker,
+    task: asyncio.Task[None],
+    console: Console,
+    run_id: str,
+    grants: Grants,
+) -> _Outage:
+    """Payments whose dependency is down for a while: the breaker should hold, not give up."""
+    topic = TOPIC
+    circuit = _circuit(worker, topic)
+    # On a busy service an outage fails every run, so the failure ratio climbs at once; the
+    # sample's successes are still in the breaker's window and would outvote the first
+    # failures: start once they no longer do (at most one window from now).
+    window_s = settings.breaker.window_s
+    deadline = time.monotonic() + window_s + 2
+    with Live(Text(""), console=console, transient=True) as live:
+        while not task.done() and time.monotonic() < deadline:
+            runs = worker.health.circuits().get(circuit, {}).get("runs", 0)
+            if not isinstance(runs, int):
+                break
+            if runs <= OUTAGE_PAYMENTS:
+                break
+            live.update(
+                Text(f"letting the sample's {runs} runs leave the breaker's {window_s:g} s window")
+            )
+            await asyncio.wait({task}, timeout=0.5)
+
+    down_until_ms = int((time.time() + OUTAGE_S) * 1000)
+    records = sample.outage(
+        OUTAGE_PAYMENTS, down_until_ms, seed=int(run_id, 16), prefix=f"out_{run_id}"
+    )
+    before = _Circuit.read(worker, circuit)
+    counts_before = _counts(worker)
+    result = _Outage([str(r.payment_id) for r in records])
+    await _produce(settings, topic, records)
+    view = _outage_view(result, None, down_until_ms)
+    with Live(view, console=console, refresh_per_second=4) as live:
+        while not task.done() and time.monotonic() - result.started < OUTAGE_DEADLINE_S:
+            await asyncio.wait({task}, timeout=0.5)
+            now = _Circuit.read(worker, circuit)
+            result.circuit = now.state
+            result.opened = now.opened - before.opened
+            result.max_held = max(result.max_held, now.held)
+            counts = _counts(worker)
+            result.dead_lettered = counts["dead_lettered"] - counts_before["dead_lettered"]
+            result.parked = counts["retry_scheduled"] - counts_before["retry_scheduled"]
+            entries = await grants.counts()
+            result.granted = sum(1 for p in result.payments if entries.get(p) == 1)
+            snapshot = await _snapshot(settings)
+            live.update(_outage_view(result, snapshot, down_until_ms, now))
+            back = time.time() * 1000 >= down_until_ms
+            closed = now.state in ("closed", "not wired")
+            if back and closed and result.all_granted and snapshot.settled:
+                result.settled = True
+                break
+    return result
+
+
+def _outage_view(
+    result: _Outage, state: _Snapshot | None, down_until_ms: int, circuit: _Circuit | None = None
+) -> Panel:
+    left_s = down_until_ms / 1000 - time.time()
+    parts: list[Table | Text] = [
+        Text(
+            f"grant dependency: DOWN, back in {left_s:.1f} s"
+            if left_s > 0
+            else "grant dependency: up",
+            style="red" if left_s > 0 else "green",
+        )
+    ]
+    if circuit is not None:
+        style = {"open": "red", "half-open": "yellow", "closed": "green"}.get(circuit.state, "")
+        parts.append(
+            Text(
+                f"circuit {result.circuit}: {circuit.held} records held "
+                f"(opened {result.opened}x since the outage began)",
+                style=style,
+            )
+        )
+    parts.append(
+        Text(
+            f"since the outage began: {result.parked} retry_scheduled (parked, or re-parked "
+            "while the circuit is open), "
+            f"{result.dead_lettered} dead-lettered"
+        )
+    )
+    parts.append(Text(f"granted: {result.granted}/{len(result.payments)}"))
+    if state is not None:
+        parts.append(Text(f"retry queue: waiting {state.depth[0]}, running {state.depth[1]}"))
+        parts.append(_offsets_table(state))
+    return Panel(Group(*parts), title=f"dependency outage: {len(result.payments)} payments")
+
+
+async def _summary(
+    settings: Settings,
+    batch: list[sample.SampleRecord],
+    worker: Worker,
+    refund: _RefundWatch | None,
+    outage: _Outage,
+    grants: Grants,
+) -> Table:
+    entries = await grants.counts()
+    ours = {r.payment_id for r in batch if r.payment_id} | set(outage.payments)
+    granted = {k: v for k, v in entries.items() if k in ours}
+    refunds = sum(v for k, v in granted.items() if k.endswith(sample.REFUND_SUFFIX))
+    dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(TOPIC))
+    reasons: dict[str, int] = {}
+    for record in dlq:
+        reason = audit.header(record, "x-dlq-reason") or "?"
+        reasons[reason] = reasons.get(reason, 0) + 1
+    counts = _counts(worker)
+    snapshot = await _snapshot(settings)
+    table = Table(title="payments demo", show_header=False)
+    table.add_row("grants live in", Text(grants.where))  # Text: ":ledger:" is no emoji
+    table.add_row("ledger entries of this run (grants and refunds)", str(sum(granted.values())))
+    table.add_row("of them refunds (entitlement revoked)", str(refunds))
+    table.add_row("payments granted more than once", str(sum(1 for v in granted.values() if v > 1)))
+    if refund is not None:
+        table.add_row(
+            f"refund of {refund.payment_id}, whose payment failed twice",
+            "ledger: " + (" -> ".join(refund.history) or "nothing"),
+        )
+    table.add_row("retries scheduled", str(counts["retry_scheduled"]))
+    table.add_row("duplicates absorbed", str(counts["duplicate"]))
+    table.add_row(
+        "dead-lettered (topic total, by reason)",
+        ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())),
+    )
+    for p in snapshot.offsets:
+        table.add_row(
+            f"partition {p.partition}: committed / high watermark",
+            f"{p.committed} / {p.high_watermark}",
+        )
+    table.add_row("retry queue (due, running, items)", str(snapshot.depth))
+    return table

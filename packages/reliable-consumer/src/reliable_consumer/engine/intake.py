@@ -1,0 +1,258 @@
+"""The intake: fetched records into batches, bounded by the in-flight limits, in key order.
+
+``run`` loops on ``getmany``; each fetched record is tracked in ``OffsetTracker`` and a
+partition's records go to a task per batch, which waits for an earlier batch of the
+partition only when their Kafka keys overlap (per-key order). When an in-flight limit
+(records or bytes) is reached the loop waits for room, pauses partitions only when
+starved, and keeps polling, so the group never evicts the worker for a missed poll.
+The worker (worker.py) owns the lifecycle, commits and rebalances around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from reliable_consumer.engine.group_check import GROUP_JOIN_REFUSED, join_refusal
+from reliable_consumer.engine.observability import HealthState
+from reliable_consumer.engine.offsets import OffsetTracker
+from reliable_consumer.engine.records import Delivery, clean_headers
+from reliable_consumer.engine.settings import Settings
+
+log = logging.getLogger(__name__)
+
+POLL_TIMEOUT_MS = 200
+PAUSED_POLL_TIMEOUT_MS = 20
+CAPACITY_WAIT_S = 1.0
+
+# A batch of deliveries, and when to give up on it: True once every record has a fate.
+Process = Callable[[list[Delivery], Callable[[], bool]], Awaitable[bool]]
+
+
+class Intake:
+    """Fetches, dispatches batches and applies backpressure; the worker starts and stops it."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        tracker: OffsetTracker[TopicPartition],
+        health: HealthState,
+        stop: asyncio.Event,
+        on_done: Callable[[int], None],
+    ) -> None:
+        """``on_done(n)`` hears of n more records done (their offsets may be committed)."""
+        self._settings = settings
+        self._tracker = tracker
+        self._health = health
+        self._stop = stop
+        self._on_done = on_done
+        self._capacity_freed = asyncio.Event()
+        self.tasks: dict[TopicPartition, set[asyncio.Task[None]]] = {}
+        # Per partition, the running batches and the Kafka keys each holds (for ordering).
+        self._batches: dict[TopicPartition, list[tuple[asyncio.Task[None], frozenset[bytes]]]] = {}
+        self.revoking: set[TopicPartition] = set()
+        self.paused: set[TopicPartition] = set()
+        self.in_flight = 0
+        # Bytes of those records (key + value + headers), bounded by max_in_flight_bytes, and
+        # the largest record of the last fetch: how many more may be asked for.
+        self.in_flight_bytes = 0
+        self._size_hint = settings.kafka.max_partition_fetch_bytes
+        self._starved = False  # no room freed up during a whole capacity wait
+        self._consumer: AIOKafkaConsumer | None = None
+        self._process: Process | None = None
+        # Topics whose handler's circuit is open (the worker sets it once the breakers
+        # exist): their partitions stay paused, so nothing more piles up behind the gate.
+        self.held_topics: Callable[[], set[str]] = set
+
+    async def run(self, consumer: AIOKafkaConsumer, process: Process) -> None:
+        """Poll until the stop event; every batch goes to ``process`` (``process_reliably``)."""
+        self._consumer, self._process = consumer, process
+        stopping = asyncio.ensure_future(self._stop.wait())
+        try:
+            await self._poll(consumer, stopping)
+        finally:
+            stopping.cancel()
+
+    async def _poll(self, consumer: AIOKafkaConsumer, stopping: asyncio.Future[Any]) -> None:
+        while not self._stop.is_set():
+            capacity = self.room()
+            if capacity <= 0:
+                # Wait for room rather than pausing: aiokafka drops a paused partition's
+                # prefetched records, so pausing at every full moment would refetch them.
+                # Only when no room frees up for a while are all partitions paused, and
+                # getmany keeps being called so the group never sees a missed poll.
+                self._capacity_freed.clear()
+                try:
+                    await asyncio.wait_for(self._capacity_freed.wait(), CAPACITY_WAIT_S)
+                    self._starved = False
+                except TimeoutError:
+                    self._starved = True
+                capacity = self.room()
+                if capacity <= 0:
+                    self.apply_backpressure()  # paused before the fetch: nothing more comes
+            timeout = PAUSED_POLL_TIMEOUT_MS if self.paused else POLL_TIMEOUT_MS
+            fetch = asyncio.ensure_future(
+                consumer.getmany(timeout_ms=timeout, max_records=max(1, capacity))
+            )
+            # During a rebalance aiokafka's getmany waits for the new assignment with no
+            # timeout; racing it against the stop event lets SIGTERM act at once. Nothing is
+            # lost by cancelling: records are only consumed once getmany returns them.
+            await asyncio.wait({fetch, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not fetch.done():
+                fetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError, KafkaError):
+                    await fetch
+                break
+            try:
+                batches = fetch.result()
+            except KafkaError as exc:
+                refused = join_refusal(exc, self._settings.kafka)
+                if refused is not None:
+                    # aiokafka's coordinator raises the refusal here and joins again once it
+                    # is consumed; the stall says it once, the join's success clears it
+                    # (worker._on_assigned). The wait below paces the joins.
+                    self._health.stalls.report(GROUP_JOIN_REFUSED, refused)
+                else:
+                    self._health.kafka_ok = False
+                    log.warning("fetch failed", extra={"error": repr(exc)})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 1.0)
+                continue
+            self._health.kafka_ok = True
+            self._health.last_poll = self._health.clock()
+            if batches:
+                self._size_hint = max(_size(r) for records in batches.values() for r in records)
+            for tp, records in batches.items():
+                epoch = self._tracker.epoch(tp)
+                if epoch is None or tp in self.revoking:
+                    continue  # fetched before a revoke: the next owner reads it again
+                fresh = self._tracker.fetched_many(tp, epoch, records)
+                size = self._settings.max_batch_records
+                for i in range(0, len(fresh), size):
+                    self._dispatch(tp, epoch, fresh[i : i + size])
+            self.apply_backpressure()
+
+    def room(self) -> int:
+        """How many more records may be fetched: under the count and the byte budget.
+
+        By bytes, as many records as fit if each is as large as the largest of the last
+        fetch; none while that would cross the budget, unless nothing is in flight (so a
+        record larger than the whole budget still goes through, alone).
+        """
+        room = self._settings.max_in_flight - self.in_flight
+        free = self._settings.max_in_flight_bytes - self.in_flight_bytes
+        if self.in_flight_bytes and free < self._size_hint:
+            return 0
+        return min(room, max(1, free // max(self._size_hint, 1)))
+
+    def _dispatch(
+        self, tp: TopicPartition, epoch: int, records: list[ConsumerRecord[Any, Any]]
+    ) -> None:
+        """Start one batch; it waits for earlier batches of the partition it must follow.
+
+        Headers in the worker's reserved namespace are dropped here, before anything reads
+        or copies them (a producer must not set a dead letter's reason or a redrive mark).
+        """
+        inject = self._settings.fault_injection
+        deliveries = [
+            Delivery(  # positional: this runs once per record
+                r.topic,
+                r.partition,
+                r.offset,
+                r.key,
+                r.value,
+                clean_headers(r.headers, fault_injection=inject) if r.headers else (),
+                r.timestamp,
+            )
+            for r in records
+        ]
+        ordering = self._settings.ordering
+        running = [(t, k) for t, k in self._batches.get(tp, ()) if not t.done()]
+        keys = frozenset(d.key for d in deliveries if d.key is not None)
+        if ordering == "partition":
+            before = [t for t, _ in running]
+        elif ordering == "key":
+            before = [t for t, k in running if not keys.isdisjoint(k)]
+        else:
+            before = []
+        nbytes = sum(_size(r) for r in records)
+        task = asyncio.create_task(self._handle(tp, epoch, deliveries, before, nbytes))
+        running.append((task, keys))
+        self._batches[tp] = running
+        self.tasks.setdefault(tp, set()).add(task)
+        self.in_flight += len(deliveries)
+        self.in_flight_bytes += nbytes
+
+    async def _handle(
+        self,
+        tp: TopicPartition,
+        epoch: int,
+        deliveries: list[Delivery],
+        before: list[asyncio.Task[None]],
+        nbytes: int,
+    ) -> None:
+        def give_up() -> bool:  # shutdown, or the partition moved on to another owner
+            return self._stop.is_set() or self._tracker.epoch(tp) != epoch
+
+        assert self._process is not None
+        try:
+            if before:
+                await asyncio.wait(before)
+            finished = await self._process(deliveries, give_up)
+            if not finished:  # left uncommitted: the next owner or run redelivers them
+                return
+            if not self._tracker.done_many(tp, epoch, [d.offset for d in deliveries]):
+                return  # the partition was revoked meanwhile: nothing to count
+            self._on_done(len(deliveries))
+        finally:
+            self.in_flight -= len(deliveries)
+            self.in_flight_bytes -= nbytes
+            self._capacity_freed.set()
+            tasks = self.tasks.get(tp)
+            if tasks is not None:
+                tasks.discard(asyncio.current_task())
+
+    def apply_backpressure(self) -> None:
+        """Pause what is over its limit, resume what is under; polling never stops."""
+        assert self._consumer is not None
+        assigned = set(self._consumer.assignment()) - self.revoking
+        if self._starved and self.room() <= 0:
+            want = assigned  # full for a whole wait: pause everything, keep polling
+        else:
+            limit = self._settings.max_in_flight_per_partition
+            want = {tp for tp in assigned if self._tracker.in_flight(tp) >= limit}
+        if held := self.held_topics():
+            want |= {tp for tp in assigned if tp.topic in held}
+        if pause := want - self.paused:
+            self._consumer.pause(*pause)
+        if resume := (self.paused - want) & assigned:
+            self._consumer.resume(*resume)
+        self.paused = want
+
+    def running(self, tps: Iterable[TopicPartition] | None = None) -> set[asyncio.Task[None]]:
+        """The batch tasks still running, of the given (default: all) partitions."""
+        chosen = self.tasks if tps is None else {tp: self.tasks.get(tp, set()) for tp in tps}
+        return {t for tasks in chosen.values() for t in tasks}
+
+    def forget(self, revoked: set[TopicPartition]) -> None:
+        """Drop what the revoked partitions left: their batches, pauses and revoking mark."""
+        for tp in revoked:
+            self._batches.pop(tp, None)
+            self.tasks.pop(tp, None)
+        self.paused -= revoked
+        self.revoking -= revoked
+
+
+def _size(r: ConsumerRecord[Any, Any]) -> int:
+    """A record's bytes as the in-flight budget counts them: key, value and headers."""
+    size = len(r.key or b"") + len(r.value or b"")
+    if r.headers:
+        size += sum(len(k) + len(v or b"") for k, v in r.headers)
+    return size

@@ -1,0 +1,102 @@
+"""pytest fixtures of real servers on loopback, for a service's own tests (a pytest plugin).
+
+A service's ``tests/conftest.py`` loads it with
+``pytest_plugins = ["reliable_consumer.testing.fixtures"]``; a test then asks for
+``redis_url``, ``postgres_url`` or ``tansu_broker`` and gets a real server started for it
+and stopped after: Redis with AOF and fsync on every write, the ``pgserver`` wheel's PostgreSQL
+migrated with the engine's inbox and the service's migrations, Tansu as the broker. No
+Docker, no Java. A conftest.py fixture of the same name overrides any of them. (Not a
+``pytest11`` entry point: pytest would then rewrite the asserts of the whole library, the
+test kit's imitation of aiokafka's own assert included.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from reliable_consumer.dev.postgres_server import PostgresServer
+from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.tansu import TansuBroker
+
+
+@pytest.fixture(scope="session")
+def tansu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker]:
+    """One Tansu broker for the session (memory storage: never restart it from a test).
+
+    Tests isolate themselves with unique topic and group names (``unique_name``).
+    """
+    broker = TansuBroker(tmp_path_factory.mktemp("tansu"))
+    try:
+        broker.start()
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def unique_name() -> str:
+    """A fresh name like ``t-1a2b3c4d`` for a topic; derive more from it
+    (``f"{unique_name}-g"``)."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Start Redis servers (e.g. ``extra_config={"appendonly": "no"}``); all stopped after."""
+    servers: list[RedisServer] = []
+
+    def start(name: str = "redis", **kwargs: object) -> RedisServer:
+        server = RedisServer(tmp_path / name, **kwargs)  # type: ignore[arg-type]
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    """A fresh real redis-server (AOF, appendfsync always), its data in this test's tmp_path."""
+    return redis_server_factory()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def postgres_server(tmp_path: Path) -> Iterator[PostgresServer]:
+    """A fresh real PostgreSQL (the pgserver wheel's; fsync on), its log in tmp_path; its
+    cluster, in a directory made for it (never below pytest's temp dirs), is removed after."""
+    server = PostgresServer(tmp_path / "postgres")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """The server's URL, its database migrated: the engine's inbox, then the app's migrations."""
+    import psycopg
+
+    from reliable_consumer.engine.schema import all_migrations, migrate
+
+    async def run() -> None:
+        async with await psycopg.AsyncConnection.connect(
+            postgres_server.url, autocommit=True
+        ) as conn:
+            await migrate(conn, all_migrations())
+
+    asyncio.run(run())
+    return postgres_server.url

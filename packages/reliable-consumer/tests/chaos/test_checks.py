@@ -1,0 +1,123 @@
+"""The chaos checker's own checks can fail: an overlap, a double grant, a lost dead letter.
+
+Fast, against a real redis-server: the claiming handler's watch sees another live run of
+its key, and the verdict turns what the outside reads into the problems a run reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from reliable_consumer.dev import sample
+from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.engine.context import Context, Effects
+from tests.chaos import claiming
+from tests.chaos.engine import EndState, Placed, Routed, final_verdict, overlapping_runs
+from tests.chaos.outside import DeadLetter, View
+
+from service.handlers.payments import PaymentSucceeded
+
+VALUE = (
+    b'{"payment_id": "cpay_1", "user_id": "u", "product_id": "s", "amount_minor": 5,'
+    b' "currency": "EUR"}'
+)
+
+
+def context(client: aioredis.Redis, offset: int) -> Context:
+    return Context("t-claimed", 0, offset, b"cpay_1", (), 0, 1, "cpay_1", Effects(), client, "chk")
+
+
+async def test_claiming_handler_reports_a_run_beside_a_live_run_of_its_key(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    client = aioredis.from_url(redis_server.url)
+    try:
+        payment = PaymentSucceeded.model_validate_json(VALUE)
+        await claiming.grant_with_claim(payment, context(client, 1))  # alone: no report
+        assert claiming.OVERLAP not in caplog.text
+        assert not await client.exists("chk:chaos:running:cpay_1"), "its marker is removed"
+
+        await client.set("chk:chaos:running:cpay_1", "1/0/0/a1/live", px=10_000)
+        with caplog.at_level(logging.WARNING):
+            await claiming.grant_with_claim(payment, context(client, 2))
+        assert claiming.OVERLAP in caplog.text
+        assert await client.get("chk:chaos:running:cpay_1") == b"1/0/0/a1/live", "not ours"
+    finally:
+        await client.aclose()
+
+    log = tmp_path / "w0.log"
+    log.write_text(caplog.text)
+    overlaps, excused = overlapping_runs([log])
+    assert len(overlaps) == 1 and "1/0/0/a1/live" in overlaps[0] and excused == 0
+    # A holder that said it could not remove its marker (Redis was down) had ended.
+    log.write_text(caplog.text + f"\n{claiming.LEFT} token=1/0/0/a1/live\n")
+    assert overlapping_runs([log]) == ([], 1)
+
+
+def _placed() -> list[Placed]:
+    ok = sample.SampleRecord("ok", "pay_1", b"pay_1", b"{}")
+    bad = sample.SampleRecord("malformed", None, None, b"{not json")
+    claimed = sample.SampleRecord("ok", "cpay_1", b"cpay_1", b"{}")
+    return [
+        Placed(Routed("payments", ok), "t", 0, 0),
+        Placed(Routed("payments", bad), "t", 0, 1),
+        Placed(Routed("claimed", claimed), "t-claimed", 0, 0),
+    ]
+
+
+def _view(grants: Counter[str], dead: list[DeadLetter]) -> View:
+    return View(
+        committed={("t", 0): 2, ("t-claimed", 0): 1},
+        grants=grants,
+        granted_at={("t", 0, 0), ("t-claimed", 0, 0)},
+        parked=set(),
+        dead=dead,
+        retry_depth=(0, 0, 0),
+    )
+
+
+def _end(overlaps: list[str] | None = None) -> EndState:
+    events = [
+        {"topic": t, "partition": 0, "offset": o, "event": "succeeded", "dedupe_key": k}
+        for t, o, k in (("t", 0, "pay_1"), ("t", 1, None), ("t-claimed", 0, "cpay_1"))
+    ]
+    return EndState(
+        high={("t", 0): 2, ("t-claimed", 0): 1},
+        markers=Counter({"d": 2}),
+        claims_left=[],
+        events=events,
+        overlaps=overlaps or [],
+        overlaps_excused=0,
+    )
+
+
+def test_verdict_holds_for_a_clean_run_and_names_each_broken_invariant() -> None:
+    dead = [DeadLetter(("t", 0, 1), "malformed", "json")]
+    clean = final_verdict(_view(Counter({"pay_1": 1, "cpay_1": 1}), dead), _end(), _placed(), [])
+    assert clean.ok, clean.problems
+    assert clean.claimed_grants == 1
+
+    doubled = final_verdict(_view(Counter({"pay_1": 1, "cpay_1": 2}), dead), _end(), _placed(), [])
+    assert doubled.doubled == {"cpay_1": 2} and not doubled.ok
+
+    no_dead = final_verdict(_view(Counter({"pay_1": 1, "cpay_1": 1}), []), _end(), _placed(), [])
+    assert no_dead.dead_missing == [("t", 0, 1)] and no_dead.lost_count == 1
+
+    # A dead letter for the same offset of another topic is not the one expected.
+    elsewhere = [DeadLetter(("t-claimed", 0, 1), "malformed", "json")]
+    moved = final_verdict(
+        _view(Counter({"pay_1": 1, "cpay_1": 1}), elsewhere), _end(), _placed(), []
+    )
+    assert moved.dead_missing == [("t", 0, 1)] and moved.dead_unexpected == [("t-claimed", 0, 1)]
+
+    overlap = final_verdict(
+        _view(Counter({"pay_1": 1, "cpay_1": 1}), dead),
+        _end(["cpay_1: b ran while a ran"]),
+        _placed(),
+        [],
+    )
+    assert not overlap.ok and "overlapped" in overlap.problems[0]

@@ -1,0 +1,141 @@
+"""The embedded PostgreSQL starts from a cluster that is whole, in a directory made for it.
+
+These run the real binaries of the pgserver wheel. Where a test needs initdb to meet a
+particular world (a directory locked down under it, a setting it refuses), it steps in
+just before initdb runs, as another process on the machine would.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from reliable_consumer.dev import servers
+from reliable_consumer.dev.postgres_server import PostgresServer
+from reliable_consumer.dev.servers import LOOPBACK, DevStackError
+
+pytestmark = pytest.mark.integration
+
+# A setting initdb passes to its bootstrap server (`-c`), which that server refuses.
+REFUSED_SETTING = ["-c", "shared_buffers=lots"]
+REFUSAL = 'invalid value for parameter "shared_buffers": "lots"'
+
+
+def before_initdb(
+    monkeypatch: pytest.MonkeyPatch, step: Callable[[list[str]], list[str]]
+) -> list[list[str]]:
+    """Run ``step`` on each initdb command line just before it runs; returns the calls."""
+    calls: list[list[str]] = []
+    real_run = subprocess.run
+
+    def run(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        if isinstance(args, list) and any(Path(str(a)).name == "initdb" for a in args):
+            calls.append(list(args))
+            args = step(list(args))
+        return real_run(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return calls
+
+
+def database_names(url: str) -> set[str]:
+    with psycopg.connect(url, connect_timeout=5) as conn:
+        return {row[0] for row in conn.execute("SELECT datname FROM pg_database")}
+
+
+def test_initdb_is_not_broken_by_pytest_locking_down_its_base_temp_dir(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pytest resets ``pytest-of-<user>`` to 0700 whenever another xdist worker first asks
+    for its base temp dir; a cluster below it (reached as root through the system user
+    ``pgserver``) lost its way mid-initdb: ``PANIC: could not open file
+    ".../global/pg_control": Permission denied``, then "database "postgres" does not exist".
+    Here the pytest-like directory above the server's folder is locked as initdb starts."""
+    pytest_like = tmp_path / "pytest-of-someone"
+    server = PostgresServer(pytest_like / "pytest-7" / "test_x0" / "postgres")
+
+    def lock_down(args: list[str]) -> list[str]:
+        pytest_like.chmod(0o700)
+        return args
+
+    before_initdb(monkeypatch, lock_down)
+    with server:
+        assert "postgres" in database_names(server.url)
+        for locked in (pytest_like, tmp_path_factory.getbasetemp().parent):
+            assert not server.pgdata.is_relative_to(locked), server.pgdata
+        cluster = server.pgdata.parent
+        assert cluster.is_dir()
+    assert not cluster.exists(), "the server's own directory outlived it"
+
+
+def test_a_failed_initdb_raises_its_own_words_and_is_not_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = before_initdb(monkeypatch, lambda args: [*args, *REFUSED_SETTING])
+    server = PostgresServer(tmp_path / "postgres")
+
+    with pytest.raises(DevStackError, match="initdb") as failed:
+        server.start()
+
+    assert REFUSAL in str(failed.value)
+    assert len(calls) == 1, f"initdb ran {len(calls)} times"
+    assert not server.is_running()
+    server.close()
+
+
+def test_a_half_made_cluster_is_rebuilt_not_started_as_if_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """initdb that fails after writing PG_VERSION (``--no-clean`` keeps what it made, as a
+    user without the right to remove it would) leaves a half-made cluster; the next start
+    must build it again, not run the server on it as if it were whole."""
+    failing = [True]
+
+    def fail_once(args: list[str]) -> list[str]:
+        if failing[0]:
+            failing[0] = False
+            return [*args, "--no-clean", *REFUSED_SETTING]
+        return args
+
+    calls = before_initdb(monkeypatch, fail_once)
+    server = PostgresServer(tmp_path / "postgres")
+    with pytest.raises(DevStackError, match="initdb"):
+        server.start()
+    assert (server.pgdata / "PG_VERSION").is_file(), "initdb left no half-made cluster"
+
+    with server:
+        assert "postgres" in database_names(server.url)
+    assert len(calls) == 2, f"initdb ran {len(calls)} times"
+
+
+def test_a_start_error_that_is_not_a_port_race_is_not_retried(tmp_path: Path) -> None:
+    """The server refuses a setting: that is the error, said once, not three starts."""
+    server = PostgresServer(tmp_path / "postgres", extra_config={"shared_buffers": "lots"})
+    with pytest.raises(DevStackError, match="shared_buffers") as failed:
+        server.start()
+    server.close()
+    assert REFUSAL in str(failed.value)
+    starts = server.log_path.read_text().count(REFUSAL)
+    assert starts == 1, f"started {starts} times"
+
+
+def test_a_lost_port_race_is_retried_on_another_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process binds the port between our pick and the server's bind: try anew."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind((LOOPBACK, 0))  # bound, not listening: only the server's bind fails
+        taken_port = taken.getsockname()[1]
+        picks = iter([taken_port])
+        real_free_port = servers.free_port
+        monkeypatch.setattr(servers, "free_port", lambda: next(picks, None) or real_free_port())
+
+        with PostgresServer(tmp_path / "postgres") as server:
+            assert server.port != taken_port
+            assert "postgres" in database_names(server.url)
+        assert "Address already in use" in server.log_path.read_text()

@@ -1,0 +1,18 @@
+"""What the Apache Kafka tests share: topics for a run's settings, on a given cluster."""
+
+from __future__ import annotations
+
+from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.engine.settings import Settings
+
+
+async def create_run_topics(
+    cluster: ApacheKafkaCluster, settings: Settings, partitions: int = 3
+) -> None:
+    """The bound topic, its dead-letter topic and the outcomes topic, replicated on every node."""
+    topic = settings.topics["payments"]
+    topics = {topic: partitions, settings.dead_letter_topic(topic): 1}
+    outcomes = settings.outcomes_topic()
+    if outcomes:
+        topics[outcomes] = 1
+    await cluster.create_topics(topics)

@@ -1,3 +1,0 @@
-from service.cli import app
-
-app()

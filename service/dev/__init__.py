@@ -1,6 +1,0 @@
-"""Development tools: the embedded broker and Redis, the demo, sample data, the handler scaffold.
-
-Updated from the template; nothing here runs in production. Standard library only at import
-time: the template's post-generation hook imports ``service.dev.scaffold`` without the
-project's dependencies installed.
-"""
