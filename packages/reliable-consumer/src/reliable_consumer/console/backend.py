@@ -159,7 +159,7 @@ class Backend:
 
     async def trace(self, dedupe_key: str) -> dict[str, Any]:
         found = await self._call(
-            "tracing the payment", trace.trace(self.settings, self.registry, dedupe_key)
+            "tracing the record", trace.trace(self.settings, self.registry, dedupe_key)
         )
         return found.to_json()
 

@@ -1,6 +1,6 @@
 """What a console viewer without the token sees of record content: redacted text.
 
-A record's value, headers and key are what its producer sent: a payment's extra fields
+A record's value, headers and key are what its producer sent: a record's extra fields
 may carry a card number or a customer's e-mail address, and the dead-letter topic and
 the delay queue keep them as they came. Every page that shows records (the retry queue,
 a retry, the dead letters, a dead letter, a trace) passes its record documents through

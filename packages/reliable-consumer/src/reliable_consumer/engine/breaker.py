@@ -1,6 +1,6 @@
 """Circuit breakers: stop feeding a handler whose dependency is down, then probe it.
 
-A handler whose database or payment API is down fails every record with a retryable
+A handler whose database or downstream API is down fails every record with a retryable
 error. Parking each one spends its retry policy against an outage and fills the delay
 queue; a breaker instead notices the outage and opens, and the worker holds that
 handler's records where they are: not run, not parked, not committed. After a cool-down

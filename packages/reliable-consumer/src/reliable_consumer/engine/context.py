@@ -4,7 +4,7 @@ A handler does not write to Redis directly for effects that must happen exactly
 once. It queues them on ``ctx.effects``; the worker applies them in the same atomic
 script that writes the record's done-marker, and only while the key is free or
 claimed by this record. So an effect is applied once and is never separated from
-"this payment is done".
+"this record is done".
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MAX_EXPIRE_S = 10**10 - 1  # ~300 years; the finish script checks the same bound
 MAX_EXPIRE_MS = 10**13 - 1
 _INTEGER = re.compile(r"0|-?[1-9][0-9]{0,18}")
 # isinstance() checks here take tuples, not ``str | int``: that union is built anew on every
-# call, and with a check per effect argument it cost a payment ~15 µs (bench/).
+# call, and with a check per effect argument it cost a record ~15 µs (bench/).
 
 
 class InvalidEffect(PermanentError, ValueError):
@@ -322,7 +322,7 @@ class Context:
         """A key in this service's ``namespace``, e.g. ``ctx.redis_key("ledger", "purchases")``.
 
         Each part is one key component whatever it holds: ':' and '%' in it are
-        percent-encoded, so an id from a record (``"payments:=pP"``) can never name a key
+        percent-encoded, so an id from a record (``"orders:=pP"``) can never name a key
         of another namespace or another component. Effects may be written only under the
         handler's own name and the namespaces its ``@handler(writes=...)`` declares.
         """

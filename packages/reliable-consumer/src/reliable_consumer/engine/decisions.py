@@ -164,7 +164,7 @@ class Decisions:
     async def claim_failed(self, wave: list[Job]) -> None:
         """Effects-only deliveries whose handler failed claim now, before their fate is kept.
 
-        Without a claim, a duplicate of a completed payment runs its handler too; should
+        Without a claim, a duplicate of a completed record runs its handler too; should
         that fail, the claim finds the done-marker and the record is a duplicate, rather than
         a dead letter or a retry for something already granted.
         """

@@ -9,7 +9,7 @@ The second component is the namespace. The engine's own are ``ENGINE_NAMESPACES`
 handler may be named like one (its idempotency keys would be ``{prefix}:idem:<name>:...``
 next to another's effects) or write an effect under one
 (``reliable_consumer.engine.context.Effects``). Effect keys from data are built with
-:func:`effect_key`, which escapes ':' in each part, so an id such as ``"payments:=pP"``
+:func:`effect_key`, which escapes ':' in each part, so an id such as ``"orders:=pP"``
 stays one component of its own namespace.
 """
 

@@ -1,7 +1,7 @@
 """How a dedupe key too long to repeat is written: as its digest, and flagged as one.
 
 A dedupe key is whatever the handler's key field or function gives, of any length: a
-hostile or broken producer can send a payment id of a megabyte. The worker keeps using the
+hostile or broken producer can send an id of a megabyte. The worker keeps using the
 key itself (Redis markers, handler context), but what it writes for other readers repeats
 the key in every event, and an outcome document holding a megabyte key is one the broker
 refuses (``MessageSizeTooLargeError``). So a key whose UTF-8 encoding is longer than

@@ -84,7 +84,7 @@ local NOT_INT = 'ERR value is not an integer or out of range'
 local types, ints, fields, gone
 -- Key types across the batch: what TYPE answered, kept true by every record applied since
 -- (a command that creates its type sets it; any other write forgets the key). Records of
--- a batch mostly share a few keys (the payments ledger), so one TYPE serves them all.
+-- a batch mostly share a few keys (a ledger stream), so one TYPE serves them all.
 local known = {}
 local function type_of(key)
   if types[key] == nil then

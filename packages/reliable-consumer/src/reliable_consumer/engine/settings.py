@@ -41,7 +41,7 @@ class KafkaSettings(BaseModel):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_keyfile_password: SecretStr | None = None
-    # A new group starts from the beginning: skipping payments is never the safe default.
+    # A new group starts from the beginning: skipping records is never the safe default.
     auto_offset_reset: Literal["earliest", "latest", "none"] = "earliest"
     max_poll_records: int = Field(default=2000, ge=1, le=100_000)
     max_poll_interval_ms: int = Field(default=300_000, ge=1000)
@@ -135,7 +135,7 @@ class RetrySettings(BaseModel):
     max_delay_ms: int = Field(default=600_000, ge=0)
     jitter: float = Field(default=0.2, ge=0.0, le=1.0)
     # When retries are spent: after this many runs, or this long after the first failure,
-    # whichever comes first (at least one set). A payment waits out an outage of hours
+    # whichever comes first (at least one set). A record waits out an outage of hours
     # rather than being dead-lettered (the circuit breaker keeps an outage from spending
     # them); a handler may declare its own policy on @handler(retry=RetryPolicy(...)).
     max_attempts: int | None = Field(default=None, ge=1, le=100_000)
@@ -320,7 +320,7 @@ class PostgresSettings(BaseModel):
     without it.
     """
 
-    # libpq URI or key=value string, e.g. postgresql://worker:secret@db:5432/payments.
+    # libpq URI or key=value string, e.g. postgresql://worker:secret@db:5432/orders.
     url: SecretStr | None = None
     # Connections kept open; a batch's wave holds one for its transaction.
     pool_min: int = Field(default=1, ge=0, le=1000)

@@ -391,11 +391,11 @@ def dlq_show(
 
 
 def trace_command(
-    dedupe_key: Annotated[str, typer.Argument(help="The payment's dedupe key.")],
+    dedupe_key: Annotated[str, typer.Argument(help="The record's dedupe key.")],
     handler: Annotated[str | None, typer.Option(help="Only this handler.")] = None,
     as_json: AsJson = False,
 ) -> None:
-    """The life of one payment: its state, retries, dead letters, outcome events, ledger."""
+    """The life of one record: its state, retries, dead letters, outcome events, ledger."""
     settings = _settings()
     try:
         found = _run(trace(settings, _registry(settings), dedupe_key, handler=handler))

@@ -1,4 +1,4 @@
-"""The life of one payment, by its dedupe key: where it is now and how it got there.
+"""The life of one record, by its dedupe key: where it is now and how it got there.
 
 Read from the outside, like the rest of ``reliable_consumer.ops``: per handler bound to a topic, the
 dedupe key's idempotency marker (free / claimed / done / dead), its records waiting in the
