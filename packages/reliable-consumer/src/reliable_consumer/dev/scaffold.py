@@ -329,9 +329,9 @@ async def test_effect_written_once_per_event() -> None:
         assert again.duplicate
         assert await kit.effects(NAMESPACE, "evt-1") == {"source": source}
         # An id holding ':' stays one key component in the handler's namespace.
-        assert (await kit.send({"event_id": "payments:=p1"})).granted
-        assert kit.key(NAMESPACE, "payments:=p1").endswith(f":{NAMESPACE}:payments%3A=p1")
-        assert await kit.effects(NAMESPACE, "payments:=p1") is not None
+        assert (await kit.send({"event_id": "orders:=p1"})).granted
+        assert kit.key(NAMESPACE, "orders:=p1").endswith(f":{NAMESPACE}:orders%3A=p1")
+        assert await kit.effects(NAMESPACE, "orders:=p1") is not None
 
 
 async def test_invalid_payload_is_dead_lettered() -> None:

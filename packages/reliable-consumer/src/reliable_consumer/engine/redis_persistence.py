@@ -107,12 +107,12 @@ def _check_eviction(memory: dict[str, Any]) -> None:
     if policy.startswith("volatile-"):
         cost = (
             "it evicts keys that have a TTL, and the done-markers are such keys: a redelivered "
-            "or resent payment whose marker was evicted is granted a second time"
+            "or resent record whose marker was evicted is applied a second time"
         )
     else:
         cost = (
-            "it evicts any key: parked retries (whose offsets are committed: lost payments), "
-            "done-markers (second grants) and ledger entries"
+            "it evicts any key: parked retries (whose offsets are committed: lost records), "
+            "done-markers (records applied twice) and the effects handlers wrote"
         )
     raise ConfigurationError(
         f"Redis maxmemory-policy is {policy!r} with maxmemory {limit} bytes: {cost}. "
