@@ -16,7 +16,6 @@ import asyncio
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 from redis import Redis
 from reliable_consumer.dev.broker import Broker, create_topics
+from reliable_consumer.dev.servers import free_port
 from tests.helpers import wait_until
 from tests.template.support import ROOT, clean_env, generate
 
@@ -58,13 +58,6 @@ def _run(*args: str | Path, cwd: Path | None = None, timeout: float = 300) -> st
     )
     assert result.returncode == 0, f"{args}: {result.stdout}{result.stderr}"
     return result.stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.mark.timeout(600)
@@ -130,7 +123,7 @@ def test_a_new_engine_version_reaches_a_service_by_its_pin_alone(
         WORKER_REDIS__URL=redis_url,
         WORKER_REDIS__KEY_PREFIX=prefix,
         WORKER_TOPICS=json.dumps({handler: topic}),
-        WORKER_HTTP__PORT=str(_free_port()),
+        WORKER_HTTP__PORT=str(free_port()),
     )
     worker = subprocess.Popen(
         [bin_dir / "service", "run"], cwd=project, env=env,

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
 from reliable_consumer.engine.settings import Settings
 from tests.chaos.release_main import IDENTITY, LEGACY, LIBRARY
-from tests.integration.procs import WorkerProcess
+from tests.integration.procs import WorkerProcess, settings_env
 
 # The release a rolling upgrade comes from. Until the library has a release tag, it is the
 # engine as it was before it moved into packages/reliable-consumer (it lived at
@@ -128,16 +127,6 @@ def materialize(ref: str, dest: Path) -> Release:
     )
 
 
-def _env_value(value: Any) -> str:
-    if hasattr(value, "get_secret_value"):
-        return str(value.get_secret_value())
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict | list):
-        return json.dumps(value)
-    return str(value)
-
-
 def explicit_env(settings: Settings) -> dict[str, str]:
     """The WORKER_* variables of the settings a test chose, and no others.
 
@@ -145,17 +134,7 @@ def explicit_env(settings: Settings) -> dict[str, str]:
     keeps each release's own default. (Writing out every field would hand the previous
     release variables of settings it never had.)
     """
-    env: dict[str, str] = {}
-    for name in settings.model_fields_set:
-        value = getattr(settings, name)
-        if isinstance(value, BaseModel):
-            for sub in value.model_fields_set:
-                inner = getattr(value, sub)
-                if inner is not None:
-                    env[f"WORKER_{name.upper()}__{sub.upper()}"] = _env_value(inner)
-        elif value is not None:
-            env[f"WORKER_{name.upper()}"] = _env_value(value)
-    return env
+    return settings_env(settings, only_set=True)
 
 
 class ReleaseProcess(WorkerProcess):

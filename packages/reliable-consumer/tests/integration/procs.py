@@ -52,13 +52,17 @@ def _env_value(value: Any) -> str:
     return str(value)
 
 
-def settings_env(settings: Settings) -> dict[str, str]:
-    """The WORKER_* variables that make `load_settings()` return these settings."""
+def settings_env(settings: Settings, *, only_set: bool = False) -> dict[str, str]:
+    """The WORKER_* variables that make `load_settings()` return these settings.
+
+    ``only_set``: only the settings given explicitly (``model_fields_set``), as a deployment
+    sets them; every other setting keeps the reading process's own default.
+    """
     env: dict[str, str] = {}
-    for name in type(settings).model_fields:
+    for name in settings.model_fields_set if only_set else type(settings).model_fields:
         value = getattr(settings, name)
         if isinstance(value, BaseModel):
-            for sub in type(value).model_fields:
+            for sub in value.model_fields_set if only_set else type(value).model_fields:
                 inner = getattr(value, sub)
                 if inner is not None:
                     env[f"WORKER_{name.upper()}__{sub.upper()}"] = _env_value(inner)

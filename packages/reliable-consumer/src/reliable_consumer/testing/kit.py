@@ -66,7 +66,7 @@ from reliable_consumer.testing.stored import read_stored
 Payload = Mapping[str, Any] | BaseModel | bytes | None
 
 
-class _KitSettings(Settings):
+class IsolatedSettings(Settings):
     """The worker's settings from the arguments and defaults only (no env, no .env)."""
 
     @classmethod
@@ -155,7 +155,7 @@ class HandlerTestKit:
                 )
             settings["postgres"] = {**settings.get("postgres", {}), "url": postgres_url}
         try:
-            self.settings: Settings = _KitSettings(topics=topics, **settings)
+            self.settings: Settings = IsolatedSettings(topics=topics, **settings)
         except ValidationError as exc:
             raise ConfigurationError(describe_validation_error(exc)) from None
         outcomes = self.settings.outcomes_topic()
@@ -254,7 +254,7 @@ class HandlerTestKit:
             partition,
             offset,
             key.encode() if isinstance(key, str) else key,
-            _encode(payload),
+            encode_payload(payload),
             clean_headers(headers, fault_injection=self.settings.fault_injection),
             timestamp_ms if timestamp_ms is not None else int(time.time() * 1000),
         )
@@ -405,7 +405,7 @@ class HandlerTestKit:
             await r.hset(self.keys.retry_items, mapping=moved)
 
 
-def _encode(payload: Payload) -> bytes | None:
+def encode_payload(payload: Payload) -> bytes | None:
     if payload is None or isinstance(payload, bytes):
         return payload
     if isinstance(payload, BaseModel):

@@ -48,7 +48,7 @@ from reliable_consumer.engine.redis_client import make_client
 from reliable_consumer.engine.registry import Registry
 from reliable_consumer.engine.settings import Settings, describe_validation_error
 from reliable_consumer.engine.worker import Worker
-from reliable_consumer.testing.kit import Payload, _encode, _KitSettings
+from reliable_consumer.testing.kit import IsolatedSettings, Payload, encode_payload
 from reliable_consumer.testing.producer import ProducedRecord
 from reliable_consumer.testing.results import Result
 from reliable_consumer.testing.stored import read_stored
@@ -160,7 +160,7 @@ class RunningService:
         if postgres_url is not None:
             values["postgres"] = {"url": postgres_url}
         try:
-            self.settings: Settings = _KitSettings(**_merged(values, settings))
+            self.settings: Settings = IsolatedSettings(**_merged(values, settings))
         except ValidationError as exc:
             raise ConfigurationError(describe_validation_error(exc)) from None
         outcomes = self.settings.outcomes_topic()
@@ -296,7 +296,7 @@ class RunningService:
             raise RuntimeError("RunningService is not running: use it as `async with`")
         meta = await self._producer.send_and_wait(
             topic,
-            _encode(value),
+            encode_payload(value),
             key=key.encode() if isinstance(key, str) else key,
             headers=list(headers),
             partition=partition,
