@@ -42,7 +42,6 @@ from pathlib import Path
 import psycopg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.dev.redis_server import RedisServer
@@ -57,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.bench_worker import Measured, finished
+from service import sample
 
 # What each server's perf counters count: CPU time, and the calls that make writes durable.
 PERF_EVENTS = ("task-clock", "syscalls:sys_enter_fdatasync", "syscalls:sys_enter_fsync")

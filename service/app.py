@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reliable_consumer import App
+from reliable_consumer import App, Ledger
+
+from service.handlers.payments import LEDGER_STREAM, ledger_entry_key
+from service.sample import SAMPLES
 
 app = App(
     # The distribution name; also the default Kafka client id (WORKER_KAFKA__CLIENT_ID).
@@ -31,4 +34,10 @@ app = App(
     # The project's SQL migrations, run after the engine's by `service db migrate`
     # (WORKER_POSTGRES__MIGRATIONS_DIR names another folder).
     migrations=Path(__file__).parent / "migrations",
+    # The example's ledger, one entry per grant or refund: the audits count it (service trace,
+    # service demo, the pipeline's reconcile). The Redis example appends to a stream, the
+    # postgres one inserts into the purchases table (service/handlers/).
+    ledger=Ledger(stream=LEDGER_STREAM, table="purchases", entry_key=ledger_entry_key),
+    # The example's sample payments, which `make run` (service demo) produces.
+    samples=SAMPLES,
 )

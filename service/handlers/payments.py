@@ -18,6 +18,7 @@ entitlement.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -66,8 +67,24 @@ def notification_key(n: PaymentSucceeded) -> str:
     return n.payment_id + REFUND_SUFFIX if n.status == "refunded" else n.payment_id
 
 
+# The ledger stream, ``ctx.redis_key(*LEDGER_STREAM)``: one entry per grant or refund, read
+# by the audits through the app's ledger declaration (service/app.py).
+LEDGER_STREAM = ("ledger", "purchases")
+
+
 def ledger_key(ctx: Context) -> str:
-    return ctx.redis_key("ledger", "purchases")
+    return ctx.redis_key(*LEDGER_STREAM)
+
+
+def ledger_entry_key(entry: Mapping[str, str]) -> str | None:
+    """The dedupe key a ledger entry was written for: its payment id, ``<payment_id>.refund``
+    for a refund. Reads a stream entry (only a refund carries ``kind``) and a row of the
+    purchases table (``kind`` is ``grant`` or ``refund``) alike."""
+    payment_id = entry.get("payment_id")
+    if payment_id is None:
+        return None
+    kind = entry.get("kind") or "grant"
+    return payment_id if kind == "grant" else f"{payment_id}.{kind}"
 
 
 # Effects-only: the grant is nothing but the queued writes below, so deliveries skip the

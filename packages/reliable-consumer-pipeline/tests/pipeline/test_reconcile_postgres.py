@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.servers import free_port
 from reliable_consumer.engine.settings import Settings, load_settings
@@ -31,6 +30,8 @@ from tests.integration.harness import (
     wait_settled,
 )
 from typer.testing import CliRunner, Result
+
+from service import sample
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

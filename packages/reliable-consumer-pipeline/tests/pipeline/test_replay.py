@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import redis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.processing import open_processor
@@ -37,6 +36,8 @@ from tests.integration.harness import (
 )
 from tests.pipeline.conftest import KEEP_FOREVER
 from typer.testing import CliRunner
+
+from service import sample
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

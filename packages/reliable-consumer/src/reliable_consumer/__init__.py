@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 from reliable_consumer.engine.app import App
 from reliable_consumer.engine.context import Context, Effects
 from reliable_consumer.engine.errors import PermanentError, RetryableError
+from reliable_consumer.engine.ledger import Ledger
 from reliable_consumer.engine.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.registry import Handler, handler
 
@@ -27,6 +28,7 @@ __all__ = [
     "Context",
     "Effects",
     "Handler",
+    "Ledger",
     "PermanentError",
     "RetryPolicy",
     "RetryableError",

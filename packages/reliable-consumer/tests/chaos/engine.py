@@ -43,7 +43,6 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.kafka_client import connection_kwargs
 from reliable_consumer.engine.settings import Settings
@@ -52,6 +51,8 @@ from tests.chaos.outside import TP, Outside, View, Where, wait_settled
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import HangingRecord, HangWatch, WorkerProcess
+
+from service import sample
 
 ROOT = Path(__file__).resolve().parents[4]  # the repository
 LIBRARY = ROOT / "packages" / "reliable-consumer"

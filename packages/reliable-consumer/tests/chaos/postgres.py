@@ -16,13 +16,14 @@ from typing import Any
 import psycopg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev import sample
 from reliable_consumer.engine.kafka_client import connection_kwargs
 from reliable_consumer.engine.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import purchases_settings
+
+from service import sample
 
 Where = tuple[int, int]  # (partition, offset) in the purchases topic
 

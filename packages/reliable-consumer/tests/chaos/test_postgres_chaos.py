@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.dev.redis_server import RedisServer
@@ -45,6 +44,8 @@ from tests.chaos.postgres import (
 from tests.helpers import announce_replay, await_until
 from tests.integration.harness import prepare_topics
 from tests.integration.procs import HangWatch, WorkerProcess, worker_processes
+
+from service import sample
 
 PARTITIONS = 4
 CHUNK = 200

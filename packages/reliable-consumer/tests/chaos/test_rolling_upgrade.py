@@ -58,7 +58,6 @@ import psycopg
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.dev.redis_server import RedisServer
@@ -91,6 +90,8 @@ from tests.chaos.releases import (
 from tests.helpers import await_until
 from tests.integration.harness import prepare_topics
 from tests.integration.procs import WorkerProcess, worker_processes
+
+from service import sample
 
 PARTITIONS = 3  # the payments topic's
 CLAIMED_PARTITIONS = 2  # the claiming handler's topic's

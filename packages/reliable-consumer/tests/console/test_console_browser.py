@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
@@ -28,6 +27,8 @@ from reliable_consumer.ops.action_log import read_actions
 from tests.console.conftest import TOKEN
 from tests.helpers import wait_until
 from tests.integration.harness import make_settings, prepare_topics, produce
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -27,7 +27,6 @@ from typing import Any
 import pytest
 import uvicorn
 from reliable_consumer.console.app import create_app
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.servers import free_port
 from reliable_consumer.engine.registry import Registry
@@ -40,6 +39,8 @@ from starlette.routing import Mount, Route
 from tests.console.conftest import TOKEN
 from tests.helpers import wait_until
 from tests.integration.harness import make_settings, prepare_topics, produce
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(180)
 

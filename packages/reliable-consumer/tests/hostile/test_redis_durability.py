@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.errors import ConfigurationError
@@ -39,6 +38,8 @@ from tests.integration.harness import (
     running_worker,
     wait_settled,
 )
+
+from service import sample
 
 Factory = Callable[..., RedisServer]
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.engine.kafka_client import connection_kwargs
 from reliable_consumer.engine.registry import Registry
@@ -17,6 +16,8 @@ from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
+
+from service import sample
 
 
 def make_settings(

@@ -32,7 +32,6 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel, SecretStr
 from redis.exceptions import RedisError
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.servers import die_with_parent_preexec
 from reliable_consumer.engine import faults
 from reliable_consumer.engine.kafka_client import connection_kwargs
@@ -40,6 +39,8 @@ from reliable_consumer.engine.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
+
+from service import sample
 
 
 def _env_value(value: Any) -> str:

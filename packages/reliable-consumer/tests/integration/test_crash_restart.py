@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
@@ -31,6 +30,8 @@ from tests.integration.procs import (
     produce_placed,
     wait_fates_settled,
 )
+
+from service import sample
 
 # Short leases so a killed worker's claims and retry leases expire quickly. 6 s is the
 # shortest session Apache Kafka accepts by default (group.min.session.timeout.ms).

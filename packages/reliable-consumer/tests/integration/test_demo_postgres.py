@@ -18,7 +18,6 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.demo import OUTAGE_PAYMENTS
 from reliable_consumer.dev.stack import DevStack
@@ -30,6 +29,8 @@ from tests.integration.harness import (
     running_worker,
     wait_settled,
 )
+
+from service import sample
 
 pytestmark = pytest.mark.integration
 

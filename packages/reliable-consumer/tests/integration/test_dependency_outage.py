@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.servers import free_port
 from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
@@ -38,6 +37,8 @@ from tests.integration.harness import (
     running_worker,
     wait_settled,
 )
+
+from service import sample
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from aiokafka.consumer.fetcher import FetchResult, PartitionRecords
 from aiokafka.structs import TopicPartition
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.runtime import GC_INTERVAL_S
@@ -31,6 +30,8 @@ from tests.integration.harness import (
     running_worker,
     wait_settled,
 )
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.servers import free_port
 from reliable_consumer.engine.context import InvalidEffect
@@ -45,7 +44,7 @@ from tests.integration.harness import (
 )
 from tests.integration.procs import HangingRecord
 
-from service import Context, handler
+from service import Context, handler, sample
 from service.handlers import payments, purchases
 from service.handlers.payments import PaymentSucceeded
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.ops import audit
 from tests.integration.harness import RunState, assert_invariants
+
+from service import sample
 
 
 def _records() -> list[sample.SampleRecord]:

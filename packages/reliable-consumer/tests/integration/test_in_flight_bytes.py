@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.processing import Processor
@@ -21,6 +20,8 @@ from tests.integration.harness import (
     produce,
     wait_settled,
 )
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,6 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.engine.kafka_client import connection_kwargs
 from reliable_consumer.engine.registry import Registry, discover
@@ -34,7 +33,7 @@ from tests.integration.harness import (
     wait_settled,
 )
 
-from service import Context, PermanentError, handler
+from service import Context, PermanentError, handler, sample
 
 pytestmark = pytest.mark.asyncio
 

@@ -20,7 +20,6 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.engine.kafka_client import connection_kwargs
@@ -37,7 +36,7 @@ from tests.integration.harness import (
     wait_settled,
 )
 
-from service import Context, handler
+from service import Context, handler, sample
 
 pytestmark = pytest.mark.asyncio
 

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
@@ -29,6 +28,8 @@ from tests.integration.procs import (
     wait_fates_settled,
     with_hangs,
 )
+
+from service import sample
 
 PARTITIONS = 6
 GRACE_S = 10.0

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.ops import audit
@@ -34,6 +33,8 @@ from tests.integration.procs import (
     produce_paced,
     wait_fates_settled,
 )
+
+from service import sample
 
 # The worker logs a Redis outage once when it starts, then a summary per interval.
 FAILING = "redis calls failing"

@@ -6,7 +6,6 @@ from collections.abc import Awaitable
 from typing import Any
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.kafka_client import make_producer
@@ -18,6 +17,8 @@ from reliable_consumer.ops.redrive import redrive
 from tests.helpers import await_until
 from tests.hostile.corpus import produce_exact
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -11,7 +11,6 @@ import random
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.engine.keys import effect_key
 from reliable_consumer.ops import audit
@@ -23,6 +22,8 @@ from tests.integration.harness import (
     running_worker,
     wait_settled,
 )
+
+from service import sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

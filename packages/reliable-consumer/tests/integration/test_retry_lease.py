@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.engine.idempotency import ClaimRequest, ClaimStatus, Idempotency, fingerprint
 from reliable_consumer.engine.keys import RedisKeys
@@ -27,6 +26,7 @@ from tests.integration.harness import (
 )
 from tests.integration.procs import HangingRecord, produce_placed
 
+from service import sample
 from service.handlers.payments import PaymentSucceeded
 
 DEAD_LEASE_MS = 2_000

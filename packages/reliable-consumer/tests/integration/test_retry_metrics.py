@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
 from reliable_consumer.engine.keys import RedisKeys
@@ -35,6 +34,8 @@ from tests.integration.harness import (
     running_worker,
     wait_settled,
 )
+
+from service import sample
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.engine.policies import RetryPolicy
 from reliable_consumer.engine.settings import Settings
@@ -32,6 +31,8 @@ from tests.integration.harness import (
     running_worker,
     wait_settled,
 )
+
+from service import sample
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,6 @@ import urllib.request
 from collections.abc import Callable
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.servers import free_port
@@ -33,6 +32,8 @@ from reliable_consumer.ops.status import describe_group
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce
 from tests.integration.procs import WorkerProcess
+
+from service import sample
 
 pytestmark = pytest.mark.integration
 

@@ -30,7 +30,6 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.servers import free_port
 from reliable_consumer.engine.kafka_client import connection_kwargs
@@ -42,6 +41,8 @@ from reliable_consumer.ops.status import collect_status
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running
 from tests.ops.cli import service_cli
+
+from service import sample
 
 pytestmark = pytest.mark.integration
 

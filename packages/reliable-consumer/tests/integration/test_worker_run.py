@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from tests.integration.harness import (
     assert_invariants,
@@ -12,6 +11,8 @@ from tests.integration.harness import (
     running_worker,
     wait_settled,
 )
+
+from service import sample
 
 
 async def test_mixed_run_grants_each_payment_once(

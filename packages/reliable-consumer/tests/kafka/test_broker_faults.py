@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
@@ -21,6 +20,8 @@ from tests.integration.harness import (
     wait_settled,
 )
 from tests.kafka.support import create_run_topics
+
+from service import sample
 
 
 async def _grants(settings_url: str, prefix: str) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.engine.publisher import DEAD_LETTER_UNWRITABLE
 from reliable_consumer.engine.settings import Settings
@@ -20,6 +19,8 @@ from tests.integration.harness import (
     wait_settled,
 )
 from tests.integration.procs import Placed, produce_placed
+
+from service import sample
 
 
 def _held_back(placed: list[Placed]) -> dict[int, int]:

@@ -12,7 +12,6 @@ import os
 import signal
 from pathlib import Path
 
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
@@ -24,6 +23,8 @@ from tests.integration.harness import (
 )
 from tests.integration.procs import WorkerProcess, produce_placed, worker_processes
 from tests.kafka.support import create_run_topics
+
+from service import sample
 
 # The coordinator's answers to a commit from a member it dropped (aiokafka's log line).
 FENCED = ("UnknownMemberIdError", "IllegalGenerationError")

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.servers import free_port
@@ -37,6 +36,8 @@ from tests.integration.procs import (
     wait_fates_settled,
 )
 from tests.network.conftest import RoutedWorker
+
+from service import sample
 
 Link = Callable[[str, str], Proxy]
 Spawn = Callable[..., RoutedWorker]

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from tests.helpers import wait_until
 from tests.ops.test_retries_cli import Stack, record, records_stack
+
+from service import sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -190,7 +190,8 @@ def test_an_offsets_reset_interrupted_after_its_commit_is_audited_as_interrupted
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from aiokafka import AIOKafkaConsumer
-    from reliable_consumer.dev import sample
+
+    from service import sample
 
     settings = make_settings(kafka_broker.bootstrap, redis_server.url, unique_name)
     _run(prepare_topics(settings, partitions=2))
@@ -210,7 +211,7 @@ def test_an_offsets_reset_interrupted_after_its_commit_is_audited_as_interrupted
 def test_an_offsets_reset_whose_audit_entry_cannot_be_written_moves_nothing(
     kafka_broker: Broker, redis_server_factory: Any, unique_name: str
 ) -> None:
-    from reliable_consumer.dev import sample
+    from service import sample
 
     redis = redis_server_factory("audit-redis")
     settings = make_settings(kafka_broker.bootstrap, redis.url, unique_name)
@@ -232,7 +233,8 @@ def test_an_end_entry_that_cannot_be_written_is_said_on_stderr(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from aiokafka import AIOKafkaConsumer
-    from reliable_consumer.dev import sample
+
+    from service import sample
 
     redis = redis_server_factory("audit-redis")
     settings = make_settings(kafka_broker.bootstrap, redis.url, unique_name)

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.settings import Settings
@@ -16,6 +15,8 @@ from reliable_consumer.ops.action_log import read_actions
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
 from tests.ops.cli import service_cli
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(180)
 

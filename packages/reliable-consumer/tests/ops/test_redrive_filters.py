@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.records import REDRIVE_HEADER
@@ -25,6 +24,8 @@ from reliable_consumer.ops.redrive import redrive
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
 from tests.ops.cli import service_cli
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.cli import app
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker, create_topics
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.keys import RedisKeys
@@ -31,6 +30,8 @@ from tests.helpers import wait_until
 from tests.integration.harness import make_settings, prepare_topics, produce
 from tests.integration.procs import WorkerProcess, settings_env, worker_processes
 from typer.testing import CliRunner, Result
+
+from service import sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 HOUR_MS = 3_600_000

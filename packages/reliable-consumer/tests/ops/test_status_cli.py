@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.member_report import read_member_reports
@@ -24,6 +23,8 @@ from reliable_consumer.ops.status import collect_status
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running
 from tests.ops.cli import service_cli
+
+from service import sample
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,7 +21,6 @@ import pytest
 import redis as sync_redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.redis_server import REDIS_BIN_ENV, RedisServer, find_redis_server
 from reliable_consumer.dev.servers import DevStackError, free_port
 from reliable_consumer.engine.keys import RedisKeys
@@ -32,6 +31,8 @@ from reliable_consumer.ops import audit
 from tests.helpers import await_until, on_ci
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker
 from tests.security.pki import Pki, make_pki
+
+from service import sample
 
 TLS_BIN_ENV = "WORKER_TEST_TLS_REDIS_BIN"
 INSTALL_HINT = (

@@ -13,10 +13,10 @@ import json
 from typing import Any, cast
 
 import pytest
-from reliable_consumer.dev import sample
 from reliable_consumer.engine.context import Context, EffectArg, Effects
 from reliable_consumer.engine.idempotency import fingerprint
 
+from service import sample
 from service.handlers.payments import PaymentSucceeded, grant_purchase
 
 PAYMENT = {

@@ -50,7 +50,7 @@ def test_a_seeded_engine_import_of_ops_fails_the_lint(tmp_path: Path) -> None:
         ),
         "engine/lazy.py": "def f() -> None:\n    from reliable_consumer_pipeline import replay\n",
         "ops/allowed.py": (
-            "from reliable_consumer.engine import keys\nfrom reliable_consumer.dev import sample\n"
+            "from reliable_consumer.engine import keys\nfrom reliable_consumer.dev import stack\n"
         ),
     }.items():
         path = tmp_path / SOURCE / "reliable_consumer" / room

@@ -32,7 +32,6 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from reliable_consumer.dev import sample
 from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.dev.demo_grants import (
     REDIS_EXAMPLE,
@@ -48,6 +47,7 @@ from reliable_consumer.engine.kafka_client import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit
+from service import sample
 
 TOPIC = "payments"  # the demo's topic, whichever example handler is bound to it
 OUTCOMES = ("succeeded", "retry_scheduled", "dead_lettered", "duplicate")

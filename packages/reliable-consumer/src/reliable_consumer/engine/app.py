@@ -2,7 +2,8 @@
 
 The engine imports no module of the service by a fixed name. A service declares itself
 once, in its own module (``service/app.py`` in this template: ``app = App(name=...,
-consumer_group=..., redis_key_prefix=..., topics={...}, handlers=(...), migrations=...)``),
+consumer_group=..., redis_key_prefix=..., topics={...}, handlers=(...), migrations=...,
+ledger=..., samples=...)``),
 and the engine finds that object by the ``WORKER_APP`` setting, the ``--app`` option or
 the ``[tool.service]`` table of pyproject.toml (``reliable_consumer.engine.app_location``). Every
 default that names the service (Kafka client id and group, Redis key prefix, topic
@@ -21,6 +22,7 @@ from types import MappingProxyType
 from typing import NoReturn
 
 from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.ledger import Ledger
 from reliable_consumer.engine.naming import (
     check_bindings,
     check_distribution_name,
@@ -28,6 +30,7 @@ from reliable_consumer.engine.naming import (
     check_key_prefix,
     check_module_name,
 )
+from reliable_consumer.engine.samples import Samples
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,12 @@ class App:
     # engine's; None when the project has none. An absolute path: the service runs from
     # any directory (a container's, a test's temporary one).
     migrations: Path | None = None
+    # Where the handlers record each effect they apply, for the audits to count (trace,
+    # demo, reconcile: reliable_consumer.engine.ledger); None when they keep no ledger.
+    ledger: Ledger | None = None
+    # Records with known fates that ``service demo`` produces (reliable_consumer.engine.samples);
+    # None when the service has none (the demo then says so).
+    samples: Samples | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         """Refuse a declaration that cannot work, naming the field and the value."""
@@ -97,6 +106,10 @@ class App:
                     "(the service may run from any directory)",
                 )
             object.__setattr__(self, "migrations", folder)
+        if self.ledger is not None and not isinstance(self.ledger, Ledger):
+            _refuse("ledger", self.ledger, "must be a Ledger(...) (or None)")
+        if self.samples is not None and not isinstance(self.samples, Samples):
+            _refuse("samples", self.samples, "must have handlers, mixed() and outage() (or None)")
 
 
 def _check(app: App, name: str, rule: Callable[[str], str]) -> None:

@@ -1,5 +1,8 @@
 """Sample payment notifications with a known mix of fates, for the demo, tests and benchmarks.
 
+The example's own records (``make run`` produces them through ``App(samples=SAMPLES)``,
+service/app.py); the engine's suites and benchmarks use them too.
+
 Each generated record says what should become of it, so a run can be checked from
 the outside: valid payments (including transient failures) are granted exactly once;
 permanent failures and malformed records end in the dead-letter topic with a reason.
@@ -13,15 +16,15 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from aiokafka import AIOKafkaProducer
 
-Kind = Literal["ok", "transient", "permanent", "malformed", "duplicate", "refund"]
+from service.handlers.payments import REFUND_SUFFIX
 
-REFUND_SUFFIX = ".refund"  # a refund's dedupe key: service/handlers/payments.py
+Kind = Literal["ok", "transient", "permanent", "malformed", "duplicate", "refund"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,16 @@ class SampleRecord:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]] = field(default_factory=list)
+
+    @property
+    def dedupe_key(self) -> str | None:
+        """The key its ledger entry is counted under (the demo's name for ``payment_id``)."""
+        return self.payment_id
+
+    @property
+    def after(self) -> str | None:
+        """What must be granted before it: a refund's payment."""
+        return self.refund_of
 
     @property
     def expect_grant(self) -> bool:
@@ -166,3 +179,24 @@ async def produce(producer: AIOKafkaProducer, topic: str, records: Iterable[Samp
     for fut in futures:
         await fut
     return len(futures)
+
+
+@dataclass(frozen=True)
+class PaymentSamples:
+    """The example's records for ``service demo`` (reliable_consumer.engine.samples.Samples)."""
+
+    # Either example fits them; the postgres one first, so binding it runs the demo on it.
+    handlers: tuple[str, ...] = ("purchases", "payments")
+    # The demo's opening mix: some of every fate, refunds among them.
+    mix: Mix = Mix(transient=0.10, permanent=0.02, malformed=0.02, duplicate=0.02, refund=0.02)
+
+    def mixed(self, n: int, *, seed: int, prefix: str) -> Sequence[SampleRecord]:
+        return generate(n, self.mix, seed=seed, prefix=prefix)
+
+    def outage(
+        self, n: int, down_until_ms: int, *, seed: int, prefix: str
+    ) -> Sequence[SampleRecord]:
+        return outage(n, down_until_ms, seed=seed, prefix=prefix)
+
+
+SAMPLES = PaymentSamples()
