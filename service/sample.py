@@ -185,8 +185,8 @@ async def produce(producer: AIOKafkaProducer, topic: str, records: Iterable[Samp
 class PaymentSamples:
     """The example's records for ``service demo`` (reliable_consumer.engine.samples.Samples)."""
 
-    # Either example fits them; the postgres one first, so binding it runs the demo on it.
-    handlers: tuple[str, ...] = ("purchases", "payments")
+    # Either example fits them (the demo runs the first one bound, else the Redis one).
+    handlers: tuple[str, ...] = ("payments", "purchases")
     # The demo's opening mix: some of every fate, refunds among them.
     mix: Mix = Mix(transient=0.10, permanent=0.02, malformed=0.02, duplicate=0.02, refund=0.02)
 

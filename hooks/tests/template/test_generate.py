@@ -264,8 +264,9 @@ def test_postgres_answer_without_the_example_topic(orders_project: Path) -> None
         orders_project,
         "-c",
         "import json, sys; "
-        "from reliable_consumer.dev.demo_grants import demo_example, uses_postgres; "
-        "e = demo_example(json.loads(sys.argv[1])); print(e, uses_postgres(e))",
+        "from reliable_consumer.dev.demo_grants import demo_handler, uses_postgres; "
+        "from service.app import app; "
+        "e = demo_handler(app.samples, json.loads(sys.argv[1])); print(e, uses_postgres(e))",
         binding[1],
     )
     assert chosen.returncode == 0, chosen.stderr

@@ -19,6 +19,7 @@ from reliable_consumer.engine.app_location import (
     APP_SETTING,
     PYPROJECT_TABLE,
     choose_app,
+    current_app,
 )
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.observability import configure_logging
@@ -226,7 +227,7 @@ def check_config() -> None:
 
 @app.command()
 def demo(
-    records: Annotated[int, typer.Option(min=10, help="Sample notifications to produce.")] = 2000,
+    records: Annotated[int, typer.Option(min=10, help="Sample records to produce.")] = 2000,
     state_dir: StateDir = None,
     exit_when_done: Annotated[
         bool, typer.Option(help="Stop once the sample is processed instead of running on.")
@@ -236,19 +237,29 @@ def demo(
     ] = False,
     broker: BrokerChoice = "tansu",
 ) -> None:
-    """Start the dev stack, produce sample payments, run the worker with a live view.
+    """Start the dev stack, produce the app's sample records, run the worker with a live view.
 
-    On exit it stops the broker and Redis it started, unless --keep; a stack that
-    `service dev up` started is left running. With the example bound to its postgres
-    handler (WORKER_TOPICS='{"purchases": "payments"}'), PostgreSQL runs too and holds
-    the grants.
+    The records are the app's (App samples=..., service/app.py), fed to the first of their
+    handlers that the settings bind (WORKER_TOPICS or the app's topics). On exit it stops
+    the broker and Redis it started, unless --keep; a stack that `service dev up` started
+    is left running. When that handler keeps its effects in PostgreSQL, PostgreSQL runs too.
     """
     _require("devstack", "service demo")
-    from reliable_consumer.dev.demo import run_demo
-    from reliable_consumer.dev.demo_grants import demo_example
+    from reliable_consumer.dev.demo import DemoPlan, run_demo
+    from reliable_consumer.dev.demo_grants import demo_handler
     from reliable_consumer.dev.servers import DevStackError
 
-    example = demo_example(_settings().topics)
+    topics = _settings().topics
+    declared = current_app()
+    if declared.samples is None:
+        raise _refuse(
+            ConfigurationError(
+                f"service demo: the app {declared.name!r} declares no samples (App samples=..., "
+                "service/app.py): the demo produces the service's own sample records"
+            )
+        )
+    handler = demo_handler(declared.samples, topics)
+    plan = DemoPlan(declared, handler, topics.get(handler, handler))
 
     configure_logging("ERROR", "console")  # the live view tells the story; errors still show
     try:
@@ -260,7 +271,7 @@ def demo(
                 console=console,
                 keep=keep,
                 broker=broker,
-                example=example,
+                plan=plan,
             )
         )
     except DevStackError as exc:

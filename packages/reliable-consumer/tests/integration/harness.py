@@ -19,6 +19,9 @@ from tests.helpers import await_until
 
 from service import sample
 
+# The summary's row for the sample's ordered pair: a refund after its twice-failing payment.
+REFUND_IN_ORDER = r"ordered pair, its first failing twice +│ ledger: (\S+) -> \1\.refund "
+
 
 def make_settings(
     bootstrap: str,

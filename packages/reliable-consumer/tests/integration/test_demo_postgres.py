@@ -19,9 +19,10 @@ import psycopg
 import pytest
 import redis
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.demo import OUTAGE_PAYMENTS
+from reliable_consumer.dev.demo import OUTAGE_RECORDS
 from reliable_consumer.dev.stack import DevStack
 from tests.integration.harness import (
+    REFUND_IN_ORDER,
     assert_invariants,
     prepare_topics,
     produce,
@@ -92,17 +93,19 @@ def test_make_run_with_the_postgres_example_grants_into_postgresql(state_dir: Pa
     assert result.returncode == 0, output
     applied = "engine/0001_inbox.sql, engine/0002_inbox_guard.sql, project/0001_purchases.sql"
     assert f"service db migrate: applied {applied}" in output, output
-    assert re.search(r"grants live in +│ PostgreSQL, the purchases table", output), output
+    assert re.search(r"effects counted in +│ PostgreSQL, the table purchases", output), output
 
     # What the sample should leave: one entry per payment and refund, the outage's 30 too.
-    produced = re.search(r"producing 10 notifications to 'payments': (\{.*\})", output)
+    produced = re.search(r"producing 10 records to 'payments': (\{.*\})", output)
     assert produced is not None, output
     kinds = ast.literal_eval(produced[1])
-    expected = kinds["ok"] + kinds["transient"] + kinds["refund"] + OUTAGE_PAYMENTS
-    shown = re.search(r"ledger entries of this run \(grants and refunds\) +│ (\d+)", output)
+    expected = kinds["ok"] + kinds["transient"] + kinds["refund"] + OUTAGE_RECORDS
+    shown = re.search(r"ledger entries of this run +│ (\d+)", output)
     assert shown is not None and int(shown[1]) == expected, output
-    assert re.search(r"payments granted more than once +│ 0 ", output), output
-    assert "whose payment failed twice │ ledger: grant -> refund" in output, output
+    once = re.search(r"records expected to apply, applied exactly once +│ (\d+) of (\d+)", output)
+    assert once is not None and int(once[1]) == int(once[2]) == expected, output
+    assert re.search(r"keys applied more than once +│ 0 ", output), output
+    assert re.search(REFUND_IN_ORDER, output), output
     outage = r"outage: circuit opened, [1-9]\d* held, 0 dead-lettered, all granted after it closed"
     assert re.search(outage, output), output
 

@@ -1,19 +1,19 @@
-"""`make run`: the worker on the embedded stack, processing sample payment notifications.
+"""`make run`: the worker on the embedded stack, processing the service's sample records.
 
-Starts (or reuses) the dev broker and Redis, produces a sample with transient, permanent
-and malformed records and refunds (one refund follows a payment that fails twice: the
-ledger must still read grant, then refund), and runs the worker with a live progress view.
-Then the grant dependency goes down for a few seconds: the circuit breaker opens and holds
-the payments instead of spending their retries or dead-lettering them, and closes once the
-dependency is back. Prints a summary once everything has settled, then keeps running until
-Ctrl-C. On the way out it stops the servers it started (unless `--keep`) and leaves ones
-that `service dev up` started, saying which and how to stop them: a newcomer must not find
-stray servers later.
+Starts (or reuses) the dev broker and Redis, produces the app's sample (``App(samples=...)``,
+reliable_consumer.engine.samples) with transient, permanent and malformed records and an
+ordered pair (a record that fails twice, then one on the same key that must apply after it:
+the ledger must still read them in that order), and runs the worker with a live progress
+view. Then the handler's dependency goes down for a few seconds: the circuit breaker opens
+and holds the records instead of spending their retries or dead-lettering them, and closes
+once the dependency is back. Prints a summary once everything has settled, then keeps
+running until Ctrl-C. On the way out it stops the servers it started (unless `--keep`) and
+leaves ones that `service dev up` started, saying which and how to stop them: a newcomer
+must not find stray servers later.
 
-With the example bound to its postgres handler (``WORKER_TOPICS='{"purchases": "payments"}'``
-or the app's topics in service/app.py), the stack also runs the embedded PostgreSQL, the
-demo migrates it (`service db migrate`) and reads the grants from the purchases table
-(demo_grants.py).
+When the handler it runs keeps its effects in PostgreSQL, the stack also runs the embedded
+PostgreSQL, the demo migrates it (`service db migrate`) and counts the effects in the
+ledger's table (demo_grants.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import asyncio
 import signal
 import time
 import uuid
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,46 +35,56 @@ from rich.table import Table
 from rich.text import Text
 
 from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.dev.demo_grants import (
-    REDIS_EXAMPLE,
-    Grants,
-    PostgresGrants,
-    RedisGrants,
-    migrate,
-    uses_postgres,
-)
+from reliable_consumer.dev.demo_grants import Grants, grants_for, migrate, uses_postgres
 from reliable_consumer.dev.servers import free_port
 from reliable_consumer.dev.stack import DEFAULT_BROKER, STOP_HINT, DevStack, DevStackInfo
+from reliable_consumer.engine.app import App
 from reliable_consumer.engine.kafka_client import connection_kwargs
+from reliable_consumer.engine.samples import SampleRecord
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit
-from service import sample
 
-TOPIC = "payments"  # the demo's topic, whichever example handler is bound to it
 OUTCOMES = ("succeeded", "retry_scheduled", "dead_lettered", "duplicate")
-KINDS = ("ok", "transient", "permanent", "malformed", "duplicate", "refund")
 CIRCUIT_STATES = {0: "closed", 1: "half-open", 2: "open"}
-# The simulated outage: this many payments, their grant dependency down this long.
-OUTAGE_PAYMENTS = 30
+# The simulated outage: this many records, their handler's dependency down this long.
+OUTAGE_RECORDS = 30
 OUTAGE_S = 8.0
 # How long the outage may take to settle before the demo says so and moves on.
 OUTAGE_DEADLINE_S = 90.0
 
 
+@dataclass(frozen=True)
+class DemoPlan:
+    """What the demo runs: the app's samples, fed to one of its handlers on its topic."""
+
+    app: App
+    handler: str
+    topic: str
+
+    @property
+    def group(self) -> str:
+        """The demo's own group, so it never shares offsets with the service's workers."""
+        return f"{self.app.consumer_group}-demo"
+
+    @property
+    def key_prefix(self) -> str:
+        """The demo's own Redis key space (an operator command needs it to see the demo)."""
+        return "demo"
+
+
 def demo_settings(
     bootstrap: str,
     redis_url: str,
-    topic: str,
+    plan: DemoPlan,
     http_port: int,
     *,
-    example: str = REDIS_EXAMPLE,
     postgres_url: str | None = None,
 ) -> Settings:
     return Settings(
-        kafka={"bootstrap_servers": bootstrap, "group_id": "payments-demo"},
-        redis={"url": redis_url, "key_prefix": "demo"},
-        topics={example: topic},
+        kafka={"bootstrap_servers": bootstrap, "group_id": plan.group},
+        redis={"url": redis_url, "key_prefix": plan.key_prefix},
+        topics={plan.handler: plan.topic},
         postgres={"url": postgres_url},
         # Snappy backoff so the sample settles in seconds; no attempt cap (as in production,
         # an age limit ends retries), so an outage cannot spend them before the breaker opens.
@@ -88,10 +100,9 @@ def demo_settings(
     )
 
 
-def _counts(worker: Worker) -> dict[str, int]:
+def _counts(worker: Worker, handler: str) -> dict[str, int]:
     registry = worker.metrics.registry
-    h = worker.registry.for_topic(TOPIC)  # the example bound to the demo's topic
-    labels = {"handler": h.name if h is not None else REDIS_EXAMPLE}
+    labels = {"handler": handler}
     return {
         o: int(registry.get_sample_value("worker_records_total", {**labels, "outcome": o}) or 0)
         for o in OUTCOMES
@@ -126,10 +137,11 @@ class _Circuit:
 
 
 @dataclass
-class _RefundWatch:
-    """The refund whose payment fails twice: the ledger's order once both are applied."""
+class _OrderWatch:
+    """The ordered pair: ``then`` must apply after ``first``, which fails twice first."""
 
-    payment_id: str
+    first: str
+    then: str
     history: list[str] = field(default_factory=list)
 
     @property
@@ -138,35 +150,39 @@ class _RefundWatch:
 
     async def update(self, grants: Grants) -> None:
         if not self.done:
-            self.history = await grants.history(self.payment_id)
+            self.history = await grants.order({self.first, self.then})
 
     def line(self) -> Text:
         order = " -> ".join(self.history) or "nothing yet"
-        if self.history == ["grant", "refund"]:
+        if self.history == [self.first, self.then]:
             return Text(
-                f"refund of {self.payment_id} (its payment failed twice): ledger {order}, in order",
+                f"{self.then} after {self.first} (which failed twice): ledger {order}, in order",
                 style="green",
             )
         if self.done:
-            return Text(f"refund of {self.payment_id}: ledger {order}: OUT OF ORDER", style="red")
-        return Text(f"refund of {self.payment_id} waits behind its failing payment: ledger {order}")
+            return Text(f"{self.then}: ledger {order}: OUT OF ORDER", style="red")
+        return Text(f"{self.then} waits behind {self.first}, which is failing: ledger {order}")
 
 
 def _progress(
-    worker: Worker, produced: int, state: _Snapshot | None, refund: _RefundWatch | None
+    worker: Worker,
+    plan: DemoPlan,
+    produced: int,
+    state: _Snapshot | None,
+    watch: _OrderWatch | None,
 ) -> Panel:
-    counts = _counts(worker)
+    counts = _counts(worker, plan.handler)
     table = Table.grid(padding=(0, 2))
     table.add_row(*(f"[bold]{o}[/] {counts[o]}" for o in OUTCOMES))
     parts: list[Table | Text] = [table]
-    circuit = _circuit(worker, TOPIC)
+    circuit = _circuit(worker, plan.topic)
     parts.append(Text(f"circuit {circuit}: {_Circuit.read(worker, circuit).state}"))
     if state is not None:
         parts.append(_offsets_table(state))
         parts.append(Text(f"retry queue: waiting {state.depth[0]}, running {state.depth[1]}"))
-    if refund is not None:
-        parts.append(refund.line())
-    return Panel(Group(*parts), title=f"processing {produced} sample notifications")
+    if watch is not None:
+        parts.append(watch.line())
+    return Panel(Group(*parts), title=f"processing {produced} sample records")
 
 
 def _offsets_table(state: _Snapshot) -> Table:
@@ -188,8 +204,7 @@ class _Snapshot:
         return done and self.depth == (0, 0, 0)
 
 
-async def _snapshot(settings: Settings) -> _Snapshot:
-    topic = TOPIC
+async def _snapshot(settings: Settings, topic: str) -> _Snapshot:
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
     depth = await audit.retry_queue_depth(
         settings.redis.url.get_secret_value(), settings.redis.key_prefix
@@ -205,18 +220,18 @@ async def run_demo(
     console: Console,
     keep: bool = False,
     broker: str = DEFAULT_BROKER,
-    example: str = REDIS_EXAMPLE,
+    plan: DemoPlan,
 ) -> int:
-    """`example` names the handler the demo binds to its topic (demo_grants.demo_example)."""
+    """Run ``plan``'s handler on the dev stack (demo_grants.demo_handler chooses it)."""
     name = "Apache Kafka, 1 node" if broker == "kafka" else "the embedded broker, Tansu"
-    postgres = uses_postgres(example)
+    postgres = uses_postgres(plan.handler)
     servers = "Redis (AOF always) and PostgreSQL (fsync on)" if postgres else "Redis (AOF always)"
     console.print(f"[bold]1/5[/] starting {name}, {servers}...")
     # Not in a thread: a Ctrl-C now cancels at the first await below, inside the `try`.
     info = DevStack.up(state_dir, broker=broker, postgres=postgres)
     console.print(f"    Kafka {info.bootstrap}   Redis {info.redis_url}   state {info.state_dir}")
     try:
-        return await _demo(info, records, exit_when_done, console, example)
+        return await _demo(info, records, exit_when_done, console, plan)
     finally:
         _leave_stack(info, keep, console)
 
@@ -248,34 +263,39 @@ def _leave_stack(info: DevStackInfo, keep: bool, console: Console) -> None:
 
 
 async def _demo(
-    info: DevStackInfo, records: int, exit_when_done: bool, console: Console, example: str
+    info: DevStackInfo, records: int, exit_when_done: bool, console: Console, plan: DemoPlan
 ) -> int:
-    topic = TOPIC
+    topic = plan.topic
+    samples = plan.app.samples
+    assert samples is not None  # the command refuses an app without samples
     settings = demo_settings(
-        info.bootstrap,
-        info.redis_url,
-        topic,
-        free_port(),
-        example=example,
-        postgres_url=info.postgres_url,
+        info.bootstrap, info.redis_url, plan, free_port(), postgres_url=info.postgres_url
     )
-    grants: Grants = RedisGrants(info.redis_url, settings.redis.key_prefix)
+    grants = grants_for(
+        plan.app.ledger,
+        postgres_url=info.postgres_url,
+        redis_url=info.redis_url,
+        prefix=settings.redis.key_prefix,
+    )
+    console.print(
+        f"    handler {plan.handler} on topic {topic}   group {plan.group}   "
+        f"Redis key prefix {plan.key_prefix}",
+        highlight=False,
+    )
     if info.postgres_url is not None:
         applied = await migrate(settings.postgres)
         done = f"applied {', '.join(applied)}" if applied else "already up to date"
         console.print(f"    PostgreSQL {info.postgres_url}   service db migrate: {done}")
         console.print(f"    export WORKER_POSTGRES__URL={info.postgres_url}", highlight=False)
-        grants = PostgresGrants(info.postgres_url)
     await create_topics(
         info.bootstrap,
         {topic: 6, settings.dead_letter_topic(topic): 1, settings.outcomes_topic() or "": 1},
     )
 
     run_id = uuid.uuid4().hex[:6]
-    mix = sample.Mix(transient=0.10, permanent=0.02, malformed=0.02, duplicate=0.02, refund=0.02)
-    batch = sample.generate(records, mix, seed=int(run_id, 16), prefix=f"pay_{run_id}")
-    kinds = {k: sum(1 for r in batch if r.kind == k) for k in KINDS}
-    console.print(f"[bold]2/5[/] producing {len(batch)} notifications to '{topic}': {kinds}")
+    batch = samples.mixed(records, seed=int(run_id, 16), prefix=f"demo_{run_id}")
+    kinds = dict(Counter(r.kind for r in batch))
+    console.print(f"[bold]2/5[/] producing {len(batch)} records to '{topic}': {kinds}")
     await _produce(settings, topic, batch)
 
     console.print(
@@ -286,24 +306,24 @@ async def _demo(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.request_stop)
-    # The sample opens with a payment that fails twice, then its refund on the same key.
-    first_refund = next((r.refund_of for r in batch if r.refund_of), None)
-    refund = _RefundWatch(first_refund) if first_refund else None
+    # The sample opens with a record that fails twice, then one that must apply after it.
+    pair = next(((r.after, r.dedupe_key) for r in batch if r.after and r.dedupe_key), None)
+    watch = _OrderWatch(*pair) if pair else None
     snapshot: _Snapshot | None = None
-    live_view = _progress(worker, len(batch), None, refund)
+    live_view = _progress(worker, plan, len(batch), None, watch)
     with Live(live_view, console=console, refresh_per_second=4) as live:
         while not task.done():
             await asyncio.wait({task}, timeout=0.5)
             if worker.health.started:
-                snapshot = await _snapshot(settings)
-                if refund is not None:
-                    await refund.update(grants)
-            live.update(_progress(worker, len(batch), snapshot, refund))
+                snapshot = await _snapshot(settings, topic)
+                if watch is not None:
+                    await watch.update(grants)
+            live.update(_progress(worker, plan, len(batch), snapshot, watch))
             if (
                 snapshot is not None
                 and snapshot.settled
-                and _counts(worker)["succeeded"]
-                and (refund is None or refund.done)
+                and _counts(worker, plan.handler)["succeeded"]
+                and (watch is None or watch.done)
             ):
                 break
     if task.done():
@@ -311,31 +331,37 @@ async def _demo(
         return 1
 
     console.print(
-        f"[bold]4/5[/] the grant dependency goes down for {OUTAGE_S:g} s under "
-        f"{OUTAGE_PAYMENTS} more payments (x-fault: down-until)"
+        f"[bold]4/5[/] the handler's dependency goes down for {OUTAGE_S:g} s under "
+        f"{OUTAGE_RECORDS} more records (x-fault: down-until)"
     )
-    outage = await _outage(settings, worker, task, console, run_id, grants)
+    outage = await _outage(settings, plan, worker, task, console, run_id, grants)
     if task.done():
         task.result()
         return 1
 
     console.print("[bold]5/5[/] summary")
-    console.print(await _summary(settings, batch, worker, refund, outage, grants))
+    console.print(await _summary(settings, plan, batch, worker, watch, outage, grants))
     console.print(outage.line())
     if exit_when_done:
         worker.request_stop()
     else:
-        console.print("The worker keeps running; produce more to 'payments' or press Ctrl-C.")
+        console.print(f"The worker keeps running; produce more to '{topic}' or press Ctrl-C.")
     await task
     console.print("stopped gracefully: in-flight records finished, offsets committed.")
     return 0
 
 
-async def _produce(settings: Settings, topic: str, records: list[sample.SampleRecord]) -> None:
+async def _produce(settings: Settings, topic: str, records: Sequence[SampleRecord]) -> None:
+    """Produce the records and wait for every acknowledgement."""
     producer = AIOKafkaProducer(linger_ms=5, **connection_kwargs(settings.kafka))
     await producer.start()
     try:
-        await sample.produce(producer, topic, records)
+        futures = [
+            await producer.send(topic, key=r.key, value=r.value, headers=list(r.headers) or None)
+            for r in records
+        ]
+        for future in futures:
+            await future
     finally:
         await producer.stop()
 
@@ -344,26 +370,26 @@ async def _produce(settings: Settings, topic: str, records: list[sample.SampleRe
 class _Outage:
     """What the outage did, measured from the outside and from the worker's metrics."""
 
-    payments: list[str]
+    keys: list[str]  # the outage records' dedupe keys
     started: float = field(default_factory=time.monotonic)
     opened: int = 0  # transitions to open since the outage began
     max_held: int = 0
     dead_lettered: int = 0  # dead letters since the outage began
     parked: int = 0  # retry_scheduled outcomes since the outage began (parks and re-parks)
-    granted: int = 0  # outage payments with exactly one ledger entry
+    granted: int = 0  # outage records with exactly one ledger entry
     circuit: str = "?"
     settled: bool = False
 
     @property
     def all_granted(self) -> bool:
-        return self.granted == len(self.payments)
+        return self.granted == len(self.keys)
 
     def line(self) -> str:
         opened = "circuit opened" if self.opened else "circuit did NOT open"
         end = (
             "all granted after it closed"
             if self.all_granted and self.circuit == "closed"
-            else f"{self.granted}/{len(self.payments)} granted, circuit {self.circuit}"
+            else f"{self.granted}/{len(self.keys)} granted, circuit {self.circuit}"
         )
         if not self.settled:
             end += f", not settled after {OUTAGE_DEADLINE_S:g} s"
@@ -372,14 +398,17 @@ class _Outage:
 
 async def _outage(
     settings: Settings,
+    plan: DemoPlan,
     worker: Worker,
     task: asyncio.Task[None],
     console: Console,
     run_id: str,
     grants: Grants,
 ) -> _Outage:
-    """Payments whose dependency is down for a while: the breaker should hold, not give up."""
-    topic = TOPIC
+    """Records whose dependency is down for a while: the breaker should hold, not give up."""
+    topic = plan.topic
+    samples = plan.app.samples
+    assert samples is not None
     circuit = _circuit(worker, topic)
     # On a busy service an outage fails every run, so the failure ratio climbs at once; the
     # sample's successes are still in the breaker's window and would outvote the first
@@ -391,7 +420,7 @@ async def _outage(
             runs = worker.health.circuits().get(circuit, {}).get("runs", 0)
             if not isinstance(runs, int):
                 break
-            if runs <= OUTAGE_PAYMENTS:
+            if runs <= OUTAGE_RECORDS:
                 break
             live.update(
                 Text(f"letting the sample's {runs} runs leave the breaker's {window_s:g} s window")
@@ -399,12 +428,12 @@ async def _outage(
             await asyncio.wait({task}, timeout=0.5)
 
     down_until_ms = int((time.time() + OUTAGE_S) * 1000)
-    records = sample.outage(
-        OUTAGE_PAYMENTS, down_until_ms, seed=int(run_id, 16), prefix=f"out_{run_id}"
+    records = samples.outage(
+        OUTAGE_RECORDS, down_until_ms, seed=int(run_id, 16), prefix=f"out_{run_id}"
     )
     before = _Circuit.read(worker, circuit)
-    counts_before = _counts(worker)
-    result = _Outage([str(r.payment_id) for r in records])
+    counts_before = _counts(worker, plan.handler)
+    result = _Outage([str(r.dedupe_key) for r in records])
     await _produce(settings, topic, records)
     view = _outage_view(result, None, down_until_ms)
     with Live(view, console=console, refresh_per_second=4) as live:
@@ -414,12 +443,12 @@ async def _outage(
             result.circuit = now.state
             result.opened = now.opened - before.opened
             result.max_held = max(result.max_held, now.held)
-            counts = _counts(worker)
+            counts = _counts(worker, plan.handler)
             result.dead_lettered = counts["dead_lettered"] - counts_before["dead_lettered"]
             result.parked = counts["retry_scheduled"] - counts_before["retry_scheduled"]
             entries = await grants.counts()
-            result.granted = sum(1 for p in result.payments if entries.get(p) == 1)
-            snapshot = await _snapshot(settings)
+            result.granted = sum(1 for k in result.keys if entries.get(k) == 1)
+            snapshot = await _snapshot(settings, topic)
             live.update(_outage_view(result, snapshot, down_until_ms, now))
             back = time.time() * 1000 >= down_until_ms
             closed = now.state in ("closed", "not wired")
@@ -435,9 +464,7 @@ def _outage_view(
     left_s = down_until_ms / 1000 - time.time()
     parts: list[Table | Text] = [
         Text(
-            f"grant dependency: DOWN, back in {left_s:.1f} s"
-            if left_s > 0
-            else "grant dependency: up",
+            f"dependency: DOWN, back in {left_s:.1f} s" if left_s > 0 else "dependency: up",
             style="red" if left_s > 0 else "green",
         )
     ]
@@ -457,41 +484,46 @@ def _outage_view(
             f"{result.dead_lettered} dead-lettered"
         )
     )
-    parts.append(Text(f"granted: {result.granted}/{len(result.payments)}"))
+    parts.append(Text(f"granted: {result.granted}/{len(result.keys)}"))
     if state is not None:
         parts.append(Text(f"retry queue: waiting {state.depth[0]}, running {state.depth[1]}"))
         parts.append(_offsets_table(state))
-    return Panel(Group(*parts), title=f"dependency outage: {len(result.payments)} payments")
+    return Panel(Group(*parts), title=f"dependency outage: {len(result.keys)} records")
 
 
 async def _summary(
     settings: Settings,
-    batch: list[sample.SampleRecord],
+    plan: DemoPlan,
+    batch: Sequence[SampleRecord],
     worker: Worker,
-    refund: _RefundWatch | None,
+    watch: _OrderWatch | None,
     outage: _Outage,
     grants: Grants,
 ) -> Table:
     entries = await grants.counts()
-    ours = {r.payment_id for r in batch if r.payment_id} | set(outage.payments)
+    ours = {r.dedupe_key for r in batch if r.dedupe_key} | set(outage.keys)
     granted = {k: v for k, v in entries.items() if k in ours}
-    refunds = sum(v for k, v in granted.items() if k.endswith(sample.REFUND_SUFFIX))
-    dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(TOPIC))
+    expected = {r.dedupe_key for r in batch if r.expect_grant and r.dedupe_key}
+    expected |= set(outage.keys)
+    dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(plan.topic))
     reasons: dict[str, int] = {}
     for record in dlq:
         reason = audit.header(record, "x-dlq-reason") or "?"
         reasons[reason] = reasons.get(reason, 0) + 1
-    counts = _counts(worker)
-    snapshot = await _snapshot(settings)
-    table = Table(title="payments demo", show_header=False)
-    table.add_row("grants live in", Text(grants.where))  # Text: ":ledger:" is no emoji
-    table.add_row("ledger entries of this run (grants and refunds)", str(sum(granted.values())))
-    table.add_row("of them refunds (entitlement revoked)", str(refunds))
-    table.add_row("payments granted more than once", str(sum(1 for v in granted.values() if v > 1)))
-    if refund is not None:
+    counts = _counts(worker, plan.handler)
+    snapshot = await _snapshot(settings, plan.topic)
+    table = Table(title=f"{plan.app.name} demo: handler {plan.handler}", show_header=False)
+    table.add_row("effects counted in", Text(grants.where))  # Text: ":ledger:" is no emoji
+    table.add_row("ledger entries of this run", str(sum(granted.values())))
+    table.add_row(
+        "records expected to apply, applied exactly once",
+        f"{sum(1 for k in expected if granted.get(k) == 1)} of {len(expected)}",
+    )
+    table.add_row("keys applied more than once", str(sum(1 for v in granted.values() if v > 1)))
+    if watch is not None:
         table.add_row(
-            f"refund of {refund.payment_id}, whose payment failed twice",
-            "ledger: " + (" -> ".join(refund.history) or "nothing"),
+            "ordered pair, its first failing twice",
+            "ledger: " + (" -> ".join(watch.history) or "nothing"),
         )
     table.add_row("retries scheduled", str(counts["retry_scheduled"]))
     table.add_row("duplicates absorbed", str(counts["duplicate"]))

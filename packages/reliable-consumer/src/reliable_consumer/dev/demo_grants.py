@@ -1,50 +1,51 @@
-"""Where the demo reads its grants: the Redis example's ledger stream, or the postgres
-example's purchases table, so the live view and the summary show the store the worker wrote.
+"""Where the demo counts the effects it shows: the app's ledger, in the store of the handler
+it runs (its Redis stream, or its PostgreSQL table), so the live view and the summary read
+what the worker wrote.
 
-``make run`` runs whichever example the settings bind (``WORKER_TOPICS`` or the app's
-topics, service/app.py): "payments" keeps its grants in Redis, "purchases" in PostgreSQL.
+Which handler runs: the first of the app's samples' handlers that the settings bind
+(``WORKER_TOPICS`` or the app's topics), else the first of them, bound for the demo.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from reliable_consumer.dev.servers import DevStackError
 from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.ledger import Ledger
 from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.samples import Samples
 from reliable_consumer.engine.settings import PostgresSettings
 from reliable_consumer.ops import audit
 
-# The handlers the demo's sample fits (service/handlers/payments.py and purchases.py).
-REDIS_EXAMPLE = "payments"
-POSTGRES_EXAMPLE = "purchases"
+
+def demo_handler(samples: Samples, topics: Mapping[str, str]) -> str:
+    """The handler the demo runs: the first of the samples' handlers the settings bind."""
+    return next((h for h in samples.handlers if h in topics), samples.handlers[0])
 
 
-def demo_example(topics: dict[str, str]) -> str:
-    """The example the demo runs: the postgres one when the settings bind it, else Redis's."""
-    return POSTGRES_EXAMPLE if POSTGRES_EXAMPLE in topics else REDIS_EXAMPLE
-
-
-def uses_postgres(example: str) -> bool:
-    return Registry.from_settings({example: "payments"}).uses_postgres
+def uses_postgres(handler: str) -> bool:
+    """Whether the handler keeps its effects in PostgreSQL (the demo then starts one)."""
+    return Registry.from_settings({handler: "demo"}).uses_postgres
 
 
 class Grants(Protocol):
-    """The grants of the example's store, as the demo shows them."""
+    """The ledger entries of the demo's store, as the demo shows them."""
 
     @property
     def where(self) -> str:
-        """Where the grants live, in words, for the summary."""
+        """Where the entries live, in words, for the summary."""
         ...
 
     async def counts(self) -> Counter[str]:
-        """Entries per ledger key (payment id, ``<payment_id>.refund``)."""
+        """Entries per dedupe key."""
         ...
 
-    async def history(self, payment_id: str) -> list[str]:
-        """One payment's entries in the order they were written ("grant", "refund")."""
+    async def order(self, keys: Collection[str]) -> list[str]:
+        """The entries of ``keys``, as their dedupe keys, in the order they were written."""
         ...
 
 
@@ -52,38 +53,59 @@ class Grants(Protocol):
 class RedisGrants:
     redis_url: str
     prefix: str
+    ledger: Ledger
 
     @property
     def where(self) -> str:
-        stream = RedisKeys(self.prefix).effect("ledger", "purchases")
+        stream = RedisKeys(self.prefix).effect(*(self.ledger.stream or ()))
         return f"Redis, the ledger stream {stream}"
 
     async def counts(self) -> Counter[str]:
-        return await audit.ledger_grants(self.redis_url, self.prefix)
+        return await audit.ledger_grants(self.redis_url, self.prefix, self.ledger)
 
-    async def history(self, payment_id: str) -> list[str]:
-        return await audit.ledger_history(self.redis_url, self.prefix, payment_id)
+    async def order(self, keys: Collection[str]) -> list[str]:
+        return await audit.ledger_order(self.redis_url, self.prefix, keys, self.ledger)
 
 
 @dataclass(frozen=True)
 class PostgresGrants:
     postgres_url: str
+    ledger: Ledger
 
     @property
     def where(self) -> str:
-        return f"PostgreSQL, the purchases table ({self.postgres_url})"
+        return f"PostgreSQL, the table {self.ledger.table} ({self.postgres_url})"
 
     async def counts(self) -> Counter[str]:
-        return await audit.postgres_grants(self.postgres_url)
+        return await audit.postgres_grants(self.postgres_url, self.ledger)
 
-    async def history(self, payment_id: str) -> list[str]:
-        import psycopg
+    async def order(self, keys: Collection[str]) -> list[str]:
+        rows = await audit.table_entries(self.postgres_url, self.ledger)
+        return [k for k in map(self.ledger.entry_key, rows) if k is not None and k in keys]
 
-        async with await psycopg.AsyncConnection.connect(self.postgres_url) as conn:
-            cur = await conn.execute(
-                "SELECT kind FROM purchases WHERE payment_id = %s ORDER BY id", (payment_id,)
+
+def grants_for(
+    ledger: Ledger | None, *, postgres_url: str | None, redis_url: str, prefix: str
+) -> Grants:
+    """The demo's store's entries; a clear error when the ledger does not name that store."""
+    if ledger is None:
+        raise DevStackError(
+            "service demo: the app declares no ledger (App ledger=Ledger(...), service/app.py), "
+            "so the demo cannot count its sample's effects"
+        )
+    if postgres_url is not None:
+        if ledger.table is None:
+            raise DevStackError(
+                "service demo: the handler keeps its effects in PostgreSQL but the app's "
+                "ledger names no table (Ledger table=...)"
             )
-            return [str(kind) for (kind,) in await cur.fetchall()]
+        return PostgresGrants(postgres_url, ledger)
+    if ledger.stream is None:
+        raise DevStackError(
+            "service demo: the handler keeps its effects in Redis but the app's ledger names "
+            "no stream (Ledger stream=...)"
+        )
+    return RedisGrants(redis_url, prefix, ledger)
 
 
 async def migrate(settings: PostgresSettings) -> list[str]:

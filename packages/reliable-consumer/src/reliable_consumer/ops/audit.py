@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -18,8 +18,11 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
+from reliable_consumer.engine.app_location import current_app
+from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.kafka_client import connection_kwargs
 from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.ledger import Ledger
 from reliable_consumer.engine.outcome_events import decode_all
 from reliable_consumer.engine.settings import KafkaSettings
 
@@ -156,44 +159,73 @@ def header(record: Any, name: str) -> str | None:
     return None if found is None else bytes(found).decode("utf-8", "replace")
 
 
-def ledger_key(fields: dict[bytes, bytes]) -> str:
-    """The dedupe key a ledger entry was written under: its payment id, and for an entry of
-    another kind (a refund: ``kind: refund``) ``<payment_id>.<kind>``, the refund's own key."""
-    payment_id = fields[b"payment_id"].decode()
-    kind = fields.get(b"kind")
-    return f"{payment_id}.{kind.decode()}" if kind else payment_id
-
-
-async def ledger_grants(redis_url: str, prefix: str) -> Counter[str]:
-    """How many ledger entries each dedupe key has (exactly-once means all are 1)."""
-    counts: Counter[str] = Counter()
-    async for _entry_id, fields in ledger_entries(redis_url, prefix):
-        counts[ledger_key(fields)] += 1
-    return counts
-
-
-async def postgres_grants(postgres_url: str, table: str = "purchases") -> Counter[str]:
-    """How many rows each ledger key has in the postgres example's purchases table (the
-    payment id; ``<payment_id>.refund`` for a refund): exactly-once means all are 1."""
-    import psycopg
-
-    counts: Counter[str] = Counter()
-    async with await psycopg.AsyncConnection.connect(postgres_url) as conn:
-        cur = await conn.execute(
-            f"SELECT payment_id, kind, count(*) FROM {table} GROUP BY payment_id, kind"
+def declared_ledger(ledger: Ledger | None = None) -> Ledger:
+    """``ledger``, else the app's declaration; a clear error when the service keeps none."""
+    found = ledger if ledger is not None else current_app().ledger
+    if found is None:
+        raise ConfigurationError(
+            "the app declares no ledger (App ledger=Ledger(...), service/app.py), so there "
+            "are no entries to count"
         )
-        for payment_id, kind, n in await cur.fetchall():
-            counts[payment_id if kind == "grant" else f"{payment_id}.{kind}"] += int(n)
+    return found
+
+
+def entry_text(fields: dict[bytes, bytes]) -> dict[str, str]:
+    """A stream entry's fields as text, the way ``Ledger.entry_key`` reads them."""
+    return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in fields.items()}
+
+
+def ledger_key(fields: dict[bytes, bytes], ledger: Ledger | None = None) -> str | None:
+    """The dedupe key a ledger stream entry was written for (the ledger's ``entry_key``)."""
+    return declared_ledger(ledger).entry_key(entry_text(fields))
+
+
+async def ledger_grants(redis_url: str, prefix: str, ledger: Ledger | None = None) -> Counter[str]:
+    """How many ledger entries each dedupe key has (exactly-once means all are 1)."""
+    declared = declared_ledger(ledger)
+    counts: Counter[str] = Counter()
+    async for _entry_id, fields in ledger_entries(redis_url, prefix, declared):
+        key = declared.entry_key(entry_text(fields))
+        if key is not None:
+            counts[key] += 1
     return counts
+
+
+async def table_entries(postgres_url: str, ledger: Ledger | None = None) -> list[dict[str, str]]:
+    """Every row of the ledger's table (columns as text), by ``id``: the order they were
+    written in."""
+    import psycopg
+    from psycopg import sql
+    from psycopg.rows import dict_row
+
+    declared = declared_ledger(ledger)
+    if declared.table is None:
+        raise ConfigurationError("the app's ledger names no table (Ledger table=...)")
+    table = sql.Identifier(*declared.table.split("."))
+    async with await psycopg.AsyncConnection.connect(postgres_url, row_factory=dict_row) as conn:
+        cur = await conn.execute(sql.SQL("SELECT * FROM {} ORDER BY id").format(table))
+        rows = await cur.fetchall()
+    return [{k: str(v) for k, v in row.items() if v is not None} for row in rows]
+
+
+async def postgres_grants(postgres_url: str, ledger: Ledger | None = None) -> Counter[str]:
+    """How many rows each dedupe key has in the ledger's table: exactly-once means all are 1."""
+    declared = declared_ledger(ledger)
+    keys = (declared.entry_key(row) for row in await table_entries(postgres_url, declared))
+    return Counter(key for key in keys if key is not None)
 
 
 async def ledger_entries(
-    redis_url: str, prefix: str
+    redis_url: str, prefix: str, ledger: Ledger | None = None
 ) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
-    """Every ledger entry (id, fields), oldest first: the order effects were applied in."""
+    """Every entry of the ledger's stream (id, fields), oldest first: the order effects were
+    applied in."""
+    declared = declared_ledger(ledger)
+    if declared.stream is None:
+        raise ConfigurationError("the app's ledger names no Redis stream (Ledger stream=...)")
     client = aioredis.from_url(redis_url)
     try:
-        stream = RedisKeys(prefix).effect("ledger", "purchases")
+        stream = RedisKeys(prefix).effect(*declared.stream)
         start = "-"
         while True:
             entries = cast(list[Any], await client.xrange(stream, min=start, count=10_000))
@@ -206,13 +238,18 @@ async def ledger_entries(
         await client.aclose()
 
 
-async def ledger_history(redis_url: str, prefix: str, payment_id: str) -> list[str]:
-    """The ledger's entries for one payment, in order: "grant", then e.g. "refund"."""
-    return [
-        (fields.get(b"kind") or b"grant").decode()
-        async for _entry_id, fields in ledger_entries(redis_url, prefix)
-        if fields.get(b"payment_id") == payment_id.encode()
-    ]
+async def ledger_order(
+    redis_url: str, prefix: str, keys: Collection[str], ledger: Ledger | None = None
+) -> list[str]:
+    """The stream's entries for ``keys``, as their dedupe keys, in the order they were
+    written: whether a record's effect came after the one it must follow."""
+    declared = declared_ledger(ledger)
+    order = []
+    async for _entry_id, fields in ledger_entries(redis_url, prefix, declared):
+        key = declared.entry_key(entry_text(fields))
+        if key is not None and key in keys:
+            order.append(key)
+    return order
 
 
 async def retry_queue_depth(redis_url: str, prefix: str) -> tuple[int, int, int]:

@@ -20,13 +20,15 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from reliable_consumer.engine import long_keys
+from reliable_consumer.engine.app_location import current_app
 from reliable_consumer.engine.kafka_client import connection_kwargs
 from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.ledger import Ledger
 from reliable_consumer.engine.outcome_events import UnreadableOutcome, decode, mentions
 from reliable_consumer.engine.redis_client import make_client
 from reliable_consumer.engine.registry import Handler, Registry
 from reliable_consumer.engine.settings import Settings
-from reliable_consumer.ops.audit import high_watermarks, ledger_entries, ledger_key
+from reliable_consumer.ops.audit import entry_text, high_watermarks, ledger_entries
 from reliable_consumer.ops.dead_letters import DeadLetter, DeadLetterFilter, list_dead_letters
 from reliable_consumer.ops.retry_admin import RetryFilter, RetryItem, list_retries
 
@@ -208,14 +210,19 @@ async def _marker_for(
     return marker
 
 
-async def ledger_for(settings: Settings, dedupe_key: str) -> list[dict[str, str]]:
-    """The payments example's ledger entries for the key (its grant, its refund)."""
+async def ledger_for(
+    settings: Settings, dedupe_key: str, ledger: Ledger | None = None
+) -> list[dict[str, str]]:
+    """The ledger's stream entries written for the key (``App(ledger=...)``, whose
+    ``entry_key`` says which key an entry is for); none when the app keeps no stream."""
+    declared = ledger if ledger is not None else current_app().ledger
+    if declared is None or declared.stream is None:
+        return []
     out: list[dict[str, str]] = []
     url = settings.redis.url.get_secret_value()
-    async for entry_id, fields in ledger_entries(url, settings.redis.key_prefix):
-        payment = fields.get(b"payment_id", b"").decode("utf-8", "replace")
-        if payment == dedupe_key or (b"payment_id" in fields and ledger_key(fields) == dedupe_key):
-            doc = {k.decode(): v.decode("utf-8", "replace") for k, v in fields.items()}
+    async for entry_id, fields in ledger_entries(url, settings.redis.key_prefix, declared):
+        doc = entry_text(fields)
+        if declared.entry_key(doc) == dedupe_key:
             out.append({"id": entry_id.decode(), **doc})
     return out
 
