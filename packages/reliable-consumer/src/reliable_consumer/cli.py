@@ -288,7 +288,7 @@ def dev_up(
         typer.Option(
             "--postgres/--no-postgres",
             help="Also start the embedded PostgreSQL (default: when a bound handler keeps "
-            'its effects there, e.g. WORKER_TOPICS=\'{"purchases": "payments"}\').',
+            'its effects there, declared @handler(..., store="postgres")).',
         ),
     ] = None,
 ) -> None:

@@ -137,7 +137,7 @@ def test_any_valid_policy_gives_a_delay_within_its_cap(
     age_ms=st.integers(min_value=0, max_value=13 * HOUR_MS),
 )
 def test_next_delay_never_lands_past_the_age_limit(attempt: int, age_ms: int) -> None:
-    policy = RetryPolicy.payments()
+    policy = RetryPolicy.patient()
     first = 1_700_000_000_000
     now = first + age_ms
     delay = policy.next_delay_ms(attempt, first, now)
@@ -148,7 +148,7 @@ def test_next_delay_never_lands_past_the_age_limit(attempt: int, age_ms: int) ->
 def test_payments_policy_rides_out_hours() -> None:
     """Run by run until spent: the last run lands exactly at the age limit, hours after the
     first failure, with the delay capped at minutes (about 80 runs, jitter aside)."""
-    policy = RetryPolicy.payments()
+    policy = RetryPolicy.patient()
     assert policy.max_age_s is not None and policy.max_age_s >= 3 * 3600
     assert 60_000 <= policy.max_delay_ms <= HOUR_MS
     first = now = 1_700_000_000_000
@@ -164,8 +164,8 @@ def test_payments_policy_rides_out_hours() -> None:
 
 
 def test_settings_defaults_are_the_payments_policy() -> None:
-    assert RetrySettings().policy() == RetryPolicy.payments()
-    assert load_settings().retry.policy() == RetryPolicy.payments()
+    assert RetrySettings().policy() == RetryPolicy.patient()
+    assert load_settings().retry.policy() == RetryPolicy.patient()
 
 
 # --- the defaults from the environment ---

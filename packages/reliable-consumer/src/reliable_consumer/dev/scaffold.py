@@ -1,7 +1,7 @@
 """``service new-handler NAME --topic TOPIC``: one business topic, one handler module.
 
 It writes what every handler needs so that adding a topic is filling in blanks, not
-copying the payments example by hand: ``service/handlers/NAME.py`` (a payload model,
+copying another handler by hand: ``service/handlers/NAME.py`` (a payload model,
 the ``@handler`` declaration with its dedupe key, a handler that queues its effect on
 ``ctx.effects``), ``tests/handlers/test_handler_NAME.py`` (passes as generated; its records
 go through the worker's path with ``reliable_consumer.testing.HandlerTestKit``), and the

@@ -43,8 +43,8 @@ class RetryPolicy(BaseModel):
         return self
 
     @classmethod
-    def payments(cls) -> RetryPolicy:
-        """Hours, not seconds: a grant that waits out a provider's outage beats a dead letter.
+    def patient(cls) -> RetryPolicy:
+        """Hours, not seconds: a record that waits out a dependency's outage beats a dead letter.
 
         From 1 s doubling to every 10 minutes, for up to 12 hours since the first failure
         (about 80 runs); the circuit breaker keeps an outage from spending them. The

@@ -166,7 +166,7 @@ def handler(
     the other namespaces they may use, e.g. ``writes=("ledger", "entitlements")``. The
     engine's namespaces (``keys.ENGINE_NAMESPACES``) are refused as a name or in ``writes``.
 
-    ``retry`` (a :class:`RetryPolicy`, e.g. ``RetryPolicy.payments()``) and ``breaker`` (a
+    ``retry`` (a :class:`RetryPolicy`, e.g. ``RetryPolicy.patient()``) and ``breaker`` (a
     :class:`BreakerPolicy`, or False for none) override the settings' defaults;
     ``dependency`` names what the handler calls, so handlers sharing it share a breaker.
     ``ordering="none"`` lets a record overtake an earlier one of its Kafka key that waits

@@ -8,7 +8,7 @@ broker, Redis (and PostgreSQL) the test gives it, typically the test kit's fixtu
 (``tansu_broker``, ``redis_url``, ``postgres_url``)::
 
     async with RunningService(app, bootstrap=tansu_broker.bootstrap, redis_url=redis_url) as svc:
-        record = await svc.produce(svc.topic("payments"), {"payment_id": "p1", ...}, key="u1")
+        record = await svc.produce(svc.topic("orders"), {"order_id": "o1", ...}, key="u1")
         fate = await svc.wait_for(record)
         assert fate.granted
 
@@ -111,7 +111,7 @@ class RunningService:
     ``app`` is the service's declaration (``from service.app import app``); its handler
     modules are what the worker runs. ``topics`` (handler name -> topic) replaces the app's
     bindings; by default each of the app's is used with this run's suffix
-    (``payments`` -> ``payments-1a2b3c4d``; ``topic(name)`` tells which). ``partitions``
+    (``orders`` -> ``orders-1a2b3c4d``; ``topic(name)`` tells which). ``partitions``
     is what each bound topic is created with (an existing one is left as it is).
     ``settings`` are keyword overrides of the worker's settings, e.g.
     ``retry={"base_delay_ms": 50}`` or ``breaker={"enabled": False}``.
