@@ -31,6 +31,7 @@ from reliable_consumer.engine.app_location import (
     load_app,
 )
 from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.ledger import Ledger
 from reliable_consumer.engine.registry import Registry, discover
 from reliable_consumer.engine.schema import all_migrations
 from reliable_consumer.engine.settings import Settings, load_settings
@@ -122,6 +123,8 @@ def declaration(package: str, **fields: Any) -> str:
         ("handlers", ("billing-handlers",), "dotted module name"),
         ("handlers", ("billing.class",), "dotted module name"),
         ("migrations", "relative/migrations", "absolute"),
+        ("ledger", "ledger:purchases", "Ledger(...)"),
+        ("samples", object(), "mixed() and outage()"),
     ],
 )
 def test_a_declaration_that_cannot_work_is_refused_naming_the_field(
@@ -133,6 +136,26 @@ def test_a_declaration_that_cannot_work_is_refused_naming_the_field(
     assert message.startswith(f"App {field}="), message
     assert says in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        ({"stream": ("audit",)}, "entry_key=None: must be a function"),
+        ({"entry_key": str}, "stream=None: name the Redis stream, the PostgreSQL table, or both"),
+        ({"entry_key": str, "stream": ()}, "stream=(): must be the parts of ctx.redis_key"),
+        ({"entry_key": str, "stream": ("a", "")}, "must be the parts of ctx.redis_key"),
+        ({"entry_key": str, "table": "grants; DROP TABLE x"}, "must be a table name"),
+    ],
+)
+def test_a_ledger_the_audits_could_not_read_is_refused_naming_the_field(
+    arguments: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        Ledger(**{"entry_key": None, **arguments})
+    message = str(info.value)
+    assert message.startswith("Ledger "), message
+    assert says in message, message
 
 
 def test_a_declaration_holds_what_it_was_given_read_only() -> None:
@@ -330,6 +353,23 @@ def test_the_app_option_overrides_and_a_bad_one_stops_the_command(
     assert '"group_id": "billing"' in good.output
     assert current_app().name == "billing-worker"
     assert os.environ[APP_SETTING] == f"{package}.declared:app"  # for the processes it starts
+
+
+def test_the_demo_of_an_app_without_samples_stops_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A team that has not written samples yet: the demo says what it needs, no traceback."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    files = {**HANDLER_PACKAGE, "declared.py": ""}
+    package = module_on_path(monkeypatch, tmp_path, files)
+    (tmp_path / package / "declared.py").write_text(declaration(package))
+    done = CliRunner().invoke(cli, ["--app", f"{package}.declared:app", "demo"])
+    assert done.exit_code == 2, done.output
+    line = (
+        "service demo: the app 'billing-worker' declares no samples (App samples=..., "
+        "service/app.py): the demo produces the service's own sample records"
+    )
+    assert done.output == line + "\n", done.output
 
 
 def service(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
