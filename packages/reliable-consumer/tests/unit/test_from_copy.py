@@ -22,7 +22,9 @@ from service.engine.registry import Registry, discover
 from service.handlers.refunds import handle_refunds
 from service.pipeline.replay import replay_topic
 from service.testing import HandlerTestKit
+from service.dev import sample
 import service.ops.trace
+import service.dev.sample
 
 
 def test_bound() -> None:
@@ -41,7 +43,9 @@ from reliable_consumer.engine.registry import Registry
 from service.handlers.refunds import handle_refunds
 from reliable_consumer_pipeline.replay import replay_topic
 from reliable_consumer.testing import HandlerTestKit
+from service import sample
 import reliable_consumer.ops.trace
+import service.sample
 
 
 def test_bound() -> None:

@@ -17,7 +17,8 @@ because doing it by hand means telling the team's files from the engine's among 
 Python files are carried with their imports rewritten to the library (``service.engine`` ->
 ``reliable_consumer.engine``, ``service.pipeline`` -> ``reliable_consumer_pipeline``, ``from
 service import project`` + ``project.TOPICS`` -> ``from service.app import app`` +
-``app.topics``). A file the old scaffold wrote and nobody edited since is recognised against
+``app.topics``) and to the example's sample records (``service.dev.sample`` ->
+``service.sample``). A file the old scaffold wrote and nobody edited since is recognised against
 OLD's own scaffold templates (read, never run) and written as the current scaffold writes it.
 
 It never overwrites a file of NEW silently: a file NEW holds with other content is a conflict,
@@ -101,6 +102,9 @@ _PROJECT_ATTRIBUTE = re.compile(
 )
 _APP_ATTRIBUTES = {"TOPICS": "topics", **NAMES}
 _PIPELINE = re.compile(r"(?<![\w.])service\.pipeline\b")
+# The example's sample records left the engine for the example itself: service/sample.py.
+_SAMPLE_MODULE = re.compile(r"(?<![\w.])service\.dev\.sample\b")
+_SAMPLE_IMPORT = re.compile(r"^from service\.dev import sample$", re.MULTILINE)
 _ENGINE_ROOMS = re.compile(r"(?<![\w.])service\.(engine|testing|dev|ops|console|cli)\b")
 _DISCOVER_IMPORT = re.compile(
     r"^(from reliable_consumer\.engine\.registry import )([\w, ]+)$", re.MULTILINE
@@ -224,6 +228,8 @@ def rewrite(text: str) -> str:
         text = _PROJECT_ATTRIBUTE.sub(lambda m: f"app.{_APP_ATTRIBUTES[m[1]]}", text)
     text = text.replace("service/project.py", str(scaffold.APP_FILE))
     text = _PIPELINE.sub("reliable_consumer_pipeline", text)
+    text = _SAMPLE_IMPORT.sub("from service import sample", text)
+    text = _SAMPLE_MODULE.sub("service.sample", text)
     text = _ENGINE_ROOMS.sub(r"reliable_consumer.\1", text)
     return _without_unused_discover(text)
 
