@@ -183,7 +183,7 @@ async def produce(producer: AIOKafkaProducer, topic: str, records: Iterable[Samp
 
 @dataclass(frozen=True)
 class PaymentSamples:
-    """The example's records for ``service demo`` (reliable_consumer.engine.samples.Samples)."""
+    """The example's records for ``service demo`` (a ``reliable_consumer.Samples``)."""
 
     # Either example fits them (the demo runs the first one bound, else the Redis one).
     handlers: tuple[str, ...] = ("payments", "purchases")

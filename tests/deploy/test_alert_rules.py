@@ -21,8 +21,8 @@ import pytest
 import yaml
 from prometheus_client import Histogram
 from prometheus_client.metrics import MetricWrapperBase
-from reliable_consumer.engine.metrics import Metrics
 from reliable_consumer.testing import on_ci
+from reliable_consumer.testing.deploy import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"

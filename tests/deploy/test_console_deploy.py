@@ -20,9 +20,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from reliable_consumer.console.app import create_app
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.settings import Settings
+from reliable_consumer.testing.deploy import Registry, Settings, create_console_app
 
 from tests.deploy.test_deploy_artifacts import (
     EXAMPLE_SECRET_FILE,
@@ -209,7 +207,7 @@ def test_console_deployment_runs_the_console_from_the_workers_image() -> None:
 async def test_the_probed_path_answers_200_in_the_console_app() -> None:
     """The probes' path is a route of the real app (no Kafka or Redis needed for it)."""
     settings = console_pod_settings()
-    app = create_app(settings, Registry.from_settings(settings.topics))
+    app = create_console_app(settings, Registry.from_settings(settings.topics))
     path = console_container()["livenessProbe"]["httpGet"]["path"]
     scope = {
         "type": "http",

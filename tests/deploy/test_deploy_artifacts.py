@@ -36,7 +36,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from pydantic import BaseModel
-from reliable_consumer.engine.settings import Settings
+from reliable_consumer.testing.deploy import Settings
 from yamllint import linter as yamllint_linter
 from yamllint.config import YamlLintConfig
 
@@ -820,7 +820,7 @@ def test_dashboard_structure() -> None:
 
 def test_the_metrics_contract_is_what_the_worker_exposes() -> None:
     """METRICS above is checked against the worker's own registry, so neither drifts."""
-    from reliable_consumer.engine.metrics import Metrics
+    from reliable_consumer.testing.deploy import Metrics
 
     exposed: dict[str, tuple[str, frozenset[str]]] = {}
     for family in Metrics().registry.collect():

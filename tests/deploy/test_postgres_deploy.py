@@ -21,8 +21,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.settings import Settings
+from reliable_consumer.testing.deploy import Registry, Settings
 
 from tests.deploy.test_deploy_artifacts import (
     DEPLOY,

@@ -16,6 +16,7 @@ from reliable_consumer.engine.errors import PermanentError, RetryableError
 from reliable_consumer.engine.ledger import Ledger
 from reliable_consumer.engine.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.registry import Handler, handler
+from reliable_consumer.engine.samples import SampleRecord, Samples
 
 try:
     __version__ = version("reliable-consumer")
@@ -32,6 +33,8 @@ __all__ = [
     "PermanentError",
     "RetryPolicy",
     "RetryableError",
+    "SampleRecord",
+    "Samples",
     "__version__",
     "handler",
 ]

@@ -1,0 +1,29 @@
+"""What a service's checks of its deploy files read from the engine, in one stable place.
+
+A service's tests check its manifests against the engine: the environment they set loads
+into the worker's settings, their bindings name handlers that exist, the alert rules name
+metrics the worker exports, the console starts with the console pod's environment. Those
+tests live in each service and must survive a version bump of the library, so they import
+these names from here, never from the engine's modules, whose paths may change between
+releases.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.settings import Settings
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+__all__ = ["Metrics", "Registry", "Settings", "create_console_app"]
+
+
+def create_console_app(settings: Settings, registry: Registry) -> Starlette:
+    """The operators' console as ``service console`` builds it (needs the console extra)."""
+    from reliable_consumer.console.app import create_app
+
+    return create_app(settings, registry)
