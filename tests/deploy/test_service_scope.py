@@ -107,5 +107,6 @@ def test_the_selector_check_finds_what_it_must() -> None:
     assert unscoped_selectors("sum(worker_a)", job) == ["worker_a"]
     assert unscoped_selectors('worker_a{job="other"}', job) == ['worker_a{job="other"}']
     assert unscoped_selectors('worker_a{job=~"svc"}', job) == ['worker_a{job=~"svc"}']
-    assert unscoped_selectors('worker_a{job="svc", job!=""}', job) == ['worker_a{job="svc", job!=""}']
+    twice = 'worker_a{job="svc", job!=""}'
+    assert unscoped_selectors(twice, job) == [twice]
     assert unscoped_selectors('x{job="svc"} unless worker_a offset 10m', job) == ["worker_a"]
