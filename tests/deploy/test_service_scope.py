@@ -20,7 +20,8 @@ from typing import Any
 from tests.deploy.test_alert_rules import ROOT, alerts, service_job
 
 DASHBOARD_FILE = ROOT / "deploy" / "grafana" / "dashboard.json"
-# The dashboard's variable holding the job; Grafana asks for its value on import.
+# The dashboard's variable holding the job: one value to change where the job is named
+# otherwise, hidden so that no viewer widens the dashboard to every service.
 JOB_VARIABLE = "job"
 # A metric selector: the name and, when given, its `{...}` matchers.
 SELECTOR = re.compile(r"\b((?:worker|process)_[a-z0-9_]+)\b(?:\s*\{([^{}]*)\})?")
@@ -89,8 +90,7 @@ def test_every_dashboard_query_selects_the_services_job() -> None:
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     job = variables.get(JOB_VARIABLE)
     assert job, f"dashboard.json has no variable {JOB_VARIABLE!r}"
-    # A constant: hidden, one value, asked for when the dashboard is imported elsewhere.
-    assert job["type"] == "constant" and job["hide"] == 2, job
+    assert job["type"] == "constant" and job["hide"] == 2, f"not a hidden constant: {job}"
     assert job["query"] == project_name(), f"dashboard variable job = {job['query']!r}"
     queries = dashboard_queries(dash)
     assert queries
