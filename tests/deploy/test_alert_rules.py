@@ -5,6 +5,10 @@ promtool checks the rules and runs deploy/prometheus/alerts_test.yml; the checks
 sure that file cannot pass by leaving an alert out: every alert needs a case where it fires
 and a case where its metrics are present and it stays silent after its `for:` ran out. A
 renamed metric, a runbook heading that moved, or an alert added without tests fails here.
+
+Every rule selects this service's scrape job, so another service exporting the same metric
+names (another project from this template) neither fires nor hides its alerts: the cases
+named "another service's series ..." show it, and fail against rules without the selector.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ SEVERITIES = {"warning", "critical"}
 ANNOTATIONS = {"summary", "description", "runbook_url"}
 # Labels the scrape adds to every series (k8s adds pod and namespace).
 TARGET_LABELS = {"job", "instance", "pod", "namespace"}
+# The promtool cases fed another service's series (same metric names, its own job).
+ANOTHER_SERVICE = "another service's series"
 DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
 SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
@@ -64,6 +70,25 @@ def rule_tests() -> list[dict[str, Any]]:
     assert data["rule_files"] == [RULES.name], "alerts_test.yml must test alerts.yml"
     tests: list[dict[str, Any]] = data["tests"]
     return tests
+
+
+@functools.cache
+def service_job() -> str:
+    """The scrape job of the worker in prometheus.yml (the compose service `worker`): the
+    service's identity, which every rule selects on."""
+    config = yaml.safe_load(CONFIG.read_text())
+    jobs = [
+        job["job_name"]
+        for job in config["scrape_configs"]
+        if any("worker" in sd["names"] for sd in job.get("dns_sd_configs", []))
+    ]
+    assert len(jobs) == 1, f"{CONFIG.name}: expected one scrape job of the worker, found {jobs}"
+    return str(jobs[0])
+
+
+def job_matchers(text: str) -> set[str]:
+    """The values of every `job="..."` in a series or selector."""
+    return set(re.findall(r'\bjob\s*=\s*"([^"]*)"', text))
 
 
 def seconds(duration: str | None) -> float:
@@ -172,6 +197,55 @@ def test_promtool_unit_tests_pass(promtool: str) -> None:
     result = run_promtool(promtool, "test", "rules", str(RULE_TESTS.relative_to(ROOT)))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+def test_another_services_series_neither_fire_nor_hide_this_services_alerts(
+    promtool: str, tmp_path: Path
+) -> None:
+    """The cases fed another service's series pass on their own, cover every alert, and
+    fail against the same rules without their job selector: they test the scoping."""
+    cases = [c for c in rule_tests() if c["name"].startswith(ANOTHER_SERVICE)]
+    fire_none = [c for c in cases if not any(t["exp_alerts"] for t in c["alert_rule_test"])]
+    assert len(fire_none) == 1, f"{RULE_TESTS.name}: one case where no alert may fire"
+    (silent,) = fire_none
+    other_jobs = set().union(*(job_matchers(s["series"]) for s in silent["input_series"]))
+    assert len(other_jobs) == 1 and service_job() not in other_jobs, (
+        f"{silent['name']!r} must feed one other job's series only, not {service_job()}'s"
+    )
+    untested = set(alerts()) - {t["alertname"] for t in silent["alert_rule_test"]}
+    assert not untested, f"{silent['name']!r} does not check {sorted(untested)}"
+    for case in cases:
+        fed = set().union(*(job_matchers(s["series"]) for s in case["input_series"]))
+        assert fed & other_jobs, f"{case['name']!r} feeds no series of {other_jobs}"
+
+    def run(rules: Path) -> subprocess.CompletedProcess[str]:
+        suite = tmp_path / f"{rules.stem}_scope_test.yml"
+        tests = {"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": cases}
+        suite.write_text(yaml.safe_dump(tests))
+        return run_promtool(promtool, "test", "rules", str(suite))
+
+    scoped = run(RULES)
+    assert scoped.returncode == 0, scoped.stdout + scoped.stderr
+
+    selector = f'job="{service_job()}"'
+    rules = yaml.safe_load(RULES.read_text())
+    for rule in (r for group in rules["groups"] for r in group["rules"]):
+        rule["expr"] = rule["expr"].replace("{" + selector + "}", "").replace(selector + ", ", "")
+        assert selector not in rule["expr"], f"a job selector this test cannot take out: {rule}"
+    unscoped = tmp_path / "unscoped.yml"
+    unscoped.write_text(yaml.safe_dump(rules))
+    failed = run(unscoped)
+    assert failed.returncode != 0, "another service's series pass against unscoped rules too"
+    report = failed.stdout + failed.stderr  # promtool prints the failed checks on stderr
+    missed = [
+        f"{case['name']!r}: {check['alertname']}"
+        for case in cases
+        for check in case["alert_rule_test"]
+        if not re.search(
+            rf"name: {re.escape(case['name'])},\s*alertname: {check['alertname']},", report
+        )
+    ]
+    assert not missed, f"against unscoped rules these checks pass anyway: {missed}\n{report}"
 
 
 def test_prometheus_config_loads_the_rules(promtool: str) -> None:

@@ -19,7 +19,7 @@ import pytest
 import redis
 from redis.exceptions import NoPermissionError
 from tests.template.conftest import LEDGER
-from tests.template.support import NAMES_THAT_STAY, project_files, project_python
+from tests.template.support import NAMES_THAT_STAY, project_files, project_python, run_project_tests
 
 # Everything a generated service prints, documents or deploys; not its tests.
 TREE = ("docs", "deploy", "service", "README.md", "Makefile", "Dockerfile", "pyproject.toml", ".ci")
@@ -190,3 +190,24 @@ def test_spark_and_pipeline_client_names_follow_the_project(ledger_project: Path
     )
     assert names.returncode == 0, names.stderr[-3000:]
     assert json.loads(names.stdout) == ["refund-ledger-sync-pipeline"] * 2
+
+
+# --------------------------------------------------------------------------- monitoring
+
+
+def test_alerts_dashboard_and_scrape_select_the_projects_own_job(ledger_project: Path) -> None:
+    """The job every alert rule and dashboard query selects is the project's slug, as its
+    Prometheus scrape job and its ServiceMonitor (the Service's name) give it: the
+    project's own scope tests, and its promtool cases of another service's series, pass."""
+    slug = ledger_project.name
+    for relative in ("deploy/prometheus/alerts.yml", "deploy/k8s/monitoring/prometheusrule.yaml"):
+        text = (ledger_project / relative).read_text()
+        assert f'job="{slug}"' in text and 'job="payments' not in text, relative
+    result = run_project_tests(
+        ledger_project,
+        "tests/deploy/test_service_scope.py",
+        "tests/deploy/test_monitoring_deploy.py",
+        "tests/deploy/test_alert_rules.py",
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert re.search(r"\d+ passed", result.stdout) and "skipped" not in result.stdout
