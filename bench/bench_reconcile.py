@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 base_ts_ms=1_760_000_000_000,
                 redis_url=redis_url,
                 ledger_key="payments-worker:ledger:purchases",
+                key_field="payment_id",  # the example's notifications, as its worker writes them
+                handler="payments",
             )
         )
         produce_s = time.perf_counter() - started

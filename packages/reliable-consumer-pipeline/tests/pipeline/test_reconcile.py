@@ -41,7 +41,7 @@ pytestmark = pytest.mark.integration
 BASE_TS = 1_760_000_000_000
 KEY_PREFIX = "pw"
 LEDGER_KEY = f"{KEY_PREFIX}:ledger:purchases"
-PAYMENT_ID = DedupeField("payment_id", "payment_id")
+RECORD_ID = DedupeField("record_id", "record_id")
 
 
 def write(
@@ -76,7 +76,7 @@ def config(bootstrap: str, data: Dataset, out: Path, redis_url: str | None) -> R
         bootstrap=bootstrap,
         out_dir=out,
         topics=(data.source_topic,),
-        fields={data.source_topic: PAYMENT_ID},
+        fields={data.source_topic: RECORD_ID},
         outcomes_topic=data.outcomes_topic,
         redis_url=redis_url,
         key_prefix=KEY_PREFIX,
@@ -94,7 +94,7 @@ def reconcile_cli(
         "--topic",
         data.source_topic,
         "--dedupe-field",
-        f"{data.source_topic}=payment_id",
+        f"{data.source_topic}=record_id",
         "--outcomes-topic",
         data.outcomes_topic,
         "--redis-url",
@@ -173,7 +173,7 @@ def test_reconcile_finds_exactly_the_injected_problems(
     assert table.count() == report.payments == 1500 + 2
     malformed = {r["entity"]: r["state"] for r in table.where("malformed").collect()}
     assert malformed == dict.fromkeys(data.malformed_entities, "dead_lettered")
-    resent = table.where(f"entity = '{data.payment_ids[16]}'").first()
+    resent = table.where(f"entity = '{data.record_ids[16]}'").first()
     assert resent is not None
     assert (resent["state"], resent["source_records"], resent["grants"]) == ("granted", 2, 1)
     summary = spark.read.parquet(str(tmp_path / "out" / "summary")).first()
@@ -240,7 +240,7 @@ def test_cli_exits_non_zero_when_a_payment_is_lost(
     )
     assert result.exit_code == 1, result.output
     assert "NOT CLEAN" in result.output
-    assert data.payment_ids[42] in result.output
+    assert data.record_ids[42] in result.output
     assert chart.stat().st_size > 10_000
 
     # With a grace period a young unanswered record is pending, not lost: exit 0.
@@ -315,7 +315,7 @@ def test_succeeded_without_ledger_entry_is_lost_not_clean(
     assert report.states["granted"] == 198 and report.states["retrying"] == 0
     assert not report.clean and report.exit_code == 1
     table = spark.read.parquet(str(tmp_path / "out" / "payments"))
-    row = table.where(f"entity = '{data.payment_ids[8]}'").first()
+    row = table.where(f"entity = '{data.record_ids[8]}'").first()
     assert row is not None
     assert (row["state"], row["grants"], row["lost_grant"]) == ("lost", 0, True)
 
