@@ -225,8 +225,9 @@ def reconcile(
     ledger_stream: Annotated[
         str | None,
         typer.Option(
-            help="The ledger stream. Default: {key_prefix}:ledger:purchases, skipped if missing; "
-            "named here, a missing stream means no grants."
+            help="The ledger stream. Default: the one the app's ledger declares "
+            "(App(ledger=Ledger(stream=...)), under the key prefix), skipped if missing or not "
+            "declared; named here, a missing stream means no grants."
         ),
     ] = None,
     ledger_topic: Annotated[
@@ -252,11 +253,12 @@ def reconcile(
         ),
     ] = None,
     grants_table: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="The postgres handlers' grants table (id, source, granted_at).",
+            help="The postgres handlers' grants table (id, source, granted_at). Default: the "
+            "one the app's ledger declares (App(ledger=Ledger(table=...))), skipped if none.",
         ),
-    ] = "purchases",
+    ] = None,
     key_prefix: Annotated[
         str | None,
         typer.Option(
