@@ -28,6 +28,7 @@ from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.tansu import TansuBroker
 from reliable_consumer_pipeline.reconcile import (
+    RECORDS_TABLE,
     DedupeField,
     ReconcileConfig,
     print_report,
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.chart is not None:
             from reliable_consumer_pipeline.chart import write_chart
 
-            write_chart(spark.read.parquet(str(out / "payments")), args.chart)
+            write_chart(spark.read.parquet(str(out / RECORDS_TABLE)), args.chart)
 
         print_report(report)
         inputs = (

@@ -1,14 +1,15 @@
-"""Reconcile: did every payment notification end in exactly one grant or a dead letter?
+"""Reconcile: did every record end in exactly one grant or a dead letter?
 
 The worker's own metrics cannot answer that question: a record it never saw, or a grant it
 made twice, is by definition invisible to it. This job re-derives the truth from what the
 worker wrote (docs/contracts.md): the source topic(s), the outcomes topic, the dead-letter
 topic(s) and, where readable, the grants: the Redis ledger stream, or for handlers of the
-PostgreSQL effects store the grants table with its inbox (postgres_grants.py). Per payment
+PostgreSQL effects store the grants table with its inbox (postgres_grants.py). Per record
 (its dedupe key: the field that the handler bound to the topic names, read from the source
 record's JSON and from the ledger entry; for a handler that computes its key, the key the
-outcome events and dead letters carry for the record's coordinates) it decides one final
-state:
+outcome events and dead letters carry for the record's coordinates, and the one the app's
+`Ledger.entry_key` names for a ledger entry) it decides one final state; copies of a record
+(a producer's resend, a redrive) share its key and are one record here:
 
 | state | meaning |
 | --- | --- |
@@ -20,13 +21,16 @@ state:
 
 and flags `doubled` (more than one `succeeded` outcome or ledger entry). When the ledger is
 readable it is the source of truth: a `succeeded` outcome with no ledger entry behind it is a
-`lost_grant`, and the payment is `lost`. Records whose value is not JSON or has no dedupe key
+`lost_grant`, and the record is `lost`. Records whose value is not JSON or has no dedupe key
 are "malformed" entities named `@topic/partition/offset` and are matched to dead letters and
 outcomes by those source coordinates.
 
 Where the grants are (`ReconcileConfig.grants`): `redis`, the ledger stream; `postgres`, the
-grants table (the example's `purchases`) keyed by the inbox rows written with it; `both`
-for a service with handlers of each store, each store covering its own topics. Either way
+grants table, keyed by the inbox rows written with it; `both` for a service with handlers of
+each store, each store covering its own topics. The stream and the table are the ones the
+service's app declares (`App(ledger=Ledger(stream=..., table=...))`,
+reliable_consumer/engine/ledger.py) unless named; a store whose ledger is not declared is
+not read. Either way
 the grants become the same ledger rows, so the report is the same; the PostgreSQL store adds
 its inbox cross-checks (grant rows no inbox row vouches for, inbox rows without a grant).
 
@@ -68,6 +72,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = [
+    "RECORDS_TABLE",
     "STATES",
     "DedupeField",
     "ReconcileConfig",
@@ -86,6 +91,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATES = ("granted", "dead_lettered", "retrying", "pending", "lost")
+RECORDS_TABLE = "records"
+"""The per-record Parquet table's folder under the output directory (`summary` beside it)."""
 GRANT_STORES = ("redis", "postgres", "both", "none")
 # The outcome fields reconcile reads, of both layouts (reliable_consumer/engine/outcome_events.py;
 # handler and worker are ignored: fewer fields, less parsing). Layout 1 is one event per
@@ -250,7 +257,9 @@ def _registry_fields() -> dict[str, DedupeField]:
 class ReconcileReport:
     """The summary of one reconcile run; `exit_code` is what the CLI exits with."""
 
-    payments: int
+    records: int
+    """Rows of the per-record table: dedupe keys, and malformed records by coordinates (a
+    key's copies count once here, each in `source_records`)."""
     states: dict[str, int]
     lost: int
     doubled: int
@@ -275,9 +284,9 @@ class ReconcileReport:
     out_dir: str
     elapsed_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase (snapshot, ledger, outcomes, payments, summary), for tuning."""
+    """Seconds per phase (snapshot, ledger, outcomes, records, summary), for tuning."""
     lost_grants: int = 0
-    """Payments with a `succeeded` outcome but no ledger entry: the grant is gone (lost)."""
+    """Records with a `succeeded` outcome but no ledger entry: the grant is gone (lost)."""
     grants_store: str | None = None
     """Which store's grants were read: redis, postgres, both; None when none was readable."""
     inbox_rows: int | None = None
@@ -285,7 +294,7 @@ class ReconcileReport:
     grants_without_inbox: int = 0
     """Grant rows no inbox row vouches for: written outside the worker's transaction."""
     inbox_without_grant: int = 0
-    """Inbox rows (payments marked done) whose grant row is missing."""
+    """Inbox rows (records marked done) whose grant row is missing."""
     grants_without_inbox_ids: list[str] = field(default_factory=list)
     inbox_without_grant_keys: list[str] = field(default_factory=list)
 
@@ -508,8 +517,8 @@ def _attribute(rows: DataFrame, mapping: DataFrame, broadcast: bool) -> DataFram
     """Give each event or dead letter an `entity`: its dedupe key, else its source record's.
 
     Rows the worker could not key (undecodable records) carry only source coordinates;
-    `mapping` (coord -> src_entity, for exactly those coordinates) finds the payment even when
-    the source JSON had a payment_id the worker never got to (say, an invalid amount).
+    `mapping` (coord -> src_entity, for exactly those coordinates) finds the record even when
+    the source JSON had a key the worker never got to (say, beside an invalid field).
     """
     from pyspark.sql import functions as F
 
@@ -529,7 +538,7 @@ def as_written(key: Column) -> Column:
 
     Events carry long keys so (events written before did not); source records, dead letters
     and ledger entries carry them whole: every side goes through this before they meet, so
-    a long-key payment is one entity. A digest is short, so this leaves it as it is.
+    a long-key record is one entity. A digest is short, so this leaves it as it is.
     """
     from pyspark.sql import functions as F
 
@@ -706,7 +715,7 @@ def reconcile_frames(
         F.min(F.when(is_src, F.col("record_ts"))).alias("first_record_ts"),
         F.min(F.when(is_src, F.col("coord"))).alias("source_coord"),
         # Per-record coverage: a source record no outcome names was skipped by the worker,
-        # even if its payment ended fine through another copy of the notification.
+        # even if its key ended fine through another copy of the record.
         F.size(
             F.array_except(
                 F.collect_set(F.when(is_src, F.col("coord"))),
@@ -907,7 +916,7 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
             newest = counts["newest"]
             as_of_ms = int(newest) if newest is not None else int(time.time() * 1000)
 
-        payments = reconcile_frames(
+        records = reconcile_frames(
             src,
             events,
             dlq,
@@ -920,12 +929,12 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
             ledger_topics=ledger_topics,
         )
         out = str(rc.out_dir)
-        payments.write.mode("overwrite").parquet(f"{out}/payments")
-        phase("payments")
+        records.write.mode("overwrite").parquet(f"{out}/{RECORDS_TABLE}")
+        phase("records")
     finally:
         for frame in (src, events, dlq):
             frame.unpersist()
-    table = spark.read.parquet(f"{out}/payments")
+    table = spark.read.parquet(f"{out}/{RECORDS_TABLE}")
     snapshot = {**(source_end or {}), **(outcomes_end or {}), **(dlq_end or {})}
     report = _summarize(
         table,
@@ -1037,7 +1046,7 @@ def _summarize(
     from pyspark.sql import functions as F
 
     totals = table.agg(
-        F.count("*").alias("payments"),
+        F.count("*").alias("records"),
         F.count_if(F.col("state") == "lost").alias("lost"),
         F.count_if("doubled").alias("doubled"),
         F.count_if("stuck").alias("stuck"),
@@ -1085,7 +1094,7 @@ def _summarize(
 
     pcts = totals["pcts"] or [None, None, None]
     return ReconcileReport(
-        payments=int(totals["payments"]),
+        records=int(totals["records"]),
         states=states,
         lost=int(totals["lost"]),
         doubled=int(totals["doubled"]),
@@ -1123,7 +1132,7 @@ def _num(value: Any) -> float | None:
 
 
 def _write_summary(spark: SparkSession, report: ReconcileReport, out: str) -> None:
-    """One-row Parquet summary next to the per-payment table, for dashboards and diffs."""
+    """One-row Parquet summary next to the per-record table, for dashboards and diffs."""
     import json
 
     row = {
@@ -1166,15 +1175,15 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
     from rich.table import Table
 
     console = console or Console()
-    total = max(report.payments, 1)
-    states = Table(title="Final state per payment", title_justify="left")
+    total = max(report.records, 1)
+    states = Table(title="Final state per record (dedupe key)", title_justify="left")
     states.add_column("state")
-    states.add_column("payments", justify="right")
+    states.add_column("records", justify="right")
     states.add_column("share", justify="right")
     for state, count in report.states.items():
         style = "red" if state == "lost" and count else ""
         states.add_row(state, f"{count:,}", f"{100 * count / total:.2f}%", style=style)
-    states.add_row("total", f"{report.payments:,}", "", style="bold")
+    states.add_row("total", f"{report.records:,}", "", style="bold")
 
     checks = Table(title="Checks", title_justify="left")
     checks.add_column("check")
@@ -1220,9 +1229,9 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
 
     mix = Table(title="Attempts (terminal) and dead-letter reasons", title_justify="left")
     mix.add_column("attempts", justify="right")
-    mix.add_column("payments", justify="right")
+    mix.add_column("records", justify="right")
     mix.add_column("reason")
-    mix.add_column("payments", justify="right")
+    mix.add_column("records", justify="right")
     attempts = list(report.attempts.items())
     reasons = list(report.dead_letter_reasons.items())
     for i in range(max(len(attempts), len(reasons))):
@@ -1260,7 +1269,7 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
     else:
         console.print(
             f"[bold red]NOT CLEAN[/]: {report.lost:,} lost, {report.doubled:,} "
-            f"doubled. Per-payment table: {report.out_dir}/payments"
+            f"doubled. Per-record table: {report.out_dir}/{RECORDS_TABLE}"
         )
 
 

@@ -298,8 +298,8 @@ def test_a_computed_keys_ledger_entries_are_keyed_by_the_apps_entry_key(
     assert report.source_records == 120 - 30
     assert report.lost_keys == [] and report.lost == 0
     assert report.doubled_keys == sorted(data.ids({40}))
-    assert report.payments == 120 and report.states["granted"] == 120
-    table = spark.read.parquet(str(tmp_path / "out" / "payments"))
+    assert report.records == 120 and report.states["granted"] == 120
+    table = spark.read.parquet(str(tmp_path / "out" / "records"))
     aged = table.where("source_records = 0").collect()
     assert sorted(r["entity"] for r in aged) == sorted(data.ids(range(30)))
     assert all(r["state"] == "granted" and r["grants"] == 1 for r in aged)

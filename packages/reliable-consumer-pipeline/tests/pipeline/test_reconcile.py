@@ -169,8 +169,8 @@ def test_reconcile_finds_exactly_the_injected_problems(
     assert 40 <= report.latency_ms["p50"] <= report.latency_ms["max"] <= 200
     assert not report.clean and report.exit_code == 1
 
-    table = spark.read.parquet(str(tmp_path / "out" / "payments"))
-    assert table.count() == report.payments == 1500 + 2
+    table = spark.read.parquet(str(tmp_path / "out" / "records"))
+    assert table.count() == report.records == 1500 + 2
     malformed = {r["entity"]: r["state"] for r in table.where("malformed").collect()}
     assert malformed == dict.fromkeys(data.malformed_entities, "dead_lettered")
     resent = table.where(f"entity = '{data.record_ids[16]}'").first()
@@ -260,7 +260,7 @@ def test_cli_exits_non_zero_when_a_payment_is_lost(
 
 def test_report_serializes(tmp_path: Path) -> None:
     report = ReconcileReport(
-        payments=1,
+        records=1,
         states={"granted": 1},
         lost=0,
         doubled=0,
@@ -314,7 +314,7 @@ def test_succeeded_without_ledger_entry_is_lost_not_clean(
     assert (report.lost, report.lost_grants, report.doubled) == (2, 2, 0)
     assert report.states["granted"] == 198 and report.states["retrying"] == 0
     assert not report.clean and report.exit_code == 1
-    table = spark.read.parquet(str(tmp_path / "out" / "payments"))
+    table = spark.read.parquet(str(tmp_path / "out" / "records"))
     row = table.where(f"entity = '{data.record_ids[8]}'").first()
     assert row is not None
     assert (row["state"], row["grants"], row["lost_grant"]) == ("lost", 0, True)
@@ -382,7 +382,7 @@ def test_handler_with_another_dedupe_key_reconciles_by_its_own_field(
     result = CliRunner().invoke(pipeline_app, args, env=env)
     assert result.exit_code == 1, result.output
     report = json.loads(result.output)
-    assert report["payments"] == 300 and report["malformed"] == 0
+    assert report["records"] == 300 and report["malformed"] == 0
     assert set(report["lost_keys"]) == data.ids({4, 6})
     assert set(report["doubled_keys"]) == data.ids({5})
     assert report["states"]["granted"] == 300 - 2
@@ -498,7 +498,7 @@ def test_computed_dedupe_key_is_taken_from_the_outcomes(
     report = run_reconcile(spark, rc)
 
     # Payment 4 has no outcome, so nothing names its key: it is lost under its coordinates.
-    assert report.payments == 200 and report.lost == 2 and report.lost_grants == 1
+    assert report.records == 200 and report.lost == 2 and report.lost_grants == 1
     unnamed = set(report.lost_keys) - data.ids({6})
     assert len(unnamed) == 1 and unnamed.pop().startswith(f"@{unique_name}/")
     assert set(report.doubled_keys) == data.ids({5})
