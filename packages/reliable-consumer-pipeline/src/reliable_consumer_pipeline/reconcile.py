@@ -30,9 +30,9 @@ grants table, keyed by the inbox rows written with it; `both` for a service with
 each store, each store covering its own topics. The stream and the table are the ones the
 service's app declares (`App(ledger=Ledger(stream=..., table=...))`,
 reliable_consumer/engine/ledger.py) unless named; a store whose ledger is not declared is
-not read. Either way
-the grants become the same ledger rows, so the report is the same; the PostgreSQL store adds
-its inbox cross-checks (grant rows no inbox row vouches for, inbox rows without a grant).
+not read. Either way the grants become the same ledger rows, so the report is the same; the
+PostgreSQL store adds its inbox cross-checks (grant rows no inbox row vouches for, inbox
+rows without a grant).
 
 The heavy lifting is Spark DataFrame work (parse, groupBy, full outer joins); the driver only
 reads the grant log (a Redis stream or a table) and collects the small summary.
@@ -987,7 +987,7 @@ def _read_grants(
                 stream,
                 fields,
                 entry_key=rc.entry_key,
-                must_exist=rc.ledger_key is not None,
+                must_exist=bool(rc.ledger_key),
             )
     if rc.grants in ("postgres", "both") and rc.postgres_url and pg_topics:
         table = rc.ledger_table
