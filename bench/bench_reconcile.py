@@ -28,6 +28,7 @@ from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.tansu import TansuBroker
 from reliable_consumer_pipeline.reconcile import (
+    RECORDS_TABLE,
     DedupeField,
     ReconcileConfig,
     print_report,
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 base_ts_ms=1_760_000_000_000,
                 redis_url=redis_url,
                 ledger_key="payments-worker:ledger:purchases",
+                key_field="payment_id",  # the example's notifications, as its worker writes them
+                handler="payments",
             )
         )
         produce_s = time.perf_counter() - started
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.chart is not None:
             from reliable_consumer_pipeline.chart import write_chart
 
-            write_chart(spark.read.parquet(str(out / "payments")), args.chart)
+            write_chart(spark.read.parquet(str(out / RECORDS_TABLE)), args.chart)
 
         print_report(report)
         inputs = (

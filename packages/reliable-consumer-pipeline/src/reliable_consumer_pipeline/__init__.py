@@ -6,8 +6,9 @@
   pick one.
 - `kafka_reader`: the synchronous aiokafka layer under it (high watermarks from Fetch, offset
   and timestamp resolution, range reads); no pyspark import.
-- `reconcile`: `run_reconcile(spark, ReconcileConfig(...)) -> ReconcileReport`: every payment
-  ends granted once or dead-lettered; finds lost, doubled and stuck ones.
+- `reconcile`: `run_reconcile(spark, ReconcileConfig(...)) -> ReconcileReport`: every record
+  ends granted once or dead-lettered; finds lost, doubled and stuck ones, against the ledger
+  the service's app declares.
 - `cli`: `pipeline_app`, the typer group mounted as `service pipeline`.
 - `spark`: `build_spark()` (Java discovery, loopback-only local defaults).
 - `synthetic`: worker output with known problems, for tests, benchmarks and demos.

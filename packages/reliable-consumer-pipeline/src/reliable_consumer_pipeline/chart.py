@@ -22,15 +22,15 @@ STATE_COLORS = {
 }
 
 
-def write_chart(payments: DataFrame, path: Path, buckets: int = 60) -> Path:
-    """Draw the per-payment table (reconcile's `payments/` Parquet) into a PNG at `path`."""
+def write_chart(records: DataFrame, path: Path, buckets: int = 60) -> Path:
+    """Draw the per-record table (reconcile's `records/` Parquet) into a PNG at `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from pyspark.sql import functions as F
 
-    span = payments.agg(
+    span = records.agg(
         F.min("first_record_ts").alias("lo"),
         F.max("first_record_ts").alias("hi"),
         F.max("latency_ms").alias("lat"),
@@ -42,14 +42,14 @@ def write_chart(payments: DataFrame, path: Path, buckets: int = 60) -> Path:
         lo, hi = int(span["lo"]), int(span["hi"])
         width = max(1, (hi - lo) // buckets + 1)
         rows = (
-            payments.where(F.col("first_record_ts").isNotNull())
+            records.where(F.col("first_record_ts").isNotNull())
             .groupBy(F.floor((F.col("first_record_ts") - lo) / width).alias("b"), "state")
             .count()
             .collect()
         )
         xs = sorted({int(r["b"]) for r in rows})
         seconds = [b * width / 1000 for b in xs]
-        # One line per state on a symlog axis: a handful of lost payments stays visible next
+        # One line per state on a symlog axis: a handful of lost records stays visible next
         # to a million granted ones (stacked bars would hide them).
         for state, color in STATE_COLORS.items():
             counts = {int(r["b"]): int(r["count"]) for r in rows if r["state"] == state}
@@ -64,7 +64,7 @@ def write_chart(payments: DataFrame, path: Path, buckets: int = 60) -> Path:
                 )
         ax_time.set_yscale("symlog", linthresh=1)
         ax_time.set_xlabel("seconds since the first source record")
-        ax_time.set_ylabel("payments")
+        ax_time.set_ylabel("records")
         ax_time.set_title("Final state by source record time")
         ax_time.legend()
 
@@ -72,7 +72,7 @@ def write_chart(payments: DataFrame, path: Path, buckets: int = 60) -> Path:
         top = max(1, int(span["lat"]))
         bins = 50
         rows = (
-            payments.where(F.col("latency_ms").isNotNull())
+            records.where(F.col("latency_ms").isNotNull())
             .groupBy(F.least(F.floor(F.col("latency_ms") * bins / top), F.lit(bins - 1)).alias("b"))
             .count()
             .collect()
@@ -86,7 +86,7 @@ def write_chart(payments: DataFrame, path: Path, buckets: int = 60) -> Path:
         if long_tail:
             ax_lat.set_yscale("log")
         ax_lat.set_xlabel("record -> granted latency, ms")
-        ax_lat.set_ylabel("payments (log)" if long_tail else "payments")
+        ax_lat.set_ylabel("records (log)" if long_tail else "records")
         ax_lat.set_title("End-to-end latency")
 
     fig.tight_layout()

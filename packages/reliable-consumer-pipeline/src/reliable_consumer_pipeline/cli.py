@@ -225,8 +225,9 @@ def reconcile(
     ledger_stream: Annotated[
         str | None,
         typer.Option(
-            help="The ledger stream. Default: {key_prefix}:ledger:purchases, skipped if missing; "
-            "named here, a missing stream means no grants."
+            help="The ledger stream. Default: the one the app's ledger declares "
+            "(App(ledger=Ledger(stream=...)), under the key prefix), skipped if missing or not "
+            "declared; named here, a missing stream means no grants."
         ),
     ] = None,
     ledger_topic: Annotated[
@@ -252,11 +253,12 @@ def reconcile(
         ),
     ] = None,
     grants_table: Annotated[
-        str,
+        str | None,
         typer.Option(
-            help="The postgres handlers' grants table (id, source, granted_at).",
+            help="The postgres handlers' grants table (id, source, granted_at). Default: the "
+            "one the app's ledger declares (App(ledger=Ledger(table=...))), skipped if none.",
         ),
-    ] = "purchases",
+    ] = None,
     key_prefix: Annotated[
         str | None,
         typer.Option(
@@ -264,10 +266,10 @@ def reconcile(
         ),
     ] = None,
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="Output directory (Parquet: payments/, summary/).")
+        Path, typer.Option("--out", "-o", help="Output directory (Parquet: records/, summary/).")
     ] = Path("reconcile-out"),
     stuck_after: Annotated[
-        str, typer.Option(help="A payment retrying longer than this is stuck (15m, 900s, 2h).")
+        str, typer.Option(help="A record retrying longer than this is stuck (15m, 900s, 2h).")
     ] = "15m",
     as_of: Annotated[
         str,
@@ -292,7 +294,12 @@ def reconcile(
     exit 1 if anything is lost or granted twice."""
     from reliable_consumer.engine.errors import ConfigurationError
 
-    from reliable_consumer_pipeline.reconcile import ReconcileConfig, print_report, run_reconcile
+    from reliable_consumer_pipeline.reconcile import (
+        RECORDS_TABLE,
+        ReconcileConfig,
+        print_report,
+        run_reconcile,
+    )
     from reliable_consumer_pipeline.spark import parse_conf
 
     settings = _worker_settings()
@@ -343,7 +350,7 @@ def reconcile(
         if chart is not None:
             from reliable_consumer_pipeline.chart import write_chart
 
-            write_chart(spark.read.parquet(str(out / "payments")), chart)
+            write_chart(spark.read.parquet(str(out / RECORDS_TABLE)), chart)
     except ValueError as exc:  # e.g. --source kafka without the connector on the classpath
         err.print(f"[red]{exc}[/]", highlight=False)
         raise typer.Exit(2) from None
@@ -451,14 +458,14 @@ def replay(
     from_offset: Annotated[
         str | None,
         typer.Option(
-            help='Start (inclusive): earliest, or Spark-style JSON {"payments":{"0":120}}; '
+            help='Start (inclusive): earliest, or Spark-style JSON {"orders":{"0":120}}; '
             "partitions not named start at the earliest offset."
         ),
     ] = None,
     to_offset: Annotated[
         str | None,
         typer.Option(
-            help='End (exclusive): latest, or JSON {"payments":{"0":180}}; partitions not named '
+            help='End (exclusive): latest, or JSON {"orders":{"0":180}}; partitions not named '
             "end at the high watermark as of the start of the replay."
         ),
     ] = None,

@@ -1,19 +1,20 @@
 """The grants of `@handler(store="postgres")` handlers, read from the service's PostgreSQL.
 
-With the postgres effects store the grant is a row in the service's own table (the example's
-`purchases`), committed in one transaction with the record's inbox row (`kafka_inbox`). For
-reconcile that table is the ledger: one LedgerRow per grant row. A grant row's dedupe key is
-the key of the inbox row written with it (same source coordinates): the worker's own key,
-callable `dedupe_key`s included, with nothing re-derived from the table's columns. A row that
-no inbox row vouches for keeps only its coordinates (reconcile then maps them to the source
-record's key), or its table and id when it has none.
+With the postgres effects store the grant is a row in the service's own table (the one its
+app's ledger declares, `Ledger.table`), committed in one transaction with the record's inbox
+row (`kafka_inbox`). For reconcile that table is the ledger: one LedgerRow per grant row. A
+grant row's dedupe key is the key of the inbox row written with it (same source
+coordinates): the worker's own key, callable `dedupe_key`s included, with nothing
+re-derived from the table's columns. A row that no inbox row vouches for keeps only its
+coordinates (reconcile then maps them to the source record's key), or its table and id when
+it has none.
 
 The two tables also check each other, which Redis cannot: a grant row with no inbox row was
 not written by the worker's transaction, and an inbox row of a reconciled topic with no grant
-row is a payment marked done whose grant is gone. Both are counted and listed.
+row is a record marked done whose grant is gone. Both are counted and listed.
 
 Read with psycopg on the driver, not Spark's JDBC source: the rows are the grant log (one per
-payment, tens of bytes each), held on the driver and shipped to Spark as Arrow exactly like
+record, tens of bytes each), held on the driver and shipped to Spark as Arrow exactly like
 the Redis ledger, and the inbox join runs inside PostgreSQL where the rows are. JDBC would
 fetch a driver jar from Maven Central at every fresh start, need the libpq URL translated to
 a JDBC one (passwords, sslmode, key=value conninfo), and only pays off with partitioned reads

@@ -1,14 +1,15 @@
-"""Reconcile: did every payment notification end in exactly one grant or a dead letter?
+"""Reconcile: did every record end in exactly one grant or a dead letter?
 
 The worker's own metrics cannot answer that question: a record it never saw, or a grant it
 made twice, is by definition invisible to it. This job re-derives the truth from what the
 worker wrote (docs/contracts.md): the source topic(s), the outcomes topic, the dead-letter
 topic(s) and, where readable, the grants: the Redis ledger stream, or for handlers of the
-PostgreSQL effects store the grants table with its inbox (postgres_grants.py). Per payment
+PostgreSQL effects store the grants table with its inbox (postgres_grants.py). Per record
 (its dedupe key: the field that the handler bound to the topic names, read from the source
 record's JSON and from the ledger entry; for a handler that computes its key, the key the
-outcome events and dead letters carry for the record's coordinates) it decides one final
-state:
+outcome events and dead letters carry for the record's coordinates, and the one the app's
+`Ledger.entry_key` names for a ledger entry) it decides one final state; copies of a record
+(a producer's resend, a redrive) share its key and are one record here:
 
 | state | meaning |
 | --- | --- |
@@ -20,15 +21,18 @@ state:
 
 and flags `doubled` (more than one `succeeded` outcome or ledger entry). When the ledger is
 readable it is the source of truth: a `succeeded` outcome with no ledger entry behind it is a
-`lost_grant`, and the payment is `lost`. Records whose value is not JSON or has no dedupe key
+`lost_grant`, and the record is `lost`. Records whose value is not JSON or has no dedupe key
 are "malformed" entities named `@topic/partition/offset` and are matched to dead letters and
 outcomes by those source coordinates.
 
 Where the grants are (`ReconcileConfig.grants`): `redis`, the ledger stream; `postgres`, the
-grants table (the example's `purchases`) keyed by the inbox rows written with it; `both`
-for a service with handlers of each store, each store covering its own topics. Either way
-the grants become the same ledger rows, so the report is the same; the PostgreSQL store adds
-its inbox cross-checks (grant rows no inbox row vouches for, inbox rows without a grant).
+grants table, keyed by the inbox rows written with it; `both` for a service with handlers of
+each store, each store covering its own topics. The stream and the table are the ones the
+service's app declares (`App(ledger=Ledger(stream=..., table=...))`,
+reliable_consumer/engine/ledger.py) unless named; a store whose ledger is not declared is
+not read. Either way the grants become the same ledger rows, so the report is the same; the
+PostgreSQL store adds its inbox cross-checks (grant rows no inbox row vouches for, inbox
+rows without a grant).
 
 The heavy lifting is Spark DataFrame work (parse, groupBy, full outer joins); the driver only
 reads the grant log (a Redis stream or a table) and collects the small summary.
@@ -48,6 +52,8 @@ from typing import TYPE_CHECKING, Any
 from reliable_consumer.engine import long_keys
 from reliable_consumer.engine.app_location import current_app
 from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.ledger import EntryKey, Ledger
 
 from reliable_consumer_pipeline.kafka_reader import (
     EARLIEST,
@@ -66,6 +72,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = [
+    "RECORDS_TABLE",
     "STATES",
     "DedupeField",
     "ReconcileConfig",
@@ -84,6 +91,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATES = ("granted", "dead_lettered", "retrying", "pending", "lost")
+RECORDS_TABLE = "records"
+"""The per-record Parquet table's folder under the output directory (`summary` beside it)."""
 GRANT_STORES = ("redis", "postgres", "both", "none")
 # The outcome fields reconcile reads, of both layouts (reliable_consumer/engine/outcome_events.py;
 # handler and worker are ignored: fewer fields, less parsing). Layout 1 is one event per
@@ -157,19 +166,22 @@ class ReconcileConfig:
     """Dead-letter topics; None means `{topic}.dlq` for every source topic."""
     redis_url: str | None = None
     key_prefix: str = field(default_factory=lambda: current_app().redis_key_prefix)
+    ledger: Ledger | None = field(default_factory=lambda: current_app().ledger)
+    """Where the service's handlers record their effects and whose each entry is: the app's
+    declaration (`App(ledger=...)`); None, or no stream/table in it, means none is read."""
     ledger_key: str | None = None
-    """Overrides `{key_prefix}:ledger:purchases`. Named explicitly, a missing stream reads as
-    empty (every `succeeded` then is a lost grant); the default one missing means "no ledger"
-    (a service whose handlers keep none), logged as a warning."""
+    """Overrides the ledger's stream (`ledger_stream`). Named explicitly, a missing stream
+    reads as empty (every `succeeded` then is a lost grant); the declared one missing means
+    "no ledger yet", logged as a warning."""
     ledger_topics: tuple[str, ...] | None = None
     """Topics whose grants the ledger records; None means every topic a store read covers."""
     grants: str = "redis"
     """Where grants are read from: redis (the ledger stream), postgres (`grants_table` and
     the inbox), both (postgres for `postgres_topics`, Redis for the others) or none."""
     postgres_url: str | None = None
-    grants_table: str = "purchases"
-    """The postgres handlers' grants table: `id`, `source` (topic/partition/offset),
-    `granted_at`; the example's `purchases` (service/migrations/0001_purchases.sql)."""
+    grants_table: str | None = None
+    """Overrides the ledger's table (`ledger_table`), the postgres handlers' grants: `id`,
+    `source` (topic/partition/offset), `granted_at`."""
     postgres_topics: tuple[str, ...] | None = None
     """Topics whose handlers keep their grants in PostgreSQL; None means all of them."""
     stuck_after: timedelta = timedelta(minutes=15)
@@ -188,8 +200,24 @@ class ReconcileConfig:
         return tuple(f"{t}.dlq" for t in self.topics)
 
     @property
-    def ledger_stream(self) -> str:
-        return self.ledger_key or f"{self.key_prefix}:ledger:purchases"
+    def ledger_stream(self) -> str | None:
+        """The Redis ledger: `ledger_key`, else the declared stream under `key_prefix` (the
+        key its handlers' ``ctx.redis_key(*stream)`` names); None when neither says one."""
+        if self.ledger_key:
+            return self.ledger_key
+        if self.ledger is None or self.ledger.stream is None:
+            return None
+        return RedisKeys(self.key_prefix).effect(*self.ledger.stream)
+
+    @property
+    def ledger_table(self) -> str | None:
+        """The grants table: `grants_table`, else the declared one; None when neither."""
+        return self.grants_table or (self.ledger.table if self.ledger is not None else None)
+
+    @property
+    def entry_key(self) -> EntryKey | None:
+        """The declared function naming a ledger entry's dedupe key, if any."""
+        return self.ledger.entry_key if self.ledger is not None else None
 
     def check_grants(self) -> None:
         """A clear error for a grants store that cannot be read as configured."""
@@ -229,7 +257,9 @@ def _registry_fields() -> dict[str, DedupeField]:
 class ReconcileReport:
     """The summary of one reconcile run; `exit_code` is what the CLI exits with."""
 
-    payments: int
+    records: int
+    """Rows of the per-record table: dedupe keys, and malformed records by coordinates (a
+    key's copies count once here, each in `source_records`)."""
     states: dict[str, int]
     lost: int
     doubled: int
@@ -254,9 +284,9 @@ class ReconcileReport:
     out_dir: str
     elapsed_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase (snapshot, ledger, outcomes, payments, summary), for tuning."""
+    """Seconds per phase (snapshot, ledger, outcomes, records, summary), for tuning."""
     lost_grants: int = 0
-    """Payments with a `succeeded` outcome but no ledger entry: the grant is gone (lost)."""
+    """Records with a `succeeded` outcome but no ledger entry: the grant is gone (lost)."""
     grants_store: str | None = None
     """Which store's grants were read: redis, postgres, both; None when none was readable."""
     inbox_rows: int | None = None
@@ -264,7 +294,7 @@ class ReconcileReport:
     grants_without_inbox: int = 0
     """Grant rows no inbox row vouches for: written outside the worker's transaction."""
     inbox_without_grant: int = 0
-    """Inbox rows (payments marked done) whose grant row is missing."""
+    """Inbox rows (records marked done) whose grant row is missing."""
     grants_without_inbox_ids: list[str] = field(default_factory=list)
     inbox_without_grant_keys: list[str] = field(default_factory=list)
 
@@ -302,22 +332,22 @@ def read_ledger(
     stream: str,
     fields: Mapping[str, DedupeField],
     *,
+    entry_key: EntryKey | None = None,
     must_exist: bool = True,
     page: int = LEDGER_PAGE,
 ) -> list[LedgerRow] | None:
     """One LedgerRow per ledger entry; None if Redis is unreachable, or if the stream is missing
     and not `must_exist`.
 
-    The key is the ledger field of the topic in the entry's `source` (`fields`), else the
-    first of the topics' ledger fields the entry has; None when neither (reconcile then maps
-    the `source` coordinates to the source record's key), `@ledger/<id>` without a source.
-    Read in XRANGE pages so a large ledger never needs one huge reply; the ledger is the grant
-    log, small enough to hold on the driver even at millions of entries.
+    The key is found as `_EntryKeys` says (a field of the entry's topic, the service's
+    `entry_key`, any topic's field); None when none answers (reconcile then maps the `source`
+    coordinates to the source record's key), `@ledger/<id>` without a source. Read in XRANGE
+    pages so a large ledger never needs one huge reply; the ledger is the grant log, small
+    enough to hold on the driver even at millions of entries.
     """
     import redis
 
-    by_topic = {t: [f.ledger.encode()] if f.ledger else [] for t, f in fields.items()}
-    any_field = list(dict.fromkeys(f for names in by_topic.values() for f in names))
+    keys = _EntryKeys(fields, entry_key)
     client: Any = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=30)
     try:
         client.ping()
@@ -344,14 +374,11 @@ def read_ledger(
             for entry_id, entry in chunk:
                 raw_source = entry.get(b"source")
                 source = raw_source.decode("utf-8", "replace") if raw_source else None
-                own = by_topic.get(source.rsplit("/", 2)[0]) if source else None
-                key = next(
-                    (entry[f] for f in (any_field if own is None else own) if entry.get(f)), None
-                )
+                key = keys.of(entry_id, entry, source)
                 granted = entry.get(b"granted_at")
                 entries.append(
                     (
-                        key.decode("utf-8", "replace")
+                        key
                         if key is not None
                         else (None if source else f"@ledger/{entry_id.decode()}"),
                         int(granted) if granted is not None and granted.isdigit() else None,
@@ -363,6 +390,68 @@ def read_ledger(
             start = "(" + chunk[-1][0].decode()
     finally:
         client.close()
+        keys.report()
+
+
+class _EntryKeys:
+    """Which record a Redis ledger entry is for: its dedupe key, from the entry's fields.
+
+    In order: the ledger field of the handler bound to the topic in the entry's `source`
+    (`DedupeField.ledger`); for a topic whose key no field holds (a computed `dedupe_key`),
+    or an entry naming no reconciled topic, what the service's `entry_key` says (its
+    `Ledger` declaration, the one truth of what its entries mean); for the latter, failing
+    that, the first of the topics' ledger fields the entry has. None: no answer.
+    """
+
+    def __init__(self, fields: Mapping[str, DedupeField], entry_key: EntryKey | None) -> None:
+        self._by_topic = {t: f.ledger.encode() if f.ledger else None for t, f in fields.items()}
+        self._any = list(dict.fromkeys(f for f in self._by_topic.values() if f is not None))
+        self._entry_key = entry_key
+        self._failed = 0
+        self._first_failure = ""
+
+    def of(self, entry_id: bytes, entry: Mapping[bytes, bytes], source: str | None) -> str | None:
+        topic = source.rsplit("/", 2)[0] if source else None
+        if topic is not None and topic in self._by_topic:
+            own = self._by_topic[topic]
+            if own is None:
+                return self._declared(entry_id, entry)
+            value = entry.get(own)
+            return value.decode("utf-8", "replace") if value else None
+        declared = self._declared(entry_id, entry)
+        if declared is not None:
+            return declared
+        value = next((entry[f] for f in self._any if entry.get(f)), None)
+        return value.decode("utf-8", "replace") if value is not None else None
+
+    def _declared(self, entry_id: bytes, entry: Mapping[bytes, bytes]) -> str | None:
+        """The service's `entry_key` of the entry; None if it has none, or fails on it."""
+        if self._entry_key is None:
+            return None
+        fields = {
+            name.decode("utf-8", "replace"): value.decode("utf-8", "replace")
+            for name, value in entry.items()
+        }
+        try:
+            key = self._entry_key(fields)
+            if key is not None and not isinstance(key, str):
+                raise TypeError(f"returned {key!r}, not a str")
+        except Exception as exc:  # the service's code: one odd entry must not stop the audit
+            self._failed += 1
+            if self._failed == 1:
+                self._first_failure = f"{entry_id.decode()}: {type(exc).__name__}: {exc}"
+            return None
+        return key or None
+
+    def report(self) -> None:
+        """One line for every entry the service's `entry_key` failed on."""
+        if self._failed:
+            log.warning(
+                "ledger: the app's Ledger.entry_key failed on %d entries (first %s); they are "
+                "matched to records by their source coordinates",
+                self._failed,
+                self._first_failure,
+            )
 
 
 def _snapshot(
@@ -428,8 +517,8 @@ def _attribute(rows: DataFrame, mapping: DataFrame, broadcast: bool) -> DataFram
     """Give each event or dead letter an `entity`: its dedupe key, else its source record's.
 
     Rows the worker could not key (undecodable records) carry only source coordinates;
-    `mapping` (coord -> src_entity, for exactly those coordinates) finds the payment even when
-    the source JSON had a payment_id the worker never got to (say, an invalid amount).
+    `mapping` (coord -> src_entity, for exactly those coordinates) finds the record even when
+    the source JSON had a key the worker never got to (say, beside an invalid field).
     """
     from pyspark.sql import functions as F
 
@@ -449,7 +538,7 @@ def as_written(key: Column) -> Column:
 
     Events carry long keys so (events written before did not); source records, dead letters
     and ledger entries carry them whole: every side goes through this before they meet, so
-    a long-key payment is one entity. A digest is short, so this leaves it as it is.
+    a long-key record is one entity. A digest is short, so this leaves it as it is.
     """
     from pyspark.sql import functions as F
 
@@ -568,7 +657,7 @@ def reconcile_frames(
 
     readable = events.where(F.col("event").isNotNull())
     if keys_from_events:
-        src = _keys_from_events(src, readable, dlq)
+        src = _keys_from_events(src, readable, dlq, ledger)
     unkeyed = (
         readable.where(F.col("dedupe_key").isNull())
         .select("coord")
@@ -626,7 +715,7 @@ def reconcile_frames(
         F.min(F.when(is_src, F.col("record_ts"))).alias("first_record_ts"),
         F.min(F.when(is_src, F.col("coord"))).alias("source_coord"),
         # Per-record coverage: a source record no outcome names was skipped by the worker,
-        # even if its payment ended fine through another copy of the notification.
+        # even if its key ended fine through another copy of the record.
         F.size(
             F.array_except(
                 F.collect_set(F.when(is_src, F.col("coord"))),
@@ -724,18 +813,24 @@ def reconcile_frames(
     )
 
 
-def _keys_from_events(src: DataFrame, readable: DataFrame, dlq: DataFrame) -> DataFrame:
-    """Source records with no key get the dedupe key their outcomes or dead letters carry.
+def _keys_from_events(
+    src: DataFrame, readable: DataFrame, dlq: DataFrame, ledger: DataFrame | None
+) -> DataFrame:
+    """Source records with no key get the dedupe key their outcomes, dead letters or ledger
+    entries carry.
 
     For handlers whose key is computed (no JSON field holds it): the worker wrote the key it
-    computed into each outcome event and dead letter, next to the record's coordinates.
+    computed into each outcome event and dead letter, next to the record's coordinates, and
+    the service's `Ledger.entry_key` names it for a ledger entry (whose `source` is the
+    record's coordinates): a record granted with no event still meets its grant.
     """
     from pyspark.sql import functions as F
 
+    carried = readable.select("coord", "dedupe_key").unionByName(dlq.select("coord", "dedupe_key"))
+    if ledger is not None:
+        carried = carried.unionByName(ledger.select("coord", "dedupe_key"))
     carried = (
-        readable.select("coord", "dedupe_key")
-        .unionByName(dlq.select("coord", "dedupe_key"))
-        .where(F.col("coord").isNotNull() & F.col("dedupe_key").isNotNull())
+        carried.where(F.col("coord").isNotNull() & F.col("dedupe_key").isNotNull())
         .groupBy("coord")
         .agg(F.min("dedupe_key").alias("carried_key"))
     )
@@ -821,7 +916,7 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
             newest = counts["newest"]
             as_of_ms = int(newest) if newest is not None else int(time.time() * 1000)
 
-        payments = reconcile_frames(
+        records = reconcile_frames(
             src,
             events,
             dlq,
@@ -834,12 +929,12 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
             ledger_topics=ledger_topics,
         )
         out = str(rc.out_dir)
-        payments.write.mode("overwrite").parquet(f"{out}/payments")
-        phase("payments")
+        records.write.mode("overwrite").parquet(f"{out}/{RECORDS_TABLE}")
+        phase("records")
     finally:
         for frame in (src, events, dlq):
             frame.unpersist()
-    table = spark.read.parquet(f"{out}/payments")
+    table = spark.read.parquet(f"{out}/{RECORDS_TABLE}")
     snapshot = {**(source_end or {}), **(outcomes_end or {}), **(dlq_end or {})}
     report = _summarize(
         table,
@@ -878,13 +973,33 @@ def _read_grants(
     redis_topics = tuple(t for t in rc.topics if rc.grants == "redis" or t not in pg_topics)
     redis_rows = pg = None
     if rc.grants in ("redis", "both") and rc.redis_url and redis_topics:
-        redis_rows = read_ledger(
-            rc.redis_url, rc.ledger_stream, fields, must_exist=rc.ledger_key is not None
-        )
+        stream = rc.ledger_stream
+        if stream is None:
+            log.warning(
+                "ledger skipped: the app declares no ledger stream (App(ledger=Ledger(stream="
+                "...))); grants of %s are taken from `succeeded` outcomes unchecked (name a "
+                "stream with --ledger-stream)",
+                ", ".join(redis_topics),
+            )
+        else:
+            redis_rows = read_ledger(
+                rc.redis_url,
+                stream,
+                fields,
+                entry_key=rc.entry_key,
+                must_exist=bool(rc.ledger_key),
+            )
     if rc.grants in ("postgres", "both") and rc.postgres_url and pg_topics:
-        pg = read_postgres_grants(
-            rc.postgres_url, rc.grants_table, pg_topics, max_listed=rc.max_listed
-        )
+        table = rc.ledger_table
+        if table is None:
+            log.warning(
+                "grants skipped: the app declares no ledger table (App(ledger=Ledger(table="
+                "...))); grants of %s are taken from `succeeded` outcomes unchecked (name a "
+                "table with --grants-table)",
+                ", ".join(pg_topics),
+            )
+        else:
+            pg = read_postgres_grants(rc.postgres_url, table, pg_topics, max_listed=rc.max_listed)
     if redis_rows is None and pg is None:
         return None, None, None, rc.ledger_topics
     covered: list[str] = []
@@ -931,7 +1046,7 @@ def _summarize(
     from pyspark.sql import functions as F
 
     totals = table.agg(
-        F.count("*").alias("payments"),
+        F.count("*").alias("records"),
         F.count_if(F.col("state") == "lost").alias("lost"),
         F.count_if("doubled").alias("doubled"),
         F.count_if("stuck").alias("stuck"),
@@ -979,7 +1094,7 @@ def _summarize(
 
     pcts = totals["pcts"] or [None, None, None]
     return ReconcileReport(
-        payments=int(totals["payments"]),
+        records=int(totals["records"]),
         states=states,
         lost=int(totals["lost"]),
         doubled=int(totals["doubled"]),
@@ -1017,7 +1132,7 @@ def _num(value: Any) -> float | None:
 
 
 def _write_summary(spark: SparkSession, report: ReconcileReport, out: str) -> None:
-    """One-row Parquet summary next to the per-payment table, for dashboards and diffs."""
+    """One-row Parquet summary next to the per-record table, for dashboards and diffs."""
     import json
 
     row = {
@@ -1060,15 +1175,15 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
     from rich.table import Table
 
     console = console or Console()
-    total = max(report.payments, 1)
-    states = Table(title="Final state per payment", title_justify="left")
+    total = max(report.records, 1)
+    states = Table(title="Final state per record (dedupe key)", title_justify="left")
     states.add_column("state")
-    states.add_column("payments", justify="right")
+    states.add_column("records", justify="right")
     states.add_column("share", justify="right")
     for state, count in report.states.items():
         style = "red" if state == "lost" and count else ""
         states.add_row(state, f"{count:,}", f"{100 * count / total:.2f}%", style=style)
-    states.add_row("total", f"{report.payments:,}", "", style="bold")
+    states.add_row("total", f"{report.records:,}", "", style="bold")
 
     checks = Table(title="Checks", title_justify="left")
     checks.add_column("check")
@@ -1114,9 +1229,9 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
 
     mix = Table(title="Attempts (terminal) and dead-letter reasons", title_justify="left")
     mix.add_column("attempts", justify="right")
-    mix.add_column("payments", justify="right")
+    mix.add_column("records", justify="right")
     mix.add_column("reason")
-    mix.add_column("payments", justify="right")
+    mix.add_column("records", justify="right")
     attempts = list(report.attempts.items())
     reasons = list(report.dead_letter_reasons.items())
     for i in range(max(len(attempts), len(reasons))):
@@ -1154,7 +1269,7 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
     else:
         console.print(
             f"[bold red]NOT CLEAN[/]: {report.lost:,} lost, {report.doubled:,} "
-            f"doubled. Per-payment table: {report.out_dir}/payments"
+            f"doubled. Per-record table: {report.out_dir}/{RECORDS_TABLE}"
         )
 
 

@@ -6,7 +6,7 @@ After a bug is fixed, the records it mishandled are still in Kafka. Replay reads
 registry, the same claims and done-markers in Redis, the same delay queue, dead letters and
 outcome events as the worker. The records are not changed or marked in any way, so a
 replayed record is indistinguishable from a redelivery, and idempotency is what makes it
-safe: a payment whose done-marker exists is a `duplicate` (skipped), only records not
+safe: a record whose done-marker exists is a `duplicate` (skipped), only records not
 already done take effect.
 
 Per-key order holds as in the worker: each Kafka partition of the range is one Spark task

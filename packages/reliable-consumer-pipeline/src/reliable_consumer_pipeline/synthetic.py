@@ -1,9 +1,11 @@
 """Synthetic worker output, for tests, benchmarks and demos of the pipeline.
 
 Writes what a worker run would leave behind, byte for byte in the formats of
-docs/contracts.md: payment notifications on the source topic, outcome events, dead letters
-and the Redis ledger, with chosen payments lost, doubled, stuck and so on. Knowing the truth
-up front is what lets a test say "reconcile found exactly these keys".
+docs/contracts.md: records on the source topic, outcome events, dead letters and the Redis
+ledger, with chosen records lost, doubled, stuck and so on. Knowing the truth up front is
+what lets a test say "reconcile found exactly these keys". A record is a small JSON object
+keyed by `key_field`; a caller that wants records some service's handler would accept names
+that service's key field and handler.
 
 Records are appended through aiokafka's `create_batch`/`send_batch`, which is an order of
 magnitude faster than `send()` per record and tells the exact offset of every record (base
@@ -11,10 +13,9 @@ offset of its batch + its index), so outcome events can name their source coordi
 
 Outcome events are encoded by the worker's own encoder
 (`reliable_consumer.engine.outcome_events`): a document per source partition and batch, a
-batch being the records of a partition whose notifications arrived in the same `BATCH_MS`
-and so finished together. The events of the first `old_layout_below` payments are written a
-Kafka record each instead, as a worker did before layout 2: a topic written across the
-upgrade.
+batch being the records of a partition that arrived in the same `BATCH_MS` and so finished
+together. The events of the first `old_layout_below` records are written a Kafka record each
+instead, as a worker did before layout 2: a topic written across the upgrade.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ __all__ = ["Dataset", "Scenario", "TopicWriter", "produce_dataset"]
 
 Header = tuple[str, bytes]
 MINUTE_MS = 60_000
-BATCH_MS = 100  # a partition's notifications within this window finish in one batch
+BATCH_MS = 100  # a partition's records within this window finish in one batch
 
 
 class TopicWriter:
@@ -93,7 +94,7 @@ class TopicWriter:
 
 @dataclass(frozen=True)
 class Scenario:
-    """Which payment indexes (0..n-1) get which fate; all others are granted once."""
+    """Which record indexes (0..n-1) get which fate; all others are granted once."""
 
     n: int
     lost: frozenset[int] = frozenset()
@@ -106,13 +107,15 @@ class Scenario:
     """Retried twice, then dead-lettered with reason `exhausted` at attempt 3."""
     retried_then_granted: frozenset[int] = frozenset()
     resent: frozenset[int] = frozenset()
-    """The provider sent the notification twice; the second copy gets a `duplicate`."""
+    """The producer sent the record twice; the second copy gets a `duplicate`."""
     duplicate_without_grant: frozenset[int] = frozenset()
     """Only a `duplicate` outcome and no grant anywhere (a lost grant behind a done-marker)."""
     malformed: int = 0
     """Extra records whose value is not JSON; each is dead-lettered by coordinates."""
     without_ledger: frozenset[int] = frozenset()
     """Granted per the outcomes topic, but missing from the ledger."""
+    ledger_only: frozenset[int] = frozenset()
+    """Granted in the ledger, but with no outcome event (the worker's event never written)."""
 
 
 @dataclass
@@ -123,7 +126,7 @@ class Dataset:
     outcomes_topic: str
     dlq_topic: str
     ledger_key: str | None
-    payment_ids: list[str]
+    record_ids: list[str]
     source_records: int = 0
     outcome_events: int = 0
     dead_letters: int = 0
@@ -131,11 +134,11 @@ class Dataset:
     malformed_entities: list[str] = field(default_factory=list)
 
     def ids(self, indexes: Iterable[int]) -> set[str]:
-        return {self.payment_ids[i] for i in indexes}
+        return {self.record_ids[i] for i in indexes}
 
 
-def payment_id(i: int) -> str:
-    return f"pay_{i:08d}"
+def record_id(i: int) -> str:
+    return f"rec_{i:08d}"
 
 
 def _dlq_headers(
@@ -174,25 +177,25 @@ async def produce_dataset(
     redis_url: str | None = None,
     ledger_key: str | None = None,
     latency_ms: int = 40,
-    key_field: str = "payment_id",
-    handler: str = "payments",
+    key_field: str = "record_id",
+    handler: str = "records",
     old_layout_below: int = 0,
 ) -> Dataset:
     """Write `scenario` to existing topics (and the ledger stream, if `redis_url`).
 
     `key_field` names the dedupe key in the source JSON and the ledger entries, and `handler`
-    the handler in outcomes and dead letters: a generated service's handler is not `payments`.
-    The events of payments 0..`old_layout_below`-1 are written in layout 1 (a record each).
+    the handler in outcomes and dead letters (reconcile reads neither name from the data).
+    The events of records 0..`old_layout_below`-1 are written in layout 1 (a record each).
     """
     s = scenario
-    ids = [payment_id(i) for i in range(s.n)]
+    ids = [record_id(i) for i in range(s.n)]
     data = Dataset(source_topic, outcomes_topic, dlq_topic, ledger_key, ids)
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap, max_batch_size=1 << 20, linger_ms=50, request_timeout_ms=60_000
     )
     await producer.start()
     try:
-        # 1. Source records. Ref i = first copy of payment i; n + i = its resent copy; 2n + j =
+        # 1. Source records. Ref i = first copy of record i; n + i = its resent copy; 2n + j =
         #    malformed record j.
         src = TopicWriter(producer, source_topic, partitions)
 
@@ -279,6 +282,9 @@ async def produce_dataset(
             ts = ts_of(i)
             done = (ts // BATCH_MS + 1) * BATCH_MS + latency_ms  # when its batch finished
             if i in s.lost:
+                continue
+            if i in s.ledger_only:
+                grant(pid, i, done)
                 continue
             if i in s.stuck or i in s.retrying:
                 await emit("retry_scheduled", pid, i, 1, "TimeoutError", ts + 5, ts)

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.integration
 BASE_TS = 1_760_000_000_000
 KEY_PREFIX = "pw"
 LEDGER_KEY = f"{KEY_PREFIX}:ledger:purchases"
-PAYMENT_ID = DedupeField("payment_id", "payment_id")
+RECORD_ID = DedupeField("record_id", "record_id")
 
 
 def write(
@@ -76,7 +76,7 @@ def config(bootstrap: str, data: Dataset, out: Path, redis_url: str | None) -> R
         bootstrap=bootstrap,
         out_dir=out,
         topics=(data.source_topic,),
-        fields={data.source_topic: PAYMENT_ID},
+        fields={data.source_topic: RECORD_ID},
         outcomes_topic=data.outcomes_topic,
         redis_url=redis_url,
         key_prefix=KEY_PREFIX,
@@ -94,7 +94,7 @@ def reconcile_cli(
         "--topic",
         data.source_topic,
         "--dedupe-field",
-        f"{data.source_topic}=payment_id",
+        f"{data.source_topic}=record_id",
         "--outcomes-topic",
         data.outcomes_topic,
         "--redis-url",
@@ -169,11 +169,11 @@ def test_reconcile_finds_exactly_the_injected_problems(
     assert 40 <= report.latency_ms["p50"] <= report.latency_ms["max"] <= 200
     assert not report.clean and report.exit_code == 1
 
-    table = spark.read.parquet(str(tmp_path / "out" / "payments"))
-    assert table.count() == report.payments == 1500 + 2
+    table = spark.read.parquet(str(tmp_path / "out" / "records"))
+    assert table.count() == report.records == 1500 + 2
     malformed = {r["entity"]: r["state"] for r in table.where("malformed").collect()}
     assert malformed == dict.fromkeys(data.malformed_entities, "dead_lettered")
-    resent = table.where(f"entity = '{data.payment_ids[16]}'").first()
+    resent = table.where(f"entity = '{data.record_ids[16]}'").first()
     assert resent is not None
     assert (resent["state"], resent["source_records"], resent["grants"]) == ("granted", 2, 1)
     summary = spark.read.parquet(str(tmp_path / "out" / "summary")).first()
@@ -240,7 +240,7 @@ def test_cli_exits_non_zero_when_a_payment_is_lost(
     )
     assert result.exit_code == 1, result.output
     assert "NOT CLEAN" in result.output
-    assert data.payment_ids[42] in result.output
+    assert data.record_ids[42] in result.output
     assert chart.stat().st_size > 10_000
 
     # With a grace period a young unanswered record is pending, not lost: exit 0.
@@ -260,7 +260,7 @@ def test_cli_exits_non_zero_when_a_payment_is_lost(
 
 def test_report_serializes(tmp_path: Path) -> None:
     report = ReconcileReport(
-        payments=1,
+        records=1,
         states={"granted": 1},
         lost=0,
         doubled=0,
@@ -314,8 +314,8 @@ def test_succeeded_without_ledger_entry_is_lost_not_clean(
     assert (report.lost, report.lost_grants, report.doubled) == (2, 2, 0)
     assert report.states["granted"] == 198 and report.states["retrying"] == 0
     assert not report.clean and report.exit_code == 1
-    table = spark.read.parquet(str(tmp_path / "out" / "payments"))
-    row = table.where(f"entity = '{data.payment_ids[8]}'").first()
+    table = spark.read.parquet(str(tmp_path / "out" / "records"))
+    row = table.where(f"entity = '{data.record_ids[8]}'").first()
     assert row is not None
     assert (row["state"], row["grants"], row["lost_grant"]) == ("lost", 0, True)
 
@@ -382,7 +382,7 @@ def test_handler_with_another_dedupe_key_reconciles_by_its_own_field(
     result = CliRunner().invoke(pipeline_app, args, env=env)
     assert result.exit_code == 1, result.output
     report = json.loads(result.output)
-    assert report["payments"] == 300 and report["malformed"] == 0
+    assert report["records"] == 300 and report["malformed"] == 0
     assert set(report["lost_keys"]) == data.ids({4, 6})
     assert set(report["doubled_keys"]) == data.ids({5})
     assert report["states"]["granted"] == 300 - 2
@@ -498,7 +498,7 @@ def test_computed_dedupe_key_is_taken_from_the_outcomes(
     report = run_reconcile(spark, rc)
 
     # Payment 4 has no outcome, so nothing names its key: it is lost under its coordinates.
-    assert report.payments == 200 and report.lost == 2 and report.lost_grants == 1
+    assert report.records == 200 and report.lost == 2 and report.lost_grants == 1
     unnamed = set(report.lost_keys) - data.ids({6})
     assert len(unnamed) == 1 and unnamed.pop().startswith(f"@{unique_name}/")
     assert set(report.doubled_keys) == data.ids({5})

@@ -73,7 +73,7 @@ def test_reconcile_reports_and_tables_are_identical_through_both_sources(
         for volatile in ("elapsed_s", "timings", "out_dir"):
             report.pop(volatile)
         reports[source] = report
-        table = spark.read.parquet(str(tmp_path / source / "payments"))
+        table = spark.read.parquet(str(tmp_path / source / "records"))
         tables[source] = sorted(table.collect(), key=lambda row: str(row["dedupe_key"]))
 
     assert reports[OFFICIAL_FORMAT] == reports[PYTHON_FORMAT]
