@@ -41,7 +41,7 @@ COPY wheels ./wheels
 # extras: psycopg 3 with its own libpq, binary wheel, no apt packages) and every other
 # distribution at the version constraints.txt pins. Nothing from the `dev` extra (the
 # test kit, the embedded dev servers) reaches the image. The engine's and the project's
-# SQL migrations travel inside the wheels (reliable_consumer/engine/sql/, service/migrations/).
+# SQL migrations travel inside the wheels (reliable_consumer/engine/postgres/sql/, service/migrations/).
 RUN pip wheel --no-deps --wheel-dir /wheels . \
  && pip install --find-links wheels -c constraints.txt "$(ls /wheels/payments_worker-*.whl)" \
  && pip check

@@ -50,9 +50,9 @@ from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.tansu import TansuBroker
 from reliable_consumer.engine import runtime
-from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from rich.console import Console

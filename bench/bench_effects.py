@@ -47,9 +47,9 @@ from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.tansu import TansuBroker
 from reliable_consumer.engine import runtime
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.registry import Registry, discover
-from reliable_consumer.engine.schema import all_migrations, migrate
+from reliable_consumer.engine.handlers.registry import Registry, discover
+from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.postgres.schema import all_migrations, migrate
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from rich.console import Console

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 import psutil
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.engine import outcome_events, runtime
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.outcome_events import Event, Layout
+from reliable_consumer.engine import runtime
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka import outcome_events
+from reliable_consumer.engine.kafka.outcome_events import Event, Layout
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.registry import Registry
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 

@@ -41,8 +41,8 @@ from aiokafka import AIOKafkaConsumer
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.engine import runtime
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 

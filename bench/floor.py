@@ -29,17 +29,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
-from reliable_consumer.engine import lua_finish
-from reliable_consumer.engine.context import Effects
-from reliable_consumer.engine.idempotency import Idempotency, TokenSource
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.outcome_events import Event, encode
-from reliable_consumer.engine.processing import Processor
-from reliable_consumer.engine.publisher import Publisher
+from reliable_consumer.engine.batch.processing import Processor
+from reliable_consumer.engine.handlers.context import Effects
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.outcome_events import Event, encode
+from reliable_consumer.engine.kafka.publisher import Publisher
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.retries import RetryQueue
+from reliable_consumer.engine.redis.delay_queue import RetryQueue
+from reliable_consumer.engine.redis.idempotency import Idempotency, TokenSource
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.lua import finish as lua_finish
 from reliable_consumer.engine.settings import Settings
 
 from bench.bench_worker import Payment, trivial

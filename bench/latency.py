@@ -10,7 +10,7 @@ are a warm-up and are not counted. What comes after the grant (the outcome event
 offset commit) is not in the figure: the user has the purchase by then.
 
 Beside each worker row, a plain aiokafka consumer built as the worker builds its own
-(``kafka_client.make_consumer``, default settings), in a process of its own, receives the
+(``kafka.clients.make_consumer``, default settings), in a process of its own, receives the
 same load: its latency (timestamp to ``getmany`` returning the record) is what the broker,
 the client and the machine give before the worker does anything.
 """
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 from reliable_consumer.engine.intake import POLL_TIMEOUT_MS
-from reliable_consumer.engine.kafka_client import make_consumer
+from reliable_consumer.engine.kafka.clients import make_consumer
 from reliable_consumer.engine.settings import KafkaSettings
 
 from bench.load import CpuMeter, Offered, PacedProducer, server_processes

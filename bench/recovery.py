@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import redis
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
-from reliable_consumer.engine.member_report import read_member_reports
+from reliable_consumer.engine.observation.member_report import read_member_reports
 from reliable_consumer.engine.settings import KafkaSettings
 
 from bench.latency import log_tail, wait_granted

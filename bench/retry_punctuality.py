@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 
 import psutil
 import redis.asyncio as aioredis
-from reliable_consumer.engine.keys import RedisKeys
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.retries import ParkRequest, ParkStatus, RetryQueue
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import ParkRequest, ParkStatus, RetryQueue
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import RedisSettings
 
 from bench.latency import percentiles

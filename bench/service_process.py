@@ -26,7 +26,7 @@ import psutil
 import redis
 from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.dev.servers import free_port
-from reliable_consumer.engine.keys import effect_key
+from reliable_consumer.engine.redis.keys import effect_key
 from reliable_consumer.engine.settings import Settings
 
 READY_TIMEOUT_S = 120.0

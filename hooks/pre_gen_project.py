@@ -5,7 +5,8 @@ cookiecutter removes the project folder it had just created.
 
 Self-contained on purpose: cruft does not tell hooks where the template checkout is,
 so this hook cannot import the repository's code. The topic, group and prefix rules
-are reliable_consumer/engine/naming.py's; tests/template/test_validation.py proves they agree.
+are reliable_consumer/engine/declaration/naming.py's; tests/template/test_validation.py proves they
+agree.
 
 Answers are text, never templates: cookiecutter renders every answer it is given as Jinja
 *before* this hook runs, and cruft renders the answers stored in .cruft.json again on each
@@ -52,7 +53,8 @@ TEMPLATE_EXPRESSIONS = {
 }
 # {% endraw %}
 
-# reliable_consumer/engine/naming.py: TOPIC_NAME (also used for group ids) and KEY_PREFIX.
+# reliable_consumer/engine/declaration/naming.py: TOPIC_NAME (also used for group ids) and
+# KEY_PREFIX.
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 KEY_PREFIX = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # A distribution name, a folder, and a Kubernetes name (namespace, labels): no '_'.

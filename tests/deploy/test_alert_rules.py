@@ -329,7 +329,9 @@ def test_rules_use_only_the_worker_metrics_and_their_labels() -> None:
         used = expr_metrics(rule["expr"])
         assert used, f"{name} uses no worker metric: {rule['expr']}"
         unknown = used - set(exposed)
-        assert not unknown, f"{name}: not metrics of reliable_consumer/engine/metrics.py: {unknown}"
+        assert not unknown, (
+            f"{name}: not metrics of reliable_consumer/engine/observation/metrics.py: {unknown}"
+        )
         labels = set().union(*(exposed[m] for m in used)) | TARGET_LABELS
         assert grouping_labels(rule["expr"]) <= labels, (name, grouping_labels(rule["expr"]))
         for metric, matchers in re.findall(

@@ -831,7 +831,9 @@ def test_the_metrics_contract_is_what_the_worker_exposes() -> None:
             break
         exposed[name] = (family.type, labels)
     for name, (kind, _labels) in METRICS.items():
-        assert name in exposed, f"{name} is not a metric of reliable_consumer/engine/metrics.py"
+        assert name in exposed, (
+            f"{name} is not a metric of reliable_consumer/engine/observation/metrics.py"
+        )
         assert exposed[name][0] == kind, (name, exposed[name][0])
     assert set(exposed) <= set(METRICS), f"not in the contract: {set(exposed) - set(METRICS)}"
 

@@ -5,8 +5,8 @@ bench/memory.py), on hand-made samples; the servers a bench run reads are not ne
 from __future__ import annotations
 
 import pytest
-from reliable_consumer.engine.keys import RedisKeys
 from reliable_consumer.engine.records import Delivery
+from reliable_consumer.engine.redis.keys import RedisKeys
 
 from bench.memory import DECILES, MB, figures, growth
 from bench.memory import Sample as MemorySample

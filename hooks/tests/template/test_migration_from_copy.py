@@ -206,7 +206,7 @@ def test_the_teams_work_moves_and_the_suite_passes(old_and_new: tuple[Path, Path
     test = (new / "tests" / "handlers" / "test_handler_refunds.py").read_text(encoding="utf-8")
     for rewritten in (
         "from service.app import app",
-        "from reliable_consumer.engine.registry import Registry\n",
+        "from reliable_consumer.engine.handlers.registry import Registry\n",
         "from reliable_consumer.testing import HandlerTestKit",
         "registry = Registry.from_settings(app.topics, app)",
         'assert app.topics["refunds"] == "billing.refunds"',

@@ -101,7 +101,7 @@ import asyncio, json, sys
 from fakeredis import FakeAsyncRedis
 from service import Context, Effects
 from service.app import app
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
 
 topic, key, value = sys.argv[1:4]
 handler = Registry.from_settings(app.topics, app).for_topic(topic)

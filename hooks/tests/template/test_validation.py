@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reliable_consumer.engine import naming
+from reliable_consumer.engine.declaration import naming
 from tests.template.support import (
     HOOKS,
     ROOT,
@@ -115,8 +115,8 @@ NAMES = st.text(alphabet=st.sampled_from("abcXYZ019._-:/ {}\n"), max_size=70) | 
 @settings(max_examples=400, deadline=None)
 @given(value=NAMES)
 def test_hook_rules_are_the_settings_rules(value: str) -> None:
-    """The pre-generation hook cannot import reliable_consumer/engine/naming.py under cruft;
-    same verdicts."""
+    """The pre-generation hook cannot import reliable_consumer/engine/declaration/naming.py under
+    cruft; same verdicts."""
 
     def accepts(check: object) -> bool:
         try:

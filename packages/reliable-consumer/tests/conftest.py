@@ -32,7 +32,7 @@ os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.app_location import choose_app
+from reliable_consumer.engine.declaration.location import choose_app
 from reliable_consumer.engine.errors import ConfigurationError
 from tests.helpers import on_ci, replay_lines
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from reliable_consumer.engine.app_location import current_app
+from reliable_consumer.engine.declaration.location import current_app
 from rich.console import Console
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def _worker_settings() -> Settings:
 def _key_fields(settings: Settings, declared: list[str]) -> dict[str, DedupeField]:
     """Topic -> DedupeField from the handlers the worker binds, then `--dedupe-field T=F`."""
     from reliable_consumer.engine.errors import ConfigurationError
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.registry import Registry
 
     from reliable_consumer_pipeline.reconcile import DedupeField, dedupe_fields
 
@@ -126,7 +126,7 @@ def _grant_stores(
     for redis handlers, the grants table for postgres ones, both for a mix.
     """
     from reliable_consumer.engine.errors import ConfigurationError
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.registry import Registry
 
     if wanted not in _GRANTS:
         raise typer.BadParameter(f"--grants must be one of {', '.join(_GRANTS)}, not {wanted!r}")

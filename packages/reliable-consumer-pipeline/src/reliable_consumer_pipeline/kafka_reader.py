@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
-from reliable_consumer.engine.app_location import current_app
+from reliable_consumer.engine.declaration.location import current_app
 
 __all__ = [
     "EARLIEST",

@@ -29,8 +29,8 @@ Where the grants are (`ReconcileConfig.grants`): `redis`, the ledger stream; `po
 grants table, keyed by the inbox rows written with it; `both` for a service with handlers of
 each store, each store covering its own topics. The stream and the table are the ones the
 service's app declares (`App(ledger=Ledger(stream=..., table=...))`,
-reliable_consumer/engine/ledger.py) unless named; a store whose ledger is not declared is
-not read. Either way the grants become the same ledger rows, so the report is the same; the
+reliable_consumer/engine/declaration/ledger.py) unless named; a store whose ledger is not declared
+is not read. Either way the grants become the same ledger rows, so the report is the same; the
 PostgreSQL store adds its inbox cross-checks (grant rows no inbox row vouches for, inbox
 rows without a grant).
 
@@ -49,11 +49,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.app_location import current_app
+from reliable_consumer.engine.declaration.ledger import EntryKey, Ledger
+from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.ledger import EntryKey, Ledger
+from reliable_consumer.engine.redis import long_keys
+from reliable_consumer.engine.redis.keys import RedisKeys
 
 from reliable_consumer_pipeline.kafka_reader import (
     EARLIEST,
@@ -68,7 +68,7 @@ from reliable_consumer_pipeline.source import DEFAULT_SOURCE, KAFKA_SCHEMA, read
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.registry import Registry
     from rich.console import Console
 
 __all__ = [
@@ -94,10 +94,10 @@ STATES = ("granted", "dead_lettered", "retrying", "pending", "lost")
 RECORDS_TABLE = "records"
 """The per-record Parquet table's folder under the output directory (`summary` beside it)."""
 GRANT_STORES = ("redis", "postgres", "both", "none")
-# The outcome fields reconcile reads, of both layouts (reliable_consumer/engine/outcome_events.py;
-# handler and worker are ignored: fewer fields, less parsing). Layout 1 is one event per
-# record; layout 2 (`v` = 2) hoists topic, partition and finished_at and holds the rest in
-# one array per field under `events`.
+# The outcome fields reconcile reads, of both layouts
+# (reliable_consumer/engine/kafka/outcome_events.py; handler and worker are ignored: fewer fields,
+# less parsing). Layout 1 is one event per record; layout 2 (`v` = 2) hoists topic, partition and
+# finished_at and holds the rest in one array per field under `events`.
 OUTCOME_SCHEMA = (
     "event string, dedupe_key string, topic string, partition int, offset long, attempt int, "
     "reason string, record_ts long, finished_at long, v int, "
@@ -247,7 +247,7 @@ class ReconcileConfig:
 
 def _registry_fields() -> dict[str, DedupeField]:
     """DedupeFields of the registry the worker would build from its settings."""
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.registry import Registry
     from reliable_consumer.engine.settings import load_settings
 
     return dedupe_fields(Registry.from_settings(load_settings().topics))

@@ -2,7 +2,7 @@
 
 After a bug is fixed, the records it mishandled are still in Kafka. Replay reads a range
 (offsets or timestamps, per topic and partition) and puts every record through
-`reliable_consumer.engine.processing.open_processor` on the executors: the same handler
+`reliable_consumer.engine.batch.processing.open_processor` on the executors: the same handler
 registry, the same claims and done-markers in Redis, the same delay queue, dead letters and
 outcome events as the worker. The records are not changed or marked in any way, so a
 replayed record is indistinguishable from a redelivery, and idempotency is what makes it
@@ -63,9 +63,9 @@ from reliable_consumer_pipeline.kafka_reader import (
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-    from reliable_consumer.engine.idempotency import RedriveTicket
-    from reliable_consumer.engine.keys import RedisKeys
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.registry import Registry
+    from reliable_consumer.engine.redis.idempotency import RedriveTicket
+    from reliable_consumer.engine.redis.keys import RedisKeys
     from rich.console import Console
 
 __all__ = [
@@ -341,7 +341,7 @@ class _PartitionJob:
         state: dict[str, Any] = {"records": 0, "counts": Counter(), "at": None, "error": None}
         try:
             settings = self.sealed.open()
-            from reliable_consumer.engine.registry import Registry
+            from reliable_consumer.engine.handlers.registry import Registry
 
             registry = Registry.from_settings(settings.topics)
             deliveries = _deliveries(batches, fault_injection=settings.fault_injection)
@@ -364,7 +364,7 @@ async def _apply(
     settings: Settings, registry: Registry, chunks: Iterator[list[Delivery]], state: dict[str, Any]
 ) -> None:
     """Each batch through `process_batch`, in order, with one processor for the partition."""
-    from reliable_consumer.engine.processing import open_processor
+    from reliable_consumer.engine.batch.processing import open_processor
 
     first = next(chunks, None)
     if first is None:  # an empty partition opens no connections
@@ -383,13 +383,13 @@ async def _check(
 ) -> None:
     """Dry run: classify each record against the idempotency markers (MGET only, no writes).
 
-    Mirrors the decisions of `Decisions.prepare` and the CLAIM script (engine/lua_claims.py).
+    Mirrors the decisions of `Decisions.prepare` and the CLAIM script (engine/redis/lua/claims.py).
     """
-    from reliable_consumer.engine.decoding import DecodeFailure, decode
-    from reliable_consumer.engine.idempotency import fingerprint
-    from reliable_consumer.engine.keys import RedisKeys
-    from reliable_consumer.engine.redis_client import make_client
-    from reliable_consumer.engine.retries import now_ms
+    from reliable_consumer.engine.batch.decoding import DecodeFailure, decode
+    from reliable_consumer.engine.redis.client import make_client
+    from reliable_consumer.engine.redis.delay_queue import now_ms
+    from reliable_consumer.engine.redis.idempotency import fingerprint
+    from reliable_consumer.engine.redis.keys import RedisKeys
 
     first = next(chunks, None)
     if first is None:
@@ -434,7 +434,7 @@ async def _check(
 
 def _ticket_of(keys: RedisKeys, d: Delivery) -> RedriveTicket | None:
     """The redrive ticket the record's ``x-redrive-of`` names, if it carries one."""
-    from reliable_consumer.engine.idempotency import RedriveTicket
+    from reliable_consumer.engine.redis.idempotency import RedriveTicket
 
     of = redrive_of(d.headers) if d.headers else None
     if of is None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reliable_consumer.engine.app_location import current_app
+from reliable_consumer.engine.declaration.location import current_app
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

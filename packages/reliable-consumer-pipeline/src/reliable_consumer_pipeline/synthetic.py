@@ -12,7 +12,7 @@ magnitude faster than `send()` per record and tells the exact offset of every re
 offset of its batch + its index), so outcome events can name their source coordinates.
 
 Outcome events are encoded by the worker's own encoder
-(`reliable_consumer.engine.outcome_events`): a document per source partition and batch, a
+(`reliable_consumer.engine.kafka.outcome_events`): a document per source partition and batch, a
 batch being the records of a partition that arrived in the same `BATCH_MS` and so finished
 together. The events of the first `old_layout_below` records are written a Kafka record each
 instead, as a worker did before layout 2: a topic written across the upgrade.
@@ -27,7 +27,12 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from redis.typing import EncodableT, FieldT
-from reliable_consumer.engine.outcome_events import Event, encode_batch, encode_record, partition_of
+from reliable_consumer.engine.kafka.outcome_events import (
+    Event,
+    encode_batch,
+    encode_record,
+    partition_of,
+)
 from reliable_consumer.engine.records import Delivery, Outcome
 
 __all__ = ["Dataset", "Scenario", "TopicWriter", "produce_dataset"]

@@ -26,8 +26,9 @@ from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from reliable_consumer import Ledger
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine import app_location, registry
-from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.declaration import location as app_location
+from reliable_consumer.engine.handlers import registry
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer_pipeline.cli import pipeline_app
 from reliable_consumer_pipeline.reconcile import (
     DedupeField,

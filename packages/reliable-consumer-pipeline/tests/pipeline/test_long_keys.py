@@ -1,8 +1,8 @@
 """Reconcile matches a long dedupe key across every input, though events carry its digest.
 
 Outcome events write a dedupe key of more than 256 UTF-8 bytes as its SHA-256
-(``reliable_consumer/engine/long_keys.py``); source records, dead letters and ledger entries carry
-it whole. ``reconcile.as_written`` brings every side to the events' form before they meet,
+(``reliable_consumer/engine/redis/long_keys.py``); source records, dead letters and ledger entries
+carry it whole. ``reconcile.as_written`` brings every side to the events' form before they meet,
 so a long-key payment is one entity: granted once, not "lost" beside an event nobody
 claims. The frames are built here (no Kafka): the events by the worker's own encoder.
 """
@@ -14,10 +14,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.outcome_events import Event, encode_batch
-from reliable_consumer.engine.publisher import KEY_DIGESTED_HEADER
+from reliable_consumer.engine.kafka.outcome_events import Event, encode_batch
+from reliable_consumer.engine.kafka.publisher import KEY_DIGESTED_HEADER
 from reliable_consumer.engine.records import Delivery, Outcome
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer_pipeline.reconcile import (
     DedupeField,
     _ledger_frame,

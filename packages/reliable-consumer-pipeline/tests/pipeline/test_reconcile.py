@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.servers import free_port
-from reliable_consumer.engine import app_location, registry
+from reliable_consumer.engine.declaration import location as app_location
 from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.handlers import registry
 from reliable_consumer_pipeline.cli import pipeline_app
 from reliable_consumer_pipeline.reconcile import (
     DedupeField,

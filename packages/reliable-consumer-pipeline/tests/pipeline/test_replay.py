@@ -18,9 +18,9 @@ import redis
 from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.processing import open_processor
+from reliable_consumer.engine.batch.processing import open_processor
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.registry import Registry
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from reliable_consumer_pipeline.cli import pipeline_app

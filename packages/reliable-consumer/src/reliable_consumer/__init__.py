@@ -10,13 +10,13 @@ version (docs/template.md).
 
 from importlib.metadata import PackageNotFoundError, version
 
-from reliable_consumer.engine.app import App
-from reliable_consumer.engine.context import Context, Effects
+from reliable_consumer.engine.declaration.app import App
+from reliable_consumer.engine.declaration.ledger import Ledger
+from reliable_consumer.engine.declaration.samples import SampleRecord, Samples
 from reliable_consumer.engine.errors import PermanentError, RetryableError
-from reliable_consumer.engine.ledger import Ledger
-from reliable_consumer.engine.policies import BreakerPolicy, RetryPolicy
-from reliable_consumer.engine.registry import Handler, handler
-from reliable_consumer.engine.samples import SampleRecord, Samples
+from reliable_consumer.engine.handlers.context import Context, Effects
+from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
+from reliable_consumer.engine.handlers.registry import Handler, handler
 
 try:
     __version__ = version("reliable-consumer")

@@ -14,7 +14,7 @@ from rich.markup import escape
 from reliable_consumer.dev.from_copy import migrate_from_copy_command
 from reliable_consumer.dev.scaffold import new_handler_command
 from reliable_consumer.engine import runtime
-from reliable_consumer.engine.app_location import (
+from reliable_consumer.engine.declaration.location import (
     APP_OPTION,
     APP_SETTING,
     PYPROJECT_TABLE,
@@ -22,7 +22,7 @@ from reliable_consumer.engine.app_location import (
     current_app,
 )
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.observability import configure_logging
+from reliable_consumer.engine.observation.http import configure_logging
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.extras import MissingExtra, require
 from reliable_consumer.ops.cli_group import dlq_redrive_command, offsets_app, status_command
@@ -165,7 +165,7 @@ def _settings() -> Settings:
 
 
 def _run_worker(consume: bool) -> None:
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.registry import Registry
     from reliable_consumer.engine.worker import Worker
 
     settings = _settings()
@@ -201,8 +201,8 @@ def retry_scheduler() -> None:
 @app.command("check-config")
 def check_config() -> None:
     """Validate the settings and print them (secrets masked); exit 2 naming a bad one."""
-    from reliable_consumer.engine.breaker import Breakers
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.breaker import Breakers
+    from reliable_consumer.engine.handlers.registry import Registry
 
     settings = _settings()
     try:
@@ -360,7 +360,7 @@ def console_command() -> None:
     """Serve the web console (WORKER_CONSOLE__HOST/PORT); read-only without a token."""
     _require("console", "service console")
     from reliable_consumer.console.server import serve
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.registry import Registry
 
     settings = _settings()
     configure_logging(settings.log_level, settings.log_format)

@@ -1,7 +1,7 @@
 """What a chaos run left behind, read with plain redis-py and aiokafka calls only.
 
 The chaos checker must not look through the code it checks: a bug in
-`reliable_consumer.ops.audit` or `reliable_consumer.engine.keys` (a wrong key name, a
+`reliable_consumer.ops.audit` or `reliable_consumer.engine.redis.keys` (a wrong key name, a
 misparsed header, a high watermark read wrong) would otherwise hide the very loss it should
 show. So the key names and the record layouts are written out here as the contracts say
 them (docs/contracts.md, docs/architecture.md), and every read is a redis-py or aiokafka
@@ -28,7 +28,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
-from reliable_consumer.engine.outcome_events import decode_all
+from reliable_consumer.engine.kafka.outcome_events import decode_all
 
 Where = tuple[str, int, int]  # source topic, partition, offset
 TP = tuple[str, int]

@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.helpers import await_until

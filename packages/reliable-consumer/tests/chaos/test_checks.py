@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.context import Context, Effects
+from reliable_consumer.engine.handlers.context import Context, Effects
 from tests.chaos import claiming
 from tests.chaos.engine import EndState, Placed, Routed, final_verdict, overlapping_runs
 from tests.chaos.outside import DeadLetter, View

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.kafka_client import connection_kwargs
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos.engine import SEED_ENV, current_assignment, seed_from_env
 from tests.chaos.outside import TP, Outside, View, Where, ledger_key, wait_settled

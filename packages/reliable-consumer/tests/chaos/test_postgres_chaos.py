@@ -27,7 +27,7 @@ import pytest
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine import faults
+from reliable_consumer.engine.handlers import faults
 from tests.chaos.engine import current_assignment, frozen, seed_from_env
 from tests.chaos.postgres import (
     Producer,

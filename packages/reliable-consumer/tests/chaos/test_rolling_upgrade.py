@@ -61,7 +61,7 @@ from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.kafka_client import connection_kwargs
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos.engine import (
     CLAIMED,
@@ -640,7 +640,7 @@ def test_the_inbox_schema_migrates_across_the_upgrade(
     Deploys run `service db migrate` before the workers start (a Job or init container),
     so an upgrade runs the new release's against a database the previous one migrated
     (and a rollback the reverse). Migrations are append-only and checked by their text
-    (engine/schema.py): an engine migration whose bytes changed between releases stops
+    (engine/postgres/schema.py): an engine migration whose bytes changed between releases stops
     every deploy of the new one. The project's migrations are the service's own and do
     not change with the engine: both releases get the same folder.
     """

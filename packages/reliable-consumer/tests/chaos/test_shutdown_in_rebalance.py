@@ -27,7 +27,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import TopicPartition
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.kafka_client import connection_kwargs
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import WorkerProcess

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import sys
 
-from reliable_consumer.engine.app_location import APP_OPTION
+from reliable_consumer.engine.declaration.location import APP_OPTION
 
 CHAOS_APP = "tests.chaos.app:app"
 
 # Below the worker's INFO, on this logger alone (configure_logging sets the root's level).
-logging.getLogger("reliable_consumer.engine.redis_client").setLevel(logging.DEBUG)
+logging.getLogger("reliable_consumer.engine.redis.client").setLevel(logging.DEBUG)
 
 if __name__ == "__main__":
     from reliable_consumer.cli import app

@@ -22,14 +22,14 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.broker import Broker, create_topics
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.publisher import (
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.kafka.publisher import (
     DROPPED_HEADER,
     KEY_SUBSTITUTED_HEADER,
     ORIGINAL_BYTES_HEADER,
 )
 from reliable_consumer.engine.records import Delivery, Outcome
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.hostile import corpus

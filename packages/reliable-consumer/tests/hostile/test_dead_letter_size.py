@@ -22,8 +22,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.publisher import (
+from reliable_consumer.engine.kafka.publisher import (
     DROPPED_HEADER,
     KEY_DIGESTED_HEADER,
     KEY_SUBSTITUTED_HEADER,
@@ -31,6 +30,7 @@ from reliable_consumer.engine.publisher import (
     Publisher,
 )
 from reliable_consumer.engine.records import Delivery
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.settings import KafkaSettings
 from reliable_consumer.engine.stalls import Stalls
 from reliable_consumer.ops import audit

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from reliable_consumer.engine.decoding import DecodeFailure, decode
+from reliable_consumer.engine.batch.decoding import DecodeFailure, decode
 from reliable_consumer.engine.records import Delivery
 
 from service.handlers.payments import (

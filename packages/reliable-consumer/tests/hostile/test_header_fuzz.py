@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.engine.idempotency import fingerprint
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.processing import Processor
+from reliable_consumer.engine.batch.processing import Processor
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.records import (
     REDRIVE_HEADER,
     Delivery,
@@ -31,8 +30,9 @@ from reliable_consumer.engine.records import (
     clean_headers,
     redrive_ticket_value,
 )
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.idempotency import fingerprint
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from tests.integration.recording_producer import RecordingProducer
 

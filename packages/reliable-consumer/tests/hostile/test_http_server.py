@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.observability import HealthState, HttpServer
+from reliable_consumer.engine.observation.http import HealthState, HttpServer
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.settings import Settings
 from tests.helpers import wait_until
 

@@ -20,8 +20,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.publisher import DEAD_LETTER_UNWRITABLE, OUTCOMES_UNWRITABLE
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.kafka.publisher import DEAD_LETTER_UNWRITABLE, OUTCOMES_UNWRITABLE
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit

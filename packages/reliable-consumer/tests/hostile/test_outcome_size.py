@@ -23,10 +23,10 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.publisher import TOPIC_LIMIT_ROOM
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.kafka.publisher import TOPIC_LIMIT_ROOM
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit, trace
 from tests.helpers import await_until

@@ -35,11 +35,11 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.outcome_events import MAX_DOCUMENT_BYTES
-from reliable_consumer.engine.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.kafka.outcome_events import MAX_DOCUMENT_BYTES
+from reliable_consumer.engine.kafka.publisher import DROPPED_HEADER, KEY_SUBSTITUTED_HEADER
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.hostile import corpus

@@ -19,11 +19,11 @@ import redis.asyncio as aioredis
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.idempotency import FinishRequest, FinishStatus, Idempotency
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.redis_durability import fence_key
-from reliable_consumer.engine.redis_persistence import check_persistence
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.durability import fence_key
+from reliable_consumer.engine.redis.idempotency import FinishRequest, FinishStatus, Idempotency
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.persistence_check import check_persistence
 from reliable_consumer.engine.settings import RedisSettings, Settings
 from reliable_consumer.engine.stalls import Stalls
 from reliable_consumer.engine.worker import Worker

@@ -18,17 +18,17 @@ import redis
 import redis.asyncio as aioredis
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.processing import (
+from reliable_consumer.engine.batch.processing import (
     INTERNAL_ATTEMPTS,
     INTERNAL_BACKOFF_MAX_S,
     INTERNAL_FIRST_WAIT_S,
 )
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.redis_errors import RedisRefused, is_refusal
-from reliable_consumer.engine.retrying import longest_wait_s
+from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.errors import RedisRefused, is_refusal
 from reliable_consumer.engine.settings import RedisSettings
 from reliable_consumer.engine.stalls import Stalls
+from reliable_consumer.engine.until_done import longest_wait_s
 from reliable_consumer.engine.worker import Worker
 from tests.helpers import await_until
 from tests.integration.harness import (

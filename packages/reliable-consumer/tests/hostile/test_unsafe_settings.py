@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from reliable_consumer.cli import app
-from reliable_consumer.engine.app_location import APP_SETTING, current_app, current_app_spec
+from reliable_consumer.engine.declaration.location import APP_SETTING, current_app, current_app_spec
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.settings import load_settings
 from typer.testing import CliRunner

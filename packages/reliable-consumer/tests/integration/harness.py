@@ -10,8 +10,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit

@@ -33,9 +33,9 @@ from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel, SecretStr
 from redis.exceptions import RedisError
 from reliable_consumer.dev.servers import die_with_parent_preexec
-from reliable_consumer.engine import faults
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.handlers import faults
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.helpers import await_until

@@ -23,12 +23,12 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel, SecretStr
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.processing import open_processor
+from reliable_consumer.engine.batch.processing import open_processor
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.retries import RetryQueue, RetryScheduler
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import RetryQueue, RetryScheduler
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import RedisSettings, RetrySettings
 from tests.helpers import await_until
 from tests.integration.harness import make_settings

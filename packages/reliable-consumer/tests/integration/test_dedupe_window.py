@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.engine import decisions
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.processing import Processor
+from reliable_consumer.engine.batch import decisions
+from reliable_consumer.engine.batch.processing import Processor
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.settings import IdempotencySettings, Settings
 from reliable_consumer_pipeline import replay
 from tests.integration.recording_producer import RecordingProducer

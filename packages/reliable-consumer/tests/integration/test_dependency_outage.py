@@ -24,8 +24,8 @@ import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.servers import free_port
-from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
-from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.helpers import await_until

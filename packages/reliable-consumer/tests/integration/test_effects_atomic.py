@@ -12,7 +12,9 @@ from typing import TypeVar
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.engine.idempotency import (
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.errors import RedisRefused
+from reliable_consumer.engine.redis.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
@@ -20,9 +22,7 @@ from reliable_consumer.engine.idempotency import (
     FinishStatus,
     Idempotency,
 )
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.redis_errors import RedisRefused
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import RedisSettings
 
 LEDGER = "fx:ledger:purchases"

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
-from reliable_consumer.engine.idempotency import ClaimRequest, ClaimStatus
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.processing import Processor, open_processor
+from reliable_consumer.engine.batch.processing import Processor, open_processor
+from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.handlers.registry import Handler, Registry
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.registry import Handler, Registry
+from reliable_consumer.engine.redis.idempotency import ClaimRequest, ClaimStatus
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.integration.harness import make_settings

@@ -19,10 +19,10 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.processing import Processor, open_processor
+from reliable_consumer.engine.batch.processing import Processor, open_processor
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.integration.harness import make_settings

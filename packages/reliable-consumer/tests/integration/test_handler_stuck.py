@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.servers import free_port
-from reliable_consumer.engine.context import InvalidEffect
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.context import InvalidEffect
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.helpers import await_until

@@ -13,7 +13,7 @@ import pytest
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.servers import free_port
-from reliable_consumer.engine.retries import RetryScheduler
+from reliable_consumer.engine.redis.delay_queue import RetryScheduler
 from reliable_consumer.engine.worker import Worker
 from tests.helpers import await_until
 from tests.integration.harness import (

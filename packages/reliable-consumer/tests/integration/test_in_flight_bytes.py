@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.processing import Processor
+from reliable_consumer.engine.batch.processing import Processor
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.worker import Worker
 from tests.helpers import await_until

@@ -25,12 +25,12 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.processing import Processor, open_processor
+from reliable_consumer.engine.batch.processing import Processor, open_processor
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.retries import RetryQueue
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import RetryQueue
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from tests.helpers import await_until
 from tests.integration.harness import make_settings

@@ -18,9 +18,9 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.registry import Handler, Registry
+from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.handlers.registry import Handler, Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.integration.harness import make_settings, prepare_topics, running_worker, wait_settled
 

@@ -25,10 +25,10 @@ from aiokafka.structs import TopicPartition
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import Broker, create_topics
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.processing import open_processor
+from reliable_consumer.engine.batch.processing import open_processor
+from reliable_consumer.engine.handlers.registry import Handler, Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.registry import Handler, Registry
 from reliable_consumer.engine.settings import Settings
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, running_worker

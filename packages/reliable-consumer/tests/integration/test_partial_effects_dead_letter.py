@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.processing import Processor
+from reliable_consumer.engine.batch.processing import Processor
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.settings import Settings
 from tests.integration.recording_producer import RecordingProducer
 

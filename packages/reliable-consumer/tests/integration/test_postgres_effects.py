@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.registry import Registry, discover
+from reliable_consumer.engine.handlers.registry import Registry, discover
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from tests.integration.harness import (

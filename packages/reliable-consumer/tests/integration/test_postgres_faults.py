@@ -22,8 +22,8 @@ from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.postgres_server import PostgresServer
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import (

@@ -25,10 +25,10 @@ from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.postgres_server import PostgresServer
-from reliable_consumer.engine.inbox import SAVEPOINT
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.schema import all_migrations, migrate
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.postgres.inbox import SAVEPOINT
+from reliable_consumer.engine.postgres.schema import all_migrations, migrate
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from reliable_consumer.ops.redrive import redrive

@@ -38,15 +38,15 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from reliable_consumer.engine import processing
-from reliable_consumer.engine.idempotency import ClaimRequest, fingerprint
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.processing import Processor
+from reliable_consumer.engine.batch import processing
+from reliable_consumer.engine.batch.processing import Processor
+from reliable_consumer.engine.handlers.registry import Handler, Registry
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.registry import Handler, Registry
-from reliable_consumer.engine.retries import RetryQueue
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.delay_queue import RetryQueue
+from reliable_consumer.engine.redis.idempotency import ClaimRequest, fingerprint
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from tests.integration.recording_producer import RecordingProducer
 

@@ -17,7 +17,7 @@ import time
 
 from pydantic import SecretStr
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.redis_client import RedisOps, make_client
+from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.settings import RedisSettings
 
 POOL = 2

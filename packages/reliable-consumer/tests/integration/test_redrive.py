@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.kafka_client import make_producer
-from reliable_consumer.engine.publisher import KEY_SUBSTITUTED_HEADER
+from reliable_consumer.engine.kafka.clients import make_producer
+from reliable_consumer.engine.kafka.publisher import KEY_SUBSTITUTED_HEADER
 from reliable_consumer.engine.records import REDRIVE_HEADER
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit

@@ -10,11 +10,16 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.idempotency import ClaimRequest, ClaimStatus, Idempotency, fingerprint
-from reliable_consumer.engine.keys import RedisKeys
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.retries import ParkRequest, ParkStatus, RetryQueue, now_ms
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import ParkRequest, ParkStatus, RetryQueue, now_ms
+from reliable_consumer.engine.redis.idempotency import (
+    ClaimRequest,
+    ClaimStatus,
+    Idempotency,
+    fingerprint,
+)
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.ops import audit
 from tests.integration.harness import (
     assert_invariants,

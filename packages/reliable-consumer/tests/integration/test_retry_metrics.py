@@ -17,11 +17,11 @@ from dataclasses import replace
 import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.retries import RetryQueue
+from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import RetryQueue
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from tests.helpers import await_until

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine import processing
-from reliable_consumer.engine.decisions import Decisions
-from reliable_consumer.engine.idempotency import FinishRequest, Idempotency
-from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.batch import processing
+from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.retries import ParkRequest, RetryQueue
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.delay_queue import ParkRequest, RetryQueue
+from reliable_consumer.engine.redis.idempotency import FinishRequest, Idempotency
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit
 from tests.helpers import await_until

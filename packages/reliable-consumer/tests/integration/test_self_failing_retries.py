@@ -19,7 +19,7 @@ import time
 
 import pytest
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.policies import RetryPolicy
+from reliable_consumer.engine.handlers.policies import RetryPolicy
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit

@@ -27,7 +27,7 @@ import pytest
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.dev.servers import free_port
-from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 from reliable_consumer.ops.status import describe_group
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce

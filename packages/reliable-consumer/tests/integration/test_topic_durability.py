@@ -9,7 +9,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from reliable_consumer.dev.broker import Broker, create_topics
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.kafka_client import connection_kwargs
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.worker import Worker
 from tests.integration.harness import make_settings, prepare_topics, running_worker
 

@@ -32,9 +32,9 @@ from aiokafka.coordinator.protocol import (
 )
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.servers import free_port
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.membership import PATIENCE_SESSIONS, UNASSIGNED
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.observation.membership import PATIENCE_SESSIONS, UNASSIGNED
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops.status import collect_status

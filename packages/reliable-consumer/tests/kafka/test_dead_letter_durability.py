@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
-from reliable_consumer.engine.publisher import DEAD_LETTER_UNWRITABLE
+from reliable_consumer.engine.kafka.publisher import DEAD_LETTER_UNWRITABLE
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit

@@ -7,7 +7,7 @@ import re
 import pytest
 from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.topic_check import check_topic_durability, describe
+from reliable_consumer.engine.kafka.topic_check import check_topic_durability, describe
 from tests.integration.harness import make_settings
 from tests.kafka.support import create_run_topics
 

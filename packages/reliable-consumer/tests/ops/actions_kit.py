@@ -9,12 +9,12 @@ import json
 from typing import Any
 
 import redis.asyncio as aioredis
-from reliable_consumer.engine.kafka_client import make_producer
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.publisher import Publisher
+from reliable_consumer.engine.kafka.clients import make_producer
+from reliable_consumer.engine.kafka.publisher import Publisher
 from reliable_consumer.engine.records import REDRIVE_HEADER, Delivery
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.retries import ParkRequest, RetryQueue
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import ParkRequest, RetryQueue
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 

@@ -14,9 +14,9 @@ from collections.abc import Mapping
 import psycopg
 import pytest
 import redis.asyncio as aioredis
+from reliable_consumer.engine.declaration.ledger import Ledger
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.ledger import Ledger
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit, trace
 

@@ -15,8 +15,8 @@ import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.engine.member_report import read_member_reports
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.member_report import read_member_reports
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit
 from reliable_consumer.ops.status import collect_status

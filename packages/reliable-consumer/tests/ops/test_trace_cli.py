@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.broker import Broker
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.outcome_events import encode_record, partition_of, source_key
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.kafka.outcome_events import encode_record, partition_of, source_key
 from reliable_consumer.engine.records import Delivery, Outcome
 from reliable_consumer.ops.trace import iso_ms
 from tests.helpers import wait_until

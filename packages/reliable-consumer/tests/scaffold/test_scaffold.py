@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from reliable_consumer.cli import app
 from reliable_consumer.dev import scaffold
-from reliable_consumer.engine.app_location import current_app
+from reliable_consumer.engine.declaration.location import current_app
 from typer.testing import CliRunner
 
 import service

@@ -8,15 +8,15 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reliable_consumer.engine.context import Context, Effects, InvalidEffect
-from reliable_consumer.engine.keys import (
+from reliable_consumer.engine.declaration.naming import HANDLER_NAME
+from reliable_consumer.engine.handlers.context import Context, Effects, InvalidEffect
+from reliable_consumer.engine.redis.durability import fence_key
+from reliable_consumer.engine.redis.keys import (
     ENGINE_NAMESPACES,
     MAX_INLINE_KEY_BYTES,
     RedisKeys,
     effect_key,
 )
-from reliable_consumer.engine.naming import HANDLER_NAME
-from reliable_consumer.engine.redis_durability import fence_key
 from reliable_consumer.engine.settings import RedisSettings
 
 PREFIX = st.from_regex(r"\A[A-Za-z0-9._-]{1,64}\Z")

@@ -23,9 +23,9 @@ from redis.exceptions import AuthenticationError, NoPermissionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from reliable_consumer.dev.redis_server import REDIS_BIN_ENV, RedisServer, find_redis_server
 from reliable_consumer.dev.servers import DevStackError, free_port
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.redis_persistence import check_persistence
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.persistence_check import check_persistence
 from reliable_consumer.engine.settings import RedisSettings
 from reliable_consumer.ops import audit
 from tests.helpers import await_until, on_ci

@@ -17,7 +17,7 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.ops import action_log
 from reliable_consumer.ops.action_log import (
     UNENDED,

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 from reliable_consumer.cli import app as cli
-from reliable_consumer.engine import app_location
-from reliable_consumer.engine.app import App
-from reliable_consumer.engine.app_location import (
+from reliable_consumer.engine.declaration import location as app_location
+from reliable_consumer.engine.declaration.app import App
+from reliable_consumer.engine.declaration.ledger import Ledger
+from reliable_consumer.engine.declaration.location import (
     APP_SETTING,
     AppSpec,
     current_app,
@@ -31,9 +32,8 @@ from reliable_consumer.engine.app_location import (
     load_app,
 )
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.ledger import Ledger
-from reliable_consumer.engine.registry import Registry, discover
-from reliable_consumer.engine.schema import all_migrations
+from reliable_consumer.engine.handlers.registry import Registry, discover
+from reliable_consumer.engine.postgres.schema import all_migrations
 from reliable_consumer.engine.settings import Settings, load_settings
 from typer.testing import CliRunner
 
@@ -100,7 +100,8 @@ def declaration(package: str, **fields: Any) -> str:
     values = {**VALID, "handlers": (f"{package}.billing_handlers",), **fields}
     arguments = ", ".join(f"{k}={v!r}" for k, v in values.items())
     return (
-        f"from reliable_consumer.engine.app import App\n\napp = App({arguments})\nnot_an_app = 42\n"
+        "from reliable_consumer.engine.declaration.app import App\n\n"
+        f"app = App({arguments})\nnot_an_app = 42\n"
     )
 
 
@@ -258,7 +259,7 @@ def test_a_target_that_is_not_an_app_is_refused(
 ) -> None:
     package = module_on_path(monkeypatch, tmp_path, {"declared.py": declaration("x")})
     assert "is of type int, not an App" in refusal(f"{package}.declared:not_an_app")
-    assert "is the class App, not an App" in refusal("reliable_consumer.engine.app:App")
+    assert "is the class App, not an App" in refusal("reliable_consumer.engine.declaration.app:App")
     assert "has no attribute 'nothing'" in refusal(f"{package}.declared:nothing")
     assert "module:attribute" in refusal(f"{package}.declared")
     assert "dotted module name" in refusal("not a module:app")

@@ -18,8 +18,8 @@ import threading
 import fakeredis
 import pytest
 from aiokafka.structs import TopicPartition
-from reliable_consumer.engine.member_report import MemberReporter
-from reliable_consumer.engine.offsets import OffsetTracker
+from reliable_consumer.engine.kafka.offsets import OffsetTracker
+from reliable_consumer.engine.observation.member_report import MemberReporter
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.shutdown import FORCED_EXIT_CODE, ExitDeadline, ShutdownSteps
 from reliable_consumer.engine.worker import Worker

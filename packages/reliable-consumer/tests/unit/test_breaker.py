@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 from pydantic import BaseModel
-from reliable_consumer.engine.breaker import (
+from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.handlers.breaker import (
     KEYS_PER_BUCKET,
     Breaker,
     Breakers,
@@ -22,11 +23,10 @@ from reliable_consumer.engine.breaker import (
     Evidence,
     Failure,
 )
-from reliable_consumer.engine.context import Context
-from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.policies import BreakerPolicy, RetryPolicy
-from reliable_consumer.engine.registry import Handler, Registry, handler
+from reliable_consumer.engine.handlers.context import Context
+from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
+from reliable_consumer.engine.handlers.registry import Handler, Registry, handler
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.stalls import Stalls
 
 DEADLINE_S = 2.0  # a wait that should end in milliseconds fails the test instead of hanging
@@ -418,7 +418,7 @@ def test_a_failed_probe_of_a_record_failing_since_before_the_circuit_opened_lets
     """Such a record was failing while the dependency answered others: its failure is no
     evidence that the dependency is still down (it spent an attempt; it does not hold the
     circuit open). A record that first failed within the evidence reopens it."""
-    caplog.set_level(logging.INFO, logger="reliable_consumer.engine.breaker")
+    caplog.set_level(logging.INFO, logger="reliable_consumer.engine.handlers.breaker")
     clock = Clock(1000.0)
     b = opened(clock, window_s=10.0)  # evidence from 990 s on (wall clock = the fake clock)
     clock.now += 5.0
@@ -506,7 +506,7 @@ def test_failures_and_successes_while_open_change_nothing() -> None:
 
 def test_closed_after_being_open_logs_how_long(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
-    caplog.set_level(logging.INFO, logger="reliable_consumer.engine.breaker")
+    caplog.set_level(logging.INFO, logger="reliable_consumer.engine.handlers.breaker")
     b = opened(clock)
     clock.now += 5.0
     b.admit(1)

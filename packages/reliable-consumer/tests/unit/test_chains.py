@@ -16,8 +16,11 @@ from dataclasses import dataclass, replace
 
 import fakeredis
 import pytest
-from reliable_consumer.engine.context import Effects, InvalidEffect
-from reliable_consumer.engine.idempotency import (
+from reliable_consumer.engine.handlers.context import Effects, InvalidEffect
+from reliable_consumer.engine.records import Delivery
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import ParkRequest, ParkStatus, RetryQueue
+from reliable_consumer.engine.redis.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
@@ -25,10 +28,7 @@ from reliable_consumer.engine.idempotency import (
     FinishStatus,
     Idempotency,
 )
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.retries import ParkRequest, ParkStatus, RetryQueue
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import RedisSettings
 
 PREFIX = "unit"

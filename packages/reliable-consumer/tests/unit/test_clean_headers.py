@@ -3,7 +3,7 @@ dispatch): none in its reserved namespace, the fault header only with fault inje
 
 from __future__ import annotations
 
-from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 from reliable_consumer.engine.records import REDRIVE_HEADER, clean_headers, redrive_of
 
 FORGED = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from reliable_consumer.console.app import _environment
-from reliable_consumer.engine import long_keys
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.ops.retry_admin import RetryItem
 
 LONG_KEY = "k" * (1 << 20)

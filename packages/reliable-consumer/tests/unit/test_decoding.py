@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from reliable_consumer.engine.decoding import DecodeFailure, decode
+from reliable_consumer.engine.batch.decoding import DecodeFailure, decode
 from reliable_consumer.engine.records import Delivery
 
 from service.handlers.payments import PaymentSucceeded, grant_purchase
@@ -172,7 +172,7 @@ PINNED_FINGERPRINTS = [
 def test_fingerprint_is_pinned_so_an_upgrade_keeps_redeliveries_duplicates(
     changes: dict[str, Any], canonical: bytes, pinned: str
 ) -> None:
-    from reliable_consumer.engine.idempotency import fingerprint
+    from reliable_consumer.engine.redis.idempotency import fingerprint
 
     model = decode(grant_purchase, delivery(encode(payment(**changes))), 1_048_576)
     assert isinstance(model, PaymentSucceeded)

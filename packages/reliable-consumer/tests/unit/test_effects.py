@@ -10,14 +10,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from reliable_consumer.engine import lua_finish
-from reliable_consumer.engine.context import (
+from reliable_consumer.engine.errors import PermanentError
+from reliable_consumer.engine.handlers.context import (
     EFFECT_COMMANDS,
     MAX_EFFECT_ARGS,
     Effects,
     InvalidEffect,
 )
-from reliable_consumer.engine.errors import PermanentError
+from reliable_consumer.engine.redis.lua import finish as lua_finish
 
 INT64_MAX = 2**63 - 1
 

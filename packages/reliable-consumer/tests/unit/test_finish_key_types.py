@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import fakeredis
 import pytest
-from reliable_consumer.engine.context import EffectArg
-from reliable_consumer.engine.idempotency import FinishRequest, FinishStatus, Idempotency
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.redis_client import RedisOps
+from reliable_consumer.engine.handlers.context import EffectArg
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.idempotency import FinishRequest, FinishStatus, Idempotency
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import RedisSettings
 
 PREFIX = "unit"

@@ -39,7 +39,7 @@ REWRITTEN = '''\
 
 from service import Context, project
 from service.app import app
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
 from service.handlers.refunds import handle_refunds
 from reliable_consumer_pipeline.replay import replay_topic
 from reliable_consumer.testing import HandlerTestKit
@@ -68,7 +68,7 @@ def test_discover_stays_imported_while_something_still_calls_it() -> None:
     )
     assert rewrite(text) == (
         "from service.app import app\n"
-        "from reliable_consumer.engine.registry import Registry, discover\n"
+        "from reliable_consumer.engine.handlers.registry import Registry, discover\n"
         "REGISTRY = Registry.from_settings(app.topics, app)\n"
         "ALL = discover()\n"
     )

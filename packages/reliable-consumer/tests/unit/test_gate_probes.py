@@ -16,16 +16,16 @@ from collections.abc import Callable
 
 import fakeredis
 from pydantic import BaseModel
-from reliable_consumer.engine.breaker import Breakers, BreakerState, Failure
-from reliable_consumer.engine.context import Context
-from reliable_consumer.engine.gate import Gate
-from reliable_consumer.engine.idempotency import Idempotency
-from reliable_consumer.engine.jobs import Fate, Job
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.policies import BreakerPolicy
+from reliable_consumer.engine.batch.gate import Gate
+from reliable_consumer.engine.batch.jobs import Fate, Job
+from reliable_consumer.engine.handlers.breaker import Breakers, BreakerState, Failure
+from reliable_consumer.engine.handlers.context import Context
+from reliable_consumer.engine.handlers.policies import BreakerPolicy
+from reliable_consumer.engine.handlers.registry import Handler, Registry, handler
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.registry import Handler, Registry, handler
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.idempotency import Idempotency
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import RedisSettings
 from tests.helpers import await_until
 

@@ -6,10 +6,10 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from reliable_consumer.engine.handler_pool import HandlerPool, PoolClosedError, Slot
-from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.handlers.pool import HandlerPool, PoolClosedError, Slot
+from reliable_consumer.engine.handlers.stuck_calls import StuckCalls
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.stalls import Stalls
-from reliable_consumer.engine.stuck_calls import StuckCalls
 from tests.helpers import await_until
 
 

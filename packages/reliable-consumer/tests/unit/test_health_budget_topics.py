@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.observability import HealthState
+from reliable_consumer.engine.kafka.topic_check import TopicDurability, effective_mode
+from reliable_consumer.engine.observation.http import HealthState
 from reliable_consumer.engine.settings import load_settings
-from reliable_consumer.engine.topic_check import TopicDurability, effective_mode
 
 
 def _connected(**fields: object) -> HealthState:

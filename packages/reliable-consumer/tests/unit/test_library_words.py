@@ -16,7 +16,7 @@ WORD = re.compile("payment", re.IGNORECASE)
 
 # (file under reliable_consumer/, text on the line): why the mention stays.
 STAYS = {
-    ("engine/redaction.py", "card number"): (
+    ("engine/handlers/redaction.py", "card number"): (
         "what redaction hides is any service's payment card numbers (the Luhn check), not "
         "the example's data"
     ),

@@ -8,9 +8,9 @@ itself when short, its flagged digest when long (``long_keys``).
 
 from __future__ import annotations
 
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.jobs import Job, log_fields
+from reliable_consumer.engine.batch.jobs import Job, log_fields
 from reliable_consumer.engine.records import Delivery
+from reliable_consumer.engine.redis import long_keys
 
 
 def job_with_key(key: str) -> Job:

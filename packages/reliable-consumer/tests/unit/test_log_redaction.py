@@ -10,7 +10,7 @@ import io
 import logging
 
 import pytest
-from reliable_consumer.engine.observability import configure_logging
+from reliable_consumer.engine.observation.http import configure_logging
 
 CARD = "4111 1111 1111 1111"
 EMAIL = "jane.doe@example.com"
@@ -29,7 +29,7 @@ def test_logged_tracebacks_redact_cards_and_emails(
         try:
             raise ValueError(f"charge of card {CARD} for {EMAIL} failed")
         except ValueError:
-            logging.getLogger("reliable_consumer.engine.processing").exception(
+            logging.getLogger("reliable_consumer.engine.batch.processing").exception(
                 "record failed unexpectedly"
             )
     finally:

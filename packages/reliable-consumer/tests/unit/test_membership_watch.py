@@ -13,8 +13,8 @@ import logging
 
 import pytest
 from aiokafka.structs import TopicPartition
-from reliable_consumer.engine.group_check import GROUP_JOIN_REFUSED
-from reliable_consumer.engine.membership import (
+from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED
+from reliable_consumer.engine.observation.membership import (
     PATIENCE_SESSIONS,
     UNASSIGNED,
     GroupProgress,

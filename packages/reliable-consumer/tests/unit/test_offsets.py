@@ -15,7 +15,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from reliable_consumer.engine.offsets import OffsetTracker, PartitionProgress
+from reliable_consumer.engine.kafka.offsets import OffsetTracker, PartitionProgress
 
 
 @st.composite

@@ -1,7 +1,7 @@
 """Failures of one target are one episode in the log, however many calls fail at once.
 
 A Redis outage once logged a warning per failed call (~230 a second per worker). These pin
-the episode (``outages.Outage`` under ``retrying.until_done``): one line when it starts, a
+the episode (``outages.Outage`` under ``until_done.until_done``): one line when it starts, a
 summary at most once per interval, one line once calls go through again and none is left
 waiting; and that the Kafka writes (``Publisher``) go through the same mechanism, one
 episode per topic.
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaConnectionError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from reliable_consumer.engine.kafka.publisher import Publisher
 from reliable_consumer.engine.outages import Outage
-from reliable_consumer.engine.publisher import Publisher
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.retrying import until_done
+from reliable_consumer.engine.until_done import until_done
 from reliable_consumer.testing.producer import InMemoryProducer
 from tests.helpers import await_until
 

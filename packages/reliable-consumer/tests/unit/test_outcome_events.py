@@ -13,8 +13,8 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.outcome_events import (
+from reliable_consumer.engine.handlers.redaction import cut_utf8, record_text
+from reliable_consumer.engine.kafka.outcome_events import (
     DOCUMENT_FIELDS,
     MAX_DOCUMENT_BYTES,
     WORKER_ID,
@@ -29,9 +29,9 @@ from reliable_consumer.engine.outcome_events import (
     partition_of,
     source_key,
 )
-from reliable_consumer.engine.publisher import MIN_DOCUMENT_BYTES, Publisher
+from reliable_consumer.engine.kafka.publisher import MIN_DOCUMENT_BYTES, Publisher
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.redaction import cut_utf8, record_text
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.testing.producer import InMemoryProducer
 
 CASES = settings(max_examples=200, deadline=None, database=None)

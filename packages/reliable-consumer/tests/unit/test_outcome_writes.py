@@ -16,18 +16,18 @@ from typing import Any
 
 import pytest
 from aiokafka.errors import CorruptRecordException, MessageSizeTooLargeError
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.outcome_events import MAX_DOCUMENT_BYTES, Event, decode_all
-from reliable_consumer.engine.publisher import (
+from reliable_consumer.engine.kafka.outcome_events import MAX_DOCUMENT_BYTES, Event, decode_all
+from reliable_consumer.engine.kafka.publisher import (
     MIN_DOCUMENT_BYTES,
     OUTCOMES_UNWRITABLE,
     TOPIC_LIMIT_ROOM,
     Publisher,
     document_bytes_for,
 )
+from reliable_consumer.engine.kafka.topic_check import _too_small_for_outcomes
 from reliable_consumer.engine.records import Delivery, Outcome
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.stalls import Stalls
-from reliable_consumer.engine.topic_check import _too_small_for_outcomes
 from reliable_consumer.testing.producer import InMemoryProducer
 from tests.helpers import await_until
 

@@ -13,8 +13,8 @@ import json
 from typing import Any, cast
 
 import pytest
-from reliable_consumer.engine.context import Context, EffectArg, Effects
-from reliable_consumer.engine.idempotency import fingerprint
+from reliable_consumer.engine.handlers.context import Context, EffectArg, Effects
+from reliable_consumer.engine.redis.idempotency import fingerprint
 
 from service import sample
 from service.handlers.payments import PaymentSucceeded, grant_purchase

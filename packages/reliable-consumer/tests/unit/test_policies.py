@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
-from reliable_consumer.engine.context import Context
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.registry import Handler, handler
+from reliable_consumer.engine.handlers.context import Context
+from reliable_consumer.engine.handlers.registry import Handler, handler
 from reliable_consumer.engine.settings import RetrySettings, load_settings
 
 from service import BreakerPolicy, RetryPolicy

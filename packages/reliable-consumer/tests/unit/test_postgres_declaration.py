@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from pydantic import BaseModel
-from reliable_consumer.engine.context import Effects, InvalidEffect
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.inbox import InboxStore
-from reliable_consumer.engine.registry import Registry, discover
+from reliable_consumer.engine.handlers.context import Effects, InvalidEffect
+from reliable_consumer.engine.handlers.registry import Registry, discover
+from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.settings import PostgresSettings, load_settings
 from reliable_consumer.testing import HandlerTestKit
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reliable_consumer.engine.errors import PermanentError, RetryableError
-from reliable_consumer.engine.redaction import (
+from reliable_consumer.engine.handlers.redaction import (
     CARD,
     EMAIL,
     MAX_ERROR_BYTES,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from pydantic import BaseModel
-from reliable_consumer.engine.context import Context
 from reliable_consumer.engine.errors import ConfigurationError, PermanentError, RetryableError
-from reliable_consumer.engine.keys import ENGINE_NAMESPACES
-from reliable_consumer.engine.registry import Handler, Registry, discover, handler
+from reliable_consumer.engine.handlers.context import Context
+from reliable_consumer.engine.handlers.registry import Handler, Registry, discover, handler
+from reliable_consumer.engine.redis.keys import ENGINE_NAMESPACES
 
 from service.handlers.payments import (
     PaymentSucceeded,

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import fakeredis
 import orjson
 import pytest
-from reliable_consumer.engine import lua_claims
-from reliable_consumer.engine.jobs import BLOCKED
-from reliable_consumer.engine.keys import RedisKeys
+from reliable_consumer.engine.batch.jobs import BLOCKED
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.retries import ParkRequest, RetryQueue
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import ParkRequest, RetryQueue
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.lua import claims as lua_claims
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import retry_admin
 from reliable_consumer.ops.action_log import read_actions

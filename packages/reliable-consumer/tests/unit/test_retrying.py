@@ -1,4 +1,4 @@
-"""The record path's one retry loop (``retrying.until_done``) and what leans on it.
+"""The record path's one retry loop (``until_done.until_done``) and what leans on it.
 
 Redis calls (``RedisOps``) and the isolation of a record that breaks its batch
 (``Processor.process_reliably``) both retry through it: these pin that a Redis outage is
@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
-from reliable_consumer.engine import processing
-from reliable_consumer.engine.processing import INTERNAL_ATTEMPTS, Processor
+from reliable_consumer.engine.batch import processing
+from reliable_consumer.engine.batch.processing import INTERNAL_ATTEMPTS, Processor
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.retrying import longest_wait_s, until_done
+from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.settings import RedisSettings
+from reliable_consumer.engine.until_done import longest_wait_s, until_done
 
 DOWN = RedisConnectionError("Connection refused")
 
@@ -42,7 +42,7 @@ async def test_a_redis_outage_is_retried_until_redis_returns_logging_each_attemp
 
     client = ops()
     client._on_error = errors.append
-    with caplog.at_level(logging.DEBUG, logger="reliable_consumer.engine.redis_client"):
+    with caplog.at_level(logging.DEBUG, logger="reliable_consumer.engine.redis.client"):
         assert await client.call(write) == "ok"
     assert calls == 7 and errors == [DOWN] * 6
     attempts = [
@@ -143,7 +143,7 @@ async def test_a_record_that_keeps_breaking_is_dead_lettered_internal_after_its_
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     processor = BreakingProcessor(breaks=10**6, dead_letter_breaks=2)
-    with caplog.at_level(logging.ERROR, logger="reliable_consumer.engine.processing"):
+    with caplog.at_level(logging.ERROR, logger="reliable_consumer.engine.batch.processing"):
         assert await processor.process_reliably([RECORD], give_up=lambda: False)
     # Dead-lettering failed twice too: the record kept being retried until it could be.
     assert processor.calls == 1 + INTERNAL_ATTEMPTS + 2 and processor.dead_lettered == 1

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.retries import RetryScheduler
+from reliable_consumer.engine.redis.delay_queue import RetryScheduler
 from reliable_consumer.engine.settings import RetrySettings
 
 RECORD = Delivery("payments", 0, 7, b"k", b"{}", (), 0, retry_lease=1)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from reliable_consumer.engine.app_location import current_app
+from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.settings import Settings, describe_validation_error, load_settings
 

@@ -7,9 +7,9 @@ import asyncio
 import logging
 
 import pytest
-from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.handlers.stuck_calls import STALL, StuckCalls, within
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.stalls import Stalls
-from reliable_consumer.engine.stuck_calls import STALL, StuckCalls, within
 from tests.helpers import await_until
 
 

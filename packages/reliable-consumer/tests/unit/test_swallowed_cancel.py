@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaConnectionError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from reliable_consumer.engine.publisher import Publisher
+from reliable_consumer.engine.kafka.publisher import Publisher
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps
+from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.settings import RedisSettings
 
 DEADLINE_S = 10.0

@@ -43,8 +43,8 @@ from reliable_consumer.console.auth import (
 )
 from reliable_consumer.console.backend import Backend, BackendUnavailable
 from reliable_consumer.console.privacy import shown
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import AuditIncomplete, AuditUnavailable
 from reliable_consumer.ops.retry_admin import RetryFilter

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 from aiokafka.errors import KafkaError
 from redis.exceptions import RedisError
 
-from reliable_consumer.engine.redis_client import make_client
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import redrive, retry_admin, status, trace
 from reliable_consumer.ops.action_log import Action, read_actions

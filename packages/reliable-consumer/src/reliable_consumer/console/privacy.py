@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from reliable_consumer.engine.redaction import redact
+from reliable_consumer.engine.handlers.redaction import redact
 from reliable_consumer.ops.dead_letters import BASE64_PREFIX
 
 NOT_TEXT = "[not UTF-8: shown with the token only]"

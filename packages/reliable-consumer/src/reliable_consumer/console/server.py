@@ -13,7 +13,7 @@ import logging
 import uvicorn
 
 from reliable_consumer.console.app import create_app
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """`make run`: the worker on the embedded stack, processing the service's sample records.
 
 Starts (or reuses) the dev broker and Redis, produces the app's sample (``App(samples=...)``,
-reliable_consumer.engine.samples) with transient, permanent and malformed records and an
+reliable_consumer.engine.declaration.samples) with transient, permanent and malformed records and an
 ordered pair (a record that fails twice, then one on the same key that must apply after it:
 the ledger must still read them in that order), and runs the worker with a live progress
 view. Then the handler's dependency goes down for a few seconds: the circuit breaker opens
@@ -38,9 +38,9 @@ from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.dev.demo_grants import Grants, grants_for, migrate, uses_postgres
 from reliable_consumer.dev.servers import free_port
 from reliable_consumer.dev.stack import DEFAULT_BROKER, STOP_HINT, DevStack, DevStackInfo
-from reliable_consumer.engine.app import App
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.samples import SampleRecord
+from reliable_consumer.engine.declaration.app import App
+from reliable_consumer.engine.declaration.samples import SampleRecord
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit

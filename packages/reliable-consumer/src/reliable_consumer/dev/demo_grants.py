@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from reliable_consumer.dev.servers import DevStackError
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.ledger import Ledger
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.samples import Samples
+from reliable_consumer.engine.declaration.ledger import Ledger
+from reliable_consumer.engine.declaration.samples import Samples
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import PostgresSettings
 from reliable_consumer.ops import audit
 
@@ -110,7 +110,7 @@ def grants_for(
 
 async def migrate(settings: PostgresSettings) -> list[str]:
     """`service db migrate` on the dev database: the inbox and the project's tables."""
-    from reliable_consumer.engine.schema import MigrationError
+    from reliable_consumer.engine.postgres.schema import MigrationError
     from reliable_consumer.ops.db import run_migrations
 
     try:

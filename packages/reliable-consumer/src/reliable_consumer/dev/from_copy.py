@@ -107,7 +107,7 @@ _SAMPLE_MODULE = re.compile(r"(?<![\w.])service\.dev\.sample\b")
 _SAMPLE_IMPORT = re.compile(r"^from service\.dev import sample$", re.MULTILINE)
 _ENGINE_ROOMS = re.compile(r"(?<![\w.])service\.(engine|testing|dev|ops|console|cli)\b")
 _DISCOVER_IMPORT = re.compile(
-    r"^(from reliable_consumer\.engine\.registry import )([\w, ]+)$", re.MULTILINE
+    r"^(from reliable_consumer\.engine\.handlers\.registry import )([\w, ]+)$", re.MULTILINE
 )
 # How a carried Python file was made (the report says which).
 REWRITTEN = "  (imports rewritten)"

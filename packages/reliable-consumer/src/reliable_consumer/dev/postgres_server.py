@@ -3,7 +3,7 @@
 Started like the embedded Redis (mirakuru, a free port) for ``make run`` with a postgres
 example and for the tests of the postgres effects store. ``fsync`` and
 ``synchronous_commit`` stay on, as the worker demands of production
-(reliable_consumer/engine/postgres_checks.py): a SIGKILL loses no committed transaction.
+(reliable_consumer/engine/postgres/checks.py): a SIGKILL loses no committed transaction.
 
 The cluster lives in a directory made for it, under this user's ``clusters_dir()``
 (``/var/tmp/service-dev-postgres-<uid>``, 0711), never below a folder the caller passes:

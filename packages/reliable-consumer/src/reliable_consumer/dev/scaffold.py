@@ -11,7 +11,8 @@ template), so the binding survives ``cruft update``; docs/template.md explains.
 
 The template's post-generation hook uses this module to write a project's first
 handler, in whatever interpreter runs cookiecutter: so the logic below needs only the
-standard library and :mod:`reliable_consumer.engine.naming`, and typer only for the command itself.
+standard library and :mod:`reliable_consumer.engine.declaration.naming`, and typer only for the
+command itself.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 from string import Template
 from typing import Annotated
 
-from reliable_consumer.engine.keys import ENGINE_NAMESPACES
-from reliable_consumer.engine.naming import check_handler_name, check_topic
+from reliable_consumer.engine.declaration.naming import check_handler_name, check_topic
+from reliable_consumer.engine.redis.keys import ENGINE_NAMESPACES
 
 try:  # the command needs typer; the template's hook imports this module without it
     import typer

@@ -344,7 +344,7 @@ class DevStack:
 
 def bound_to_postgres(topics: dict[str, str]) -> bool:
     """Whether these bindings need the embedded PostgreSQL (a handler with store="postgres")."""
-    from reliable_consumer.engine.registry import Registry
+    from reliable_consumer.engine.handlers.registry import Registry
 
     return Registry.from_settings(topics).uses_postgres
 

@@ -8,8 +8,8 @@ limit bounds the cost of guessing wrong.
 What gets recorded of a failure (dead-letter header, logs, the retry item) is the
 exception's ``public_message`` when it has one, else its text; either way with card-like
 numbers and e-mail addresses redacted and cut to 1 KiB
-(``reliable_consumer/engine/redaction.py``). Pass ``public=`` when the message may hold data
-nobody should read in a log.
+(``reliable_consumer/engine/handlers/redaction.py``). Pass ``public=`` when the message may hold
+data nobody should read in a log.
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
-from reliable_consumer.engine.group_check import GROUP_JOIN_REFUSED, join_refusal
-from reliable_consumer.engine.observability import HealthState
-from reliable_consumer.engine.offsets import OffsetTracker
+from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, join_refusal
+from reliable_consumer.engine.kafka.offsets import OffsetTracker
+from reliable_consumer.engine.observation.http import HealthState
 from reliable_consumer.engine.records import Delivery, clean_headers
 from reliable_consumer.engine.settings import Settings
 

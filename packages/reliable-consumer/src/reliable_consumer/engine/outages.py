@@ -1,7 +1,7 @@
 """Repeated failures of calls to one dependency, logged as one episode, not a line per call.
 
 While Redis or the broker is away every call in flight fails and is retried
-(``retrying.until_done``), and a busy worker has hundreds of them: a warning per failed try
+(``until_done.until_done``), and a busy worker has hundreds of them: a warning per failed try
 drowned the log (some 230 lines a second per worker in a 3 s Redis outage). Every call to
 one target (``redis``, ``kafka:<topic>``) shares that target's ``Outage`` instead: the first
 failure is one warning with its error; while failures go on, at most one summary per

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from reliable_consumer.engine.faults import HEADER as FAULT_HEADER
+from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 
 # Set by ``service dlq redrive`` on what it sends back: the dead letter's coordinates.
 REDRIVE_HEADER = "x-redrive-of"

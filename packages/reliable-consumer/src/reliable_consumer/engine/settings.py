@@ -13,11 +13,11 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from reliable_consumer.engine.app_location import APP_SETTING, current_app, current_app_spec
-from reliable_consumer.engine.naming import KEY_PREFIX, TOPIC_NAME, check_bindings
-from reliable_consumer.engine.naming import check_topic as _check_topic
-from reliable_consumer.engine.outcome_events import Layout
-from reliable_consumer.engine.policies import BreakerPolicy, RetryPolicy
+from reliable_consumer.engine.declaration.location import APP_SETTING, current_app, current_app_spec
+from reliable_consumer.engine.declaration.naming import KEY_PREFIX, TOPIC_NAME, check_bindings
+from reliable_consumer.engine.declaration.naming import check_topic as _check_topic
+from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
+from reliable_consumer.engine.kafka.outcome_events import Layout
 
 
 def _secret_text(value: str | SecretStr | None) -> str:
@@ -112,7 +112,7 @@ class RedisSettings(BaseModel):
         raw = value.get_secret_value()
         if not raw.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
-        from reliable_consumer.engine.redis_url import url_problem  # it imports this module
+        from reliable_consumer.engine.redis.url import url_problem  # it imports this module
 
         problem = url_problem(raw)
         if problem is not None:
@@ -316,7 +316,7 @@ class PostgresSettings(BaseModel):
     """The PostgreSQL effects store (``@handler(store="postgres")``; the ``postgres`` extra).
 
     Unset (no URL) unless a bound handler keeps its effects there. The inbox table is made
-    by ``service db migrate`` (reliable_consumer/engine/sql/); the worker refuses to start
+    by ``service db migrate`` (reliable_consumer/engine/postgres/sql/); the worker refuses to start
     without it.
     """
 
@@ -333,7 +333,7 @@ class PostgresSettings(BaseModel):
     require_durable_commit: bool = True
     # The project's migrations, run after the engine's by ``service db migrate``; unset
     # means the app declaration's folder (service/migrations/; the engine's inbox schema
-    # ships inside the package, reliable_consumer/engine/sql/).
+    # ships inside the package, reliable_consumer/engine/postgres/sql/).
     migrations_dir: str | None = None
 
     @field_validator("url", mode="before")
@@ -375,8 +375,8 @@ class Settings(BaseSettings):
     )
 
     # The app declaration the defaults below come from, as module:attribute. Chosen once
-    # per process, before the settings are read (reliable_consumer/engine/app_location.py: the
-    # --app option, this, or [tool.service] app in pyproject.toml).
+    # per process, before the settings are read (reliable_consumer/engine/declaration/location.py:
+    # the --app option, this, or [tool.service] app in pyproject.toml).
     app: str = Field(default_factory=lambda: current_app_spec().target)
     # Built when the settings are, not at import: their defaults name the app.
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)

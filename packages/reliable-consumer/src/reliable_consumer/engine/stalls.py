@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from reliable_consumer.engine.metrics import Metrics
+from reliable_consumer.engine.observation.metrics import Metrics
 
 log = logging.getLogger(__name__)
 HELD = "records stay uncommitted and are retried until it clears"

@@ -24,25 +24,26 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from reliable_consumer.engine.breaker import Breakers
-from reliable_consumer.engine.group_check import GROUP_JOIN_REFUSED, check_session_timeout
-from reliable_consumer.engine.inbox import InboxStore
+from reliable_consumer.engine.batch.processing import Processor
+from reliable_consumer.engine.handlers.breaker import Breakers
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.intake import Intake
-from reliable_consumer.engine.kafka_client import make_consumer, make_producer
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.member_report import INTERVAL_S, MemberReporter
-from reliable_consumer.engine.membership import MembershipWatch, read_group_progress
+from reliable_consumer.engine.kafka.clients import make_consumer, make_producer
+from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, check_session_timeout
+from reliable_consumer.engine.kafka.offsets import OffsetTracker
+from reliable_consumer.engine.kafka.topic_check import check_topic_durability
 from reliable_consumer.engine.memory_limit import memory_limit_bytes
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.observability import HealthState, HttpServer
-from reliable_consumer.engine.offsets import OffsetTracker
-from reliable_consumer.engine.postgres_checks import until_checked
-from reliable_consumer.engine.processing import Processor
+from reliable_consumer.engine.observation.http import HealthState, HttpServer
+from reliable_consumer.engine.observation.member_report import INTERVAL_S, MemberReporter
+from reliable_consumer.engine.observation.membership import MembershipWatch, read_group_progress
+from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.postgres.checks import until_checked
+from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.redis_persistence import check_persistence
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.retries import QueueGauges, RetryQueue, RetryScheduler
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.delay_queue import QueueGauges, RetryQueue, RetryScheduler
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.persistence_check import check_persistence
 from reliable_consumer.engine.runtime import collect_periodically, tune_gc
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.shutdown import (
@@ -53,7 +54,6 @@ from reliable_consumer.engine.shutdown import (
 )
 from reliable_consumer.engine.stalls import Stalls
 from reliable_consumer.engine.startup import StoppedWhileStarting, unless_stopped, until_answered
-from reliable_consumer.engine.topic_check import check_topic_durability
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -465,7 +465,7 @@ class Worker:
         if not finished:
             # Past the grace, calls stop retrying underneath too: a batch then ends at
             # its next failed call even if its cancellation is lost on the way (see
-            # retrying.cancellation_swallowed).
+            # until_done.cancellation_swallowed).
             self._stop_retrying()
             for task in abandoned:
                 task.cancel()

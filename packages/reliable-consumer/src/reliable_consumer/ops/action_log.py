@@ -43,9 +43,9 @@ from typing import Any, Literal, TypeVar, cast
 
 import redis.asyncio as aioredis
 
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.redaction import describe_error
-from reliable_consumer.engine.retrying import cancellation_swallowed
+from reliable_consumer.engine.handlers.redaction import describe_error
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.until_done import cancellation_swallowed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

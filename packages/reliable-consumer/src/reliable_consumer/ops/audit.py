@@ -18,12 +18,12 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from reliable_consumer.engine.app_location import current_app
+from reliable_consumer.engine.declaration.ledger import Ledger
+from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.ledger import Ledger
-from reliable_consumer.engine.outcome_events import decode_all
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.kafka.outcome_events import decode_all
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import KafkaSettings
 
 
@@ -269,5 +269,5 @@ async def retry_queue_depth(redis_url: str, prefix: str) -> tuple[int, int, int]
 
 def outcome_events(records: list[Any]) -> list[dict[str, Any]]:
     """The per-record outcome events in these outcomes-topic records (either layout, see
-    ``reliable_consumer.engine.outcome_events``), in order; an unreadable record raises."""
+    ``reliable_consumer.engine.kafka.outcome_events``), in order; an unreadable record raises."""
     return decode_all([r.value for r in records])

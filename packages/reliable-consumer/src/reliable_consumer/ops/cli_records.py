@@ -22,8 +22,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.redis_client import make_client
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.ops.action_log import default_actor, read_actions
 from reliable_consumer.ops.cli_actions import run_action

@@ -1,10 +1,10 @@
 """``service db``: the PostgreSQL effects store's schema (migrate, status) and its inbox's
 retention (prune-inbox).
 
-``migrate`` applies the engine's migrations (the inbox, reliable_consumer/engine/sql/) and then the
-project's (``WORKER_POSTGRES__MIGRATIONS_DIR``, default service/migrations/), each file once,
-in its own transaction (reliable_consumer/engine/schema.py). Run it before the worker starts: a
-Kubernetes Job or init container, compose's ``migrate`` service, ``make run`` itself.
+``migrate`` applies the engine's migrations (the inbox, reliable_consumer/engine/postgres/sql/) and
+then the project's (``WORKER_POSTGRES__MIGRATIONS_DIR``, default service/migrations/), each file
+once, in its own transaction (reliable_consumer/engine/postgres/schema.py). Run it before the worker
+starts: a Kubernetes Job or init container, compose's ``migrate`` service, ``make run`` itself.
 
 ``prune-inbox`` deletes inbox rows older than N days. An inbox row is what makes a
 redelivery a duplicate, so it refuses an N shorter than the time a bound topic can still
@@ -26,9 +26,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.redis_client import make_client
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.schema import MigrationError, all_migrations, applied, migrate
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.postgres.schema import (
+    MigrationError,
+    all_migrations,
+    applied,
+    migrate,
+)
+from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.settings import PostgresSettings, Settings, load_settings
 from reliable_consumer.ops.action_log import audited, default_actor
 from reliable_consumer.ops.cli_actions import run_action
@@ -227,7 +232,7 @@ async def topic_configs(settings: Settings, topics: list[str]) -> dict[str, dict
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-    from reliable_consumer.engine.kafka_client import connection_kwargs
+    from reliable_consumer.engine.kafka.clients import connection_kwargs
 
     admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
     await asyncio.wait_for(admin.start(), 30)

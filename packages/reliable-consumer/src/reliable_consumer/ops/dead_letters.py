@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from reliable_consumer.engine import long_keys
 from reliable_consumer.engine.records import REDRIVE_HEADER
+from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.audit import read_all, read_from
 

@@ -22,8 +22,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.redis_client import make_client
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import audited
 from reliable_consumer.ops.audit import high_watermarks

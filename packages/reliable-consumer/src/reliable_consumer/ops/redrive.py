@@ -61,13 +61,13 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
-from reliable_consumer.engine.kafka_client import connection_kwargs, make_producer
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.publisher import KEY_SUBSTITUTED_HEADER
+from reliable_consumer.engine.kafka.clients import connection_kwargs, make_producer
+from reliable_consumer.engine.kafka.publisher import KEY_SUBSTITUTED_HEADER
 from reliable_consumer.engine.records import REDRIVE_HEADER, RESERVED_PREFIXES, redrive_ticket_value
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.retrying import until_done
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
+from reliable_consumer.engine.until_done import until_done
 from reliable_consumer.ops.action_log import ActionRun, audited, default_actor
 from reliable_consumer.ops.audit import high_watermarks
 from reliable_consumer.ops.dead_letters import DeadLetter, DeadLetterFilter
@@ -534,7 +534,7 @@ class _Run:
 
 
 def _is_done(marker: bytes | str | None) -> bool:
-    """A done-marker (``d|...``, see lua_claims.py): the key's effects were applied."""
+    """A done-marker (``d|...``, see redis/lua/claims.py): the key's effects were applied."""
     if marker is None:
         return False
     return (marker if isinstance(marker, bytes) else marker.encode()).startswith(b"d|")

@@ -6,7 +6,7 @@ holding its lease; a waiting one must let its chain's head go first, per-key ord
 ``drop_retries`` never deletes: it takes a due item under an operator lease (as the
 scheduler's CLAIM_DUE does), dead-letters it ``dropped_by_operator`` through the engine's
 ``Publisher`` and, once the broker acknowledged, runs MARK_DEAD fenced by that lease
-(``lua_claims.MARK_DEAD_LEASED``): the key is marked dead, the item leaves the queue and
+(``redis.lua.claims.MARK_DEAD_LEASED``): the key is marked dead, the item leaves the queue and
 its chain's next record is released. A dropped record is redriven like any dead letter.
 Each action is audited (``action_log``): a ``started`` entry before it changes anything,
 an end entry with the counts after, also when it is interrupted; each item (or MAKE_DUE
@@ -26,18 +26,19 @@ import orjson
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 
-from reliable_consumer.engine import long_keys, lua_claims
-from reliable_consumer.engine.decoding import DecodeFailure, decode
-from reliable_consumer.engine.idempotency import DeadRequest, TokenSource, fingerprint
-from reliable_consumer.engine.jobs import BLOCKED
-from reliable_consumer.engine.kafka_client import make_producer
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.lua_common import NOW
-from reliable_consumer.engine.publisher import Publisher
+from reliable_consumer.engine.batch.decoding import DecodeFailure, decode
+from reliable_consumer.engine.batch.jobs import BLOCKED
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import make_producer
+from reliable_consumer.engine.kafka.publisher import Publisher
 from reliable_consumer.engine.records import Delivery, Outcome
-from reliable_consumer.engine.redis_client import RedisOps, make_client, reply_text
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.retries import now_ms
+from reliable_consumer.engine.redis import long_keys
+from reliable_consumer.engine.redis.client import RedisOps, make_client, reply_text
+from reliable_consumer.engine.redis.delay_queue import now_ms
+from reliable_consumer.engine.redis.idempotency import DeadRequest, TokenSource, fingerprint
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.lua import claims as lua_claims
+from reliable_consumer.engine.redis.lua.common import NOW
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import ActionRun, audited
 from reliable_consumer.ops.dead_letters import _show

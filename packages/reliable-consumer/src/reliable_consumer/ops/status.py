@@ -3,8 +3,8 @@ queue, the dead letters and the circuits, from Kafka and Redis as an operator se
 
 Kafka answers for the group (DescribeGroups: state, members, assignments), committed
 offsets and high watermarks; the members' own reports in Redis
-(``reliable_consumer.engine.member_report``) for positions and circuits, which only a member knows;
-Redis for the delay queue, on Redis's clock. The web console renders the same
+(``reliable_consumer.engine.observation.member_report``) for positions and circuits, which only a
+member knows; Redis for the delay queue, on Redis's clock. The web console renders the same
 ``ServiceStatus``, so the two can never disagree.
 """
 
@@ -21,12 +21,12 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import for_code
 from aiokafka.structs import TopicPartition
 
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.member_report import MemberReport, read_member_reports
-from reliable_consumer.engine.redis_client import RedisOps, make_client
-from reliable_consumer.engine.registry import Registry
-from reliable_consumer.engine.retries import RetryQueue
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.observation.member_report import MemberReport, read_member_reports
+from reliable_consumer.engine.redis.client import RedisOps, make_client
+from reliable_consumer.engine.redis.delay_queue import RetryQueue
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import KafkaSettings, RedisSettings, Settings
 from reliable_consumer.ops.audit import high_watermarks
 from reliable_consumer.ops.dead_letters import DeadLetterTally
@@ -114,7 +114,7 @@ class RetryStatus:
     ``oldest_due_ms``: the earliest due time; ``most_overdue_ms``: how far ``now_ms`` is past
     it (0 when nothing is overdue). ``soonest_lease_expiry_ms``: the first in-flight lease to
     end. ``by_handler_reason``: ``[{"handler", "reason", "count"}]``, the queue's tally by
-    reason class (``retries.reason_class``: the error's type). ``chains``: key chains
+    reason class (``redis.delay_queue.reason_class``: the error's type). ``chains``: key chains
     waiting. ``truncated``: their count stopped at ``MAX_SCANNED``.
     """
 

@@ -19,14 +19,14 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
-from reliable_consumer.engine import long_keys
-from reliable_consumer.engine.app_location import current_app
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.keys import RedisKeys
-from reliable_consumer.engine.ledger import Ledger
-from reliable_consumer.engine.outcome_events import UnreadableOutcome, decode, mentions
-from reliable_consumer.engine.redis_client import make_client
-from reliable_consumer.engine.registry import Handler, Registry
+from reliable_consumer.engine.declaration.ledger import Ledger
+from reliable_consumer.engine.declaration.location import current_app
+from reliable_consumer.engine.handlers.registry import Handler, Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.kafka.outcome_events import UnreadableOutcome, decode, mentions
+from reliable_consumer.engine.redis import long_keys
+from reliable_consumer.engine.redis.client import make_client
+from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.audit import entry_text, high_watermarks, ledger_entries
 from reliable_consumer.ops.dead_letters import DeadLetter, DeadLetterFilter, list_dead_letters
@@ -37,7 +37,7 @@ READ_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class Marker:
-    """The dedupe key's idempotency marker (lua_claims.py lists the states)."""
+    """The dedupe key's idempotency marker (redis/lua/claims.py lists the states)."""
 
     state: str  # free | claimed | done | dead
     partial: bool = False  # done with effects applied in part (|p, or |P once dead-lettered)

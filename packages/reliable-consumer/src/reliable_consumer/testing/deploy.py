@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.settings import Settings
 
 if TYPE_CHECKING:

@@ -90,7 +90,7 @@ def postgres_url(postgres_server: PostgresServer) -> str:
     """The server's URL, its database migrated: the engine's inbox, then the app's migrations."""
     import psycopg
 
-    from reliable_consumer.engine.schema import all_migrations, migrate
+    from reliable_consumer.engine.postgres.schema import all_migrations, migrate
 
     async def run() -> None:
         async with await psycopg.AsyncConnection.connect(

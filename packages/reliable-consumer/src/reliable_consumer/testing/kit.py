@@ -42,21 +42,21 @@ import fakeredis
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from reliable_consumer.engine.app_location import current_app
-from reliable_consumer.engine.breaker import Breakers
+from reliable_consumer.engine.batch.processing import Processor
+from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.idempotency import Idempotency
-from reliable_consumer.engine.inbox import InboxStore
-from reliable_consumer.engine.keys import RedisKeys, effect_key
-from reliable_consumer.engine.metrics import Metrics
-from reliable_consumer.engine.outcome_events import decode_all
-from reliable_consumer.engine.policies import BreakerPolicy
-from reliable_consumer.engine.processing import Processor
-from reliable_consumer.engine.publisher import Publisher
+from reliable_consumer.engine.handlers.breaker import Breakers
+from reliable_consumer.engine.handlers.policies import BreakerPolicy
+from reliable_consumer.engine.handlers.registry import Handler, Registry
+from reliable_consumer.engine.kafka.outcome_events import decode_all
+from reliable_consumer.engine.kafka.publisher import Publisher
+from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.records import Delivery, Outcome, clean_headers
-from reliable_consumer.engine.redis_client import RedisOps
-from reliable_consumer.engine.registry import Handler, Registry
-from reliable_consumer.engine.retries import ParkRequest, ParkStatus, RetryQueue
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.delay_queue import ParkRequest, ParkStatus, RetryQueue
+from reliable_consumer.engine.redis.idempotency import Idempotency
+from reliable_consumer.engine.redis.keys import RedisKeys, effect_key
 from reliable_consumer.engine.settings import Settings, describe_validation_error
 from reliable_consumer.engine.stalls import HELD, Stalls
 from reliable_consumer.testing.producer import InMemoryProducer, ProducedRecord

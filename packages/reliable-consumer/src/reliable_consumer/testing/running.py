@@ -38,14 +38,14 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import ValidationError
 
 from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.engine.app import App
+from reliable_consumer.engine.declaration.app import App
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.kafka_client import connection_kwargs
-from reliable_consumer.engine.keys import effect_key
-from reliable_consumer.engine.outcome_events import decode
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.kafka.outcome_events import decode
 from reliable_consumer.engine.records import Outcome
-from reliable_consumer.engine.redis_client import make_client
-from reliable_consumer.engine.registry import Registry
+from reliable_consumer.engine.redis.client import make_client
+from reliable_consumer.engine.redis.keys import effect_key
 from reliable_consumer.engine.settings import Settings, describe_validation_error
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.testing.kit import IsolatedSettings, Payload, encode_payload

@@ -1,0 +1,355 @@
+"""A wave's postgres records through their handlers: one transaction, a savepoint each.
+
+Called by processing.py in place of the handler runners for handlers declared
+``store="postgres"``; the transaction itself is ``inbox.py``'s. First the inbox rows of the
+whole wave in one INSERT (an existing row: a duplicate, or a conflict). Then per record, in
+offset order on the wave's one connection: stretch its leases, open its savepoint, run the
+handler on ``ctx.db`` under its timeout, release the savepoint (or roll back to it and delete
+its inbox row on failure: the record's decision is made as for any handler, its wave-mates
+unharmed).
+Then one commit. Only a committed record goes on to FINISH as succeeded (or duplicate);
+when the connection or the commit fails, every record still waiting on it is a retryable
+failure (counted by its circuit breaker, so an outage opens the circuit and holds records
+instead of burning their retries), because nothing of theirs is known to be kept.
+
+A handler caught ending, replacing or splitting the wave's transaction (``inbox.py``,
+``HandlerBrokeTransaction``) is dead-lettered ``permanent``, its reason naming the rule and
+what of it may have stayed durable. The wave's transaction is rolled back (a handler cannot
+commit it: only the worker's COMMIT passes), and its other records go back to the delay
+queue at the same attempt: they did not fail. When the handler left the wave's transaction,
+whatever it ran after that was outside the worker's reach and may have been committed, so
+its record's inbox row is written on its own: no redelivery or redrive runs it a second time.
+
+With ``fault_injection`` on, the ``x-fault`` header (faults.py) works here as for any
+handler, inside the record's savepoint (a hang holds the wave's transaction open for the
+handler timeout), and ``crash-after-commit`` SIGKILLs the worker between the commit and
+FINISH: the chaos tests' way into that window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from reliable_consumer.engine.batch.decisions import Decisions
+from reliable_consumer.engine.batch.jobs import Job, log_fields
+from reliable_consumer.engine.errors import RetryableError
+from reliable_consumer.engine.handlers import faults
+from reliable_consumer.engine.handlers.breaker import Breakers
+from reliable_consumer.engine.handlers.context import Context
+from reliable_consumer.engine.handlers.redaction import describe_error
+from reliable_consumer.engine.handlers.stuck_calls import (
+    DEFAULT_CANCEL_GRACE_S,
+    CallAbandoned,
+    StuckCalls,
+    fence,
+    within,
+)
+from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.postgres.inbox import (
+    STALL,
+    HandlerBrokeTransaction,
+    InboxRow,
+    InboxStore,
+    StoreUnavailable,
+    Verdict,
+    WaveTransaction,
+    transaction_control_refused,
+)
+from reliable_consumer.engine.postgres.inbox import is_connection_error as _is_connection_error
+from reliable_consumer.engine.stalls import Stalls
+
+log = logging.getLogger(__name__)
+# PGPROC_MAX_CACHED_SUBXIDS: the subtransactions a backend's snapshot entry holds.
+MAX_RECORDS_PER_TRANSACTION = 64
+
+
+class PostgresWaves:
+    """Runs the postgres handlers of a wave inside one transaction and commits it."""
+
+    def __init__(
+        self,
+        store: InboxStore,
+        decisions: Decisions,
+        breakers: Breakers,
+        *,
+        context_of: Callable[[Job], Context],
+        timeout_of: Callable[[Job], float],
+        renew_leases: Callable[[Job, float], Awaitable[bool]],
+        observe: Callable[[str, float], None],
+        fault_injection: bool = False,
+        metrics: Metrics | None = None,
+        stalls: Stalls | None = None,
+        cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S,
+        stuck: StuckCalls | None = None,
+    ) -> None:
+        self._store = store
+        self._decisions = decisions
+        self._breakers = breakers
+        self._context_of = context_of
+        self._timeout_of = timeout_of
+        self._renew = renew_leases
+        self._observe = observe
+        self._inject = fault_injection
+        self._metrics = metrics or Metrics()
+        self._stalls = stalls
+        self._grace_s = cancel_grace_s
+        self._stuck = stuck if stuck is not None else StuckCalls()
+
+    async def run(self, jobs: list[Job]) -> None:
+        """Every job to a decision: committed (fate left for FINISH), or failed, or parked.
+
+        At most ``MAX_RECORDS_PER_TRANSACTION`` records share a transaction: each record's
+        savepoint that writes is a subtransaction with an xid of its own, and past 64 of
+        them PostgreSQL's per-backend subxid cache overflows, making every other session's
+        snapshots consult pg_subtrans while the transaction is open.
+        """
+        for start in range(0, len(jobs), MAX_RECORDS_PER_TRANSACTION):
+            await self._run_transaction(jobs[start : start + MAX_RECORDS_PER_TRANSACTION])
+
+    async def _run_transaction(self, jobs: list[Job]) -> None:
+        waiting: list[Job] = []  # released into the transaction, not yet committed
+        try:
+            limit = max(self._timeout_of(j) for j in jobs)
+            async with self._store.begin(limit) as tx:
+                try:
+                    rows = {id(job): _row(job) for job in jobs}
+                    verdicts = await tx.insert_rows(list(rows.values()))
+                    for job in jobs:
+                        if tx.broken is not None:
+                            break
+                        row = rows[id(job)]
+                        verdict, stored = verdicts[(row.handler, row.dedupe_key)]
+                        if await self._one(tx, job, row, verdict, stored):
+                            waiting.append(job)
+                    if tx.broken is not None:
+                        raise tx.broken
+                    if waiting:
+                        started = time.perf_counter()
+                        await self._store.commit(tx)
+                        self._metrics.postgres_commit_seconds.observe(time.perf_counter() - started)
+                        if self._inject:
+                            _crash_after_commit(waiting)
+                except HandlerBrokeTransaction as broken:
+                    await self._abandon(tx, broken, jobs)
+                    self._metrics.postgres_transactions.labels("failed").inc()
+                    return
+        except CallAbandoned as exc:  # its connection went with it: the others run again
+            self._metrics.postgres_transactions.labels("failed").inc()
+            for job in jobs:
+                if job.fate is None:
+                    job.inbox_duplicate = False
+                    self._decisions.requeue(job, f"busy: a wave-mate's {exc}")
+            return
+        except Exception as exc:
+            self._metrics.postgres_transactions.labels("failed").inc()
+            if isinstance(exc, StoreUnavailable) or _is_connection_error(exc):
+                if self._stalls is not None:  # loud: readiness, worker_stalled, one log line
+                    self._stalls.report(STALL, f"PostgreSQL failed: {describe_error(exc)}")
+            else:
+                log.exception("postgres wave failed")
+            self._fail_all(jobs, exc)
+            return
+        self._metrics.postgres_transactions.labels("committed").inc()
+        if self._stalls is not None:
+            self._stalls.clear(STALL)
+        for job in waiting:
+            job.committed = True
+
+    async def _one(
+        self, tx: WaveTransaction, job: Job, row: InboxRow, verdict: Verdict, stored: str
+    ) -> bool:
+        """One record in its savepoint; True when its work (or its duplicate) awaits commit.
+
+        Raises ``HandlerBrokeTransaction`` when this record's handler, or the last one's
+        (found as this record's savepoint opens), broke the wave's transaction.
+        """
+        assert job.handler is not None and job.payload is not None
+        limit_s = self._timeout_of(job)
+        if verdict is Verdict.DUPLICATE:
+            job.inbox_duplicate = True
+            return True  # FINISH still marks the key done and drops a retry item
+        if verdict is Verdict.CONFLICT:
+            # Its key's Redis marker must keep the committed payload's fingerprint (a claim
+            # found Redis empty, e.g. after a restart): the original's redelivery stays a
+            # duplicate there, and this payload a conflict.
+            job.fingerprint = stored
+            job.dead_letter(
+                "conflict",
+                f"dedupe key {job.dedupe_key!r} was already committed in PostgreSQL for a "
+                f"different payload (inbox fingerprint {stored[:16]}…)",
+            )
+            return False
+        try:
+            if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
+                await tx.forget(row)  # parked: its claim or retry lease was lost meanwhile
+                return False
+            await tx.enter()
+        except HandlerBrokeTransaction:
+            raise
+        except Exception as exc:
+            tx.broken = exc
+            return False
+        ctx = self._context_of(job)
+        ctx.db = tx.conn
+        breaker = self._breakers.for_handler(job.name)
+        started = time.perf_counter()
+        job.ran = True
+        error: BaseException | None = None
+        try:
+            with tx.handler_running():
+                await self._bounded(tx, job, ctx, limit_s)
+        except Exception as exc:
+            error = exc
+        finally:
+            self._observe(job.name, time.perf_counter() - started)
+        if isinstance(error, CallAbandoned):  # its connection is closed: the wave is over
+            self._decisions.handler_failed(job, error, str(error), breaker=breaker)
+            tx.broken = error
+            return False
+        if error is None:
+            try:
+                tx.release(row)
+                # Counted now, as its wave-mates' failures are: counting successes only at
+                # COMMIT would show the breaker a wave's failures alone (a commit that fails
+                # later counts every record of the wave as failed, _fail_all).
+                if breaker is not None:
+                    breaker.record_success(first_attempt=job.delivery.attempt == 1)
+                return True
+            except HandlerBrokeTransaction:
+                raise
+            except Exception as exc:  # e.g. the handler swallowed an SQL error: aborted
+                error = exc
+        error = transaction_control_refused(error) or error
+        try:
+            await tx.rollback(row)
+        except HandlerBrokeTransaction:
+            raise
+        except Exception as exc:
+            tx.broken = exc
+        if tx.broken is not None or _is_connection_error(error):
+            tx.broken = tx.broken or error
+            # Not the record's doing: retryable whatever the handler declares.
+            error = RetryableError(f"PostgreSQL failed: {describe_error(error)}")
+        if isinstance(error, TimeoutError):
+            self._decisions.handler_failed(
+                job, error, f"handler timed out after {limit_s:g} s", breaker=breaker
+            )
+        else:
+            self._decisions.handler_failed(job, error, breaker=breaker)
+        return False
+
+    async def _abandon(
+        self, tx: WaveTransaction, broken: HandlerBrokeTransaction, jobs: list[Job]
+    ) -> None:
+        """A handler broke the wave's transaction: its record is dead-lettered ``permanent``,
+        and the wave's other records, their work rolled back with the transaction, go back
+        to the delay queue at the same attempt."""
+        key = (broken.row.handler, broken.row.dedupe_key)
+        offender = next(j for j in jobs if (j.name, j.dedupe_key) == key)
+        keep = broken.row if broken.left is not False else None
+        kept_error = ""
+        try:
+            await tx.abandon(keep)
+        except Exception as exc:  # PostgreSQL failed now too
+            log.exception("abandoning a wave a handler broke", extra=log_fields(offender))
+            kept_error = describe_error(exc)
+        offender.inbox_duplicate = False
+        offender.dead_letter("permanent", _broke_the_rule(broken, keep, kept_error))
+        why = (
+            f"retried: the handler of a wave-mate (offset {offender.delivery.offset}) broke "
+            "the postgres transaction this record's work was in"
+        )
+        for job in jobs:
+            if job.fate is None:
+                job.inbox_duplicate = False
+                self._decisions.requeue(job, why)
+
+    async def _bounded(self, tx: WaveTransaction, job: Job, ctx: Context, limit_s: float) -> None:
+        """The handler in a task of its own, under its timeout: past it, cancelled on every
+        tick; still running ``cancel_grace_s`` later, abandoned (stuck_calls.py) and
+        ``CallAbandoned`` raised. It still holds ``ctx.db``, so the wave's connection is
+        closed at once: nothing it sends reaches any transaction, and it is never reused.
+        """
+        call = asyncio.ensure_future(self._call(job, ctx))
+        try:
+            ended = await within(call, limit_s, self._grace_s)
+        finally:
+            if not call.done():  # given up on, or the wave itself was cancelled
+                fence(ctx)
+                await tx.close_now()
+                self._stuck.add(job.name, call)
+        if not ended:
+            log.warning(
+                "handler ignored its cancellation past the grace; its wave's connection is "
+                "discarded and its wave-mates run again",
+                extra=log_fields(job),
+            )
+            raise CallAbandoned(limit_s, self._grace_s)
+        if call.cancelled():
+            raise TimeoutError(f"took longer than {limit_s:g} s")
+        call.result()
+
+    async def _call(self, job: Job, ctx: Context) -> None:
+        assert job.handler is not None and job.payload is not None
+        if self._inject and faults.inject(ctx):
+            log.warning(faults.HANG_STARTED, extra=log_fields(job))
+            await asyncio.Event().wait()
+        result = job.handler.func(job.payload, ctx)
+        if result is not None:
+            await result
+
+    def _fail_all(self, jobs: list[Job], exc: BaseException) -> None:
+        """The transaction is gone: every record it held (or would have) is retried."""
+        error = RetryableError(f"PostgreSQL failed: {describe_error(exc)}")
+        for job in jobs:
+            if job.fate is None:
+                job.inbox_duplicate = False
+                breaker: Any = self._breakers.for_handler(job.name)
+                self._decisions.handler_failed(job, error, breaker=breaker)
+
+
+def _row(job: Job) -> InboxRow:
+    d = job.delivery
+    return InboxRow(
+        job.name, job.dedupe_key or "", job.fingerprint, d.topic, d.partition, d.offset, d.attempt
+    )
+
+
+def _broke_the_rule(broken: HandlerBrokeTransaction, keep: InboxRow | None, kept_error: str) -> str:
+    """The dead letter's reason: the rule, what the handler did, what of it may stay."""
+    if keep is None:
+        return (
+            f"{broken}; the wave's transaction was rolled back: nothing of it was committed, "
+            "and once the handler is fixed a redrive runs it again."
+        )
+    done = (
+        f"{broken}; the wave's transaction was rolled back, nothing of it kept. What the "
+        "handler may have committed itself after leaving it stays and cannot be undone"
+    )
+    if kept_error:
+        return (
+            f"{done}; writing its inbox row failed ({kept_error}), so a redrive would run it "
+            "again: check its effects first."
+        )
+    return (
+        f"{done}, so its inbox row is written: no redelivery or redrive runs it again. Check "
+        "its effects by hand (delete its kafka_inbox row to let a redrive run it)."
+    )
+
+
+def _crash_after_commit(committed: list[Job]) -> None:
+    """Fault injection: die like a SIGKILL between the commit and FINISH (tests only)."""
+    for job in committed:
+        if job.inbox_duplicate:
+            continue  # the redelivery of a crashed record: it must now finish
+        if (faults.HEADER, faults.CRASH_AFTER_COMMIT.encode()) in job.delivery.headers:
+            log.warning(faults.CRASHING_AFTER_COMMIT, extra=log_fields(job))
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,189 @@
+"""The Lua scripts that guard a dedupe key: CLAIM, EXTEND, RELEASE and MARK_DEAD.
+
+Idempotency key states (one string per dedupe key):
+    c|<token>|<fingerprint>   claimed by one delivery; expires with its lease (PX)
+    d|<fingerprint>|<token>   done: the effects were applied (no expiry unless a TTL is set)
+    d|<fingerprint>|<token>|p done, but an effect failed after others applied: every
+                              delivery is dead-lettered `effects_partial` until one is
+    d|<fingerprint>|<token>|P acknowledged by the dead-letter topic (MARK_DEAD), then done
+    x|<fingerprint>|<token>   dead-lettered: acknowledged by the dead-letter topic
+The fingerprint is a hash of the decoded payload, so the same id with other
+content is a conflict, never a second grant. FINISH, which writes the done state and
+the effects, is in redis/lua/finish.py.
+"""
+
+from __future__ import annotations
+
+from reliable_consumer.engine.redis.lua.common import NOW, PARSE
+
+# KEYS: inflight, due, items (of the delay queue, for the key chains)
+# ARGV[1]: lease_ms; ARGV[2]: [[idem_key, token, fingerprint, ticket_key, ticket, chain], ...]
+# Returns per record: claimed | busy | done | dead | conflict | partial | blocked
+# (partial: done with effects applied in part, and no dead letter acknowledged yet;
+# blocked: the record could claim, but its Kafka key's chain (chain '' for none) still has
+# an earlier record waiting in the delay queue, so it must not run yet: nothing is taken)
+# ticket_key ('' for a record that is no redrive) names the ticket `service dlq redrive`
+# wrote before sending the record back; only while it holds `ticket` may the record claim
+# over its own dead-letter marker (same fingerprint), and claiming consumes it: once.
+# A marker of another fingerprint is a conflict, which no redrive overrides.
+CLAIM = (
+    PARSE
+    + """
+local lease = ARGV[1]
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[2])) do
+  local key, token, fp, ticket_key, ticket, chain = r[1], r[2], r[3], r[4], r[5], r[6]
+  local ticketed = ticket_key ~= '' and redis.call('GET', ticket_key) == ticket
+  local v = redis.call('GET', key)
+  local kind, f1, f2 = parse(v)
+  local status
+  if not v then
+    status = 'claimed'
+  elseif kind == 'c' then
+    if f1 == token then status = 'claimed' else status = 'busy' end
+  elseif kind == 'd' then
+    if f1 ~= fp then status = 'conflict'
+    elseif string.sub(f2, -2) == '|p' then status = 'partial'
+    else status = 'done' end
+  elseif kind == 'x' then
+    if f1 ~= fp then status = 'conflict'
+    elseif ticketed then status = 'claimed'
+    else status = 'dead' end
+  else
+    status = 'conflict'
+  end
+  if status == 'claimed' and chain ~= '' and chain_head(chain, KEYS[1], KEYS[2], KEYS[3]) then
+    status = 'blocked'
+  end
+  if status == 'claimed' then
+    redis.call('SET', key, 'c|' .. token .. '|' .. fp, 'PX', lease)
+    if ticketed then redis.call('DEL', ticket_key) end
+  end
+  out[#out + 1] = status
+end
+return out
+"""
+)
+
+# KEYS: inflight
+# ARGV[1]: [[idem_key, token, claim_ms, retry_id, lease, retry_ms], ...]
+#   idem_key '' when the record holds no claim; retry_id '' (and lease '') when it is
+#   not a retry. Called as a pool runner starts the handler: the leases taken at claim
+#   time may have burned while the record waited for a runner.
+# Returns per record: ok:<retry lease, '' when not a retry> | lost_claim | lost_lease
+# Only when both are still ours: the claim lives at least claim_ms more, and the retry
+# lease (the inflight score, also PARK's fencing token) at least retry_ms more. A moved
+# lease is remembered in <inflight>:ext:<id> for as long as it runs, so a re-sent call
+# (lost reply) recognises its own extension instead of reporting the lease lost.
+EXTEND = (
+    PARSE
+    + NOW
+    + """
+local now = now_ms()
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local key, token, claim_ms = r[1], r[2], tonumber(r[3])
+  local id, lease, retry_ms = r[4], r[5], tonumber(r[6])
+  local status = 'ok'
+  local current = 0
+  if key ~= '' then
+    local v = redis.call('GET', key)
+    if not (v and string.sub(v, 1, 3 + #token) == 'c|' .. token .. '|') then
+      status = 'lost_claim'
+    end
+  end
+  local mark = KEYS[1] .. ':ext:' .. id
+  if status == 'ok' and id ~= '' then
+    local score = redis.call('ZSCORE', KEYS[1], id)
+    local moved = score and redis.call('GET', mark)
+    if score and tonumber(score) == tonumber(lease) then
+      current = tonumber(score)
+    elseif moved and moved == lease .. '|' .. string.format('%d', tonumber(score)) then
+      current = tonumber(score)
+    else
+      status = 'lost_lease'
+    end
+  end
+  if status == 'ok' then
+    if key ~= '' and redis.call('PTTL', key) < claim_ms then
+      redis.call('PEXPIRE', key, claim_ms)
+    end
+    if id ~= '' then
+      if current < now + retry_ms then
+        current = now + retry_ms
+        redis.call('ZADD', KEYS[1], string.format('%d', current), id)
+        redis.call('SET', mark, lease .. '|' .. string.format('%d', current), 'PX', retry_ms)
+      end
+      status = 'ok:' .. string.format('%d', current)
+    else
+      status = 'ok:'
+    end
+  end
+  out[#out + 1] = status
+end
+return out
+"""
+)
+
+# ARGV per record: idem_key, token. Drops the claim if it is still ours.
+RELEASE = (
+    PARSE
+    + """
+for pos = 1, #ARGV, 2 do
+  release(ARGV[pos], ARGV[pos + 1])
+end
+return 1
+"""
+)
+
+# KEYS: inflight, due, items
+# ARGV[1]: ttl_s ('' = no expiry);
+# ARGV[2]: [[idem_key ('' when undecodable), token, fingerprint, retry_id, chain], ...]
+# Marks the key dead-lettered (unless someone completed it meanwhile), settles a partial
+# apply's marker ('|p' -> '|P'), drops the retry item and releases the next of its chain.
+MARK_DEAD = (
+    PARSE
+    + """
+local ttl = ARGV[1]
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[2])) do
+  local key, token, fp, retry_id, chain = r[1], r[2], r[3], r[4], r[5]
+  local status = 'marked'
+  if key ~= '' then
+    local v = redis.call('GET', key)
+    local kind, f1, f2 = parse(v)
+    if (not v) or (kind == 'c' and f1 == token) then
+      if ttl == '' then
+        redis.call('SET', key, 'x|' .. fp .. '|' .. token)
+      else
+        redis.call('SET', key, 'x|' .. fp .. '|' .. token, 'EX', ttl)
+      end
+    elseif kind == 'd' and f1 == fp and string.sub(f2, -2) == '|p' then
+      -- a partial apply's dead letter is acknowledged: later deliveries are duplicates
+      redis.call('SET', key, string.sub(v, 1, -2) .. 'P', 'KEEPTTL')
+      status = 'settled'
+    else
+      status = 'kept'
+    end
+  end
+  drop_item(KEYS[1], KEYS[2], KEYS[3], retry_id, chain)
+  out[#out + 1] = status
+end
+return out
+"""
+)
+
+# MARK_DEAD for one retry an operator took out of the queue (``service retries drop``,
+# reliable_consumer/ops/retry_admin.py): ARGV[2] holds exactly one record, ARGV[3] the fencing
+# deadline of the operator's lease on it. Marks as MARK_DEAD does only while the item is still
+# in flight under that lease; otherwise (the lease ran out, the reaper re-queued the item, a
+# worker may run it now) nothing changes and it answers {'lost_lease'}.
+MARK_DEAD_LEASED = (
+    PARSE
+    + """
+local leased = cjson.decode(ARGV[2])
+local held = #leased == 1 and redis.call('ZSCORE', KEYS[1], leased[1][4])
+if (not held) or tonumber(held) ~= tonumber(ARGV[3]) then return {'lost_lease'} end
+"""
+    + MARK_DEAD.removeprefix(PARSE)
+)

@@ -1,0 +1,113 @@
+"""The Lua scripts of the delay queue: PARK, CLAIM_DUE and REAP.
+
+Retry queue: ``due`` (ZSET id -> due ms), ``inflight`` (ZSET id -> lease deadline ms;
+the deadline doubles as the fencing token of the claim), ``items`` (HASH id -> JSON), and
+one ``chain`` per Kafka key with records waiting (LIST of ids in offset order; only its
+head is due or in flight, the rest wait in ``items`` until drop_item releases them).
+Both times are on Redis's clock (TIME inside the scripts), never a host's.
+"""
+
+from __future__ import annotations
+
+from reliable_consumer.engine.redis.lua.common import NOW, PARSE
+
+# KEYS: inflight, due, items
+# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease, chain, handler, reason], ...]
+#   lease '' for a fresh delivery (park unless already parked), else the fencing
+#   deadline of the retry claim being rescheduled. delay_ms and lease are strings.
+#   The item is due at Redis's now + delay_ms.
+#   chain: the key of the record's Kafka-key chain ('' for none). A fresh record joins the
+#   end of it; it is due only when it is the chain's head (first), otherwise it waits,
+#   not scheduled, until the records before it leave the queue (drop_item releases it).
+#   handler, reason: the item's class in the tally (lua_common.tally): 'handler|reason', or
+#   'handler|blocked' while it waits in its chain; a re-park moves it to its new class.
+# Returns per record: parked | exists | lost_lease | blocked (parked, waiting in its chain)
+PARK = (
+    PARSE
+    + NOW
+    + """
+local now = now_ms()
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local id, item, delay_ms, key, token, lease = r[1], r[2], r[3], r[4], r[5], r[6]
+  local chain = r[7]
+  local class = (r[8] or '') .. '|' .. (r[9] or 'unknown')
+  local due_ms = string.format('%d', now + tonumber(delay_ms))
+  local status
+  if lease == '' then
+    if redis.call('HEXISTS', KEYS[3], id) == 1 then
+      status = 'exists'
+    elseif chain ~= '' then
+      local waiting = chain_head(chain, KEYS[1], KEYS[2], KEYS[3])
+      redis.call('HSET', KEYS[3], id, item)
+      redis.call('RPUSH', chain, id)
+      if waiting then
+        tally(KEYS[3], id, (r[8] or '') .. '|blocked')
+        status = 'blocked'
+      else
+        redis.call('ZADD', KEYS[2], due_ms, id)
+        tally(KEYS[3], id, class)
+        status = 'parked'
+      end
+    else
+      redis.call('HSET', KEYS[3], id, item)
+      redis.call('ZADD', KEYS[2], due_ms, id)
+      tally(KEYS[3], id, class)
+      status = 'parked'
+    end
+  else
+    local score = redis.call('ZSCORE', KEYS[1], id)
+    if (not score) or tonumber(score) ~= tonumber(lease) then
+      status = 'lost_lease'
+    else
+      redis.call('ZREM', KEYS[1], id)
+      redis.call('HSET', KEYS[3], id, item)
+      redis.call('ZADD', KEYS[2], due_ms, id)
+      tally(KEYS[3], id, class)
+      status = 'parked'
+    end
+  end
+  release(key, token)
+  out[#out + 1] = status
+end
+return out
+"""
+)
+
+# KEYS: due, inflight, items; ARGV: lease_ms, limit. Due and lease times are Redis's TIME.
+# Returns a flat list: id, lease deadline, item json, ...
+CLAIM_DUE = (
+    NOW
+    + """
+local now = now_ms()
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now),
+  'LIMIT', 0, ARGV[2])
+local deadline = string.format('%d', now + tonumber(ARGV[1]))
+local out = {}
+for _, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[1], id)
+  local item = redis.call('HGET', KEYS[3], id)
+  if item then
+    redis.call('ZADD', KEYS[2], deadline, id)
+    out[#out + 1] = id
+    out[#out + 1] = deadline
+    out[#out + 1] = item
+  end
+end
+return out
+"""
+)
+
+# KEYS: due, inflight; ARGV: limit. Retry leases past Redis's TIME go back to the queue.
+REAP = (
+    NOW
+    + """
+local now = string.format('%d', now_ms())
+local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, ARGV[1])
+for _, id in ipairs(ids) do
+  redis.call('ZREM', KEYS[2], id)
+  redis.call('ZADD', KEYS[1], now, id)
+end
+return #ids
+"""
+)
