@@ -5,12 +5,13 @@ template generated with a copied engine, is hooks/tests/template/test_migration_
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 from reliable_consumer.cli import app as cli
 from reliable_consumer.dev import scaffold
-from reliable_consumer.dev.from_copy import NotACopy, Step, plan, rewrite
+from reliable_consumer.dev.from_copy import ENGINE_MODULES, NotACopy, Step, plan, rewrite
 from typer.testing import CliRunner
 
 OLD_TEST = '''\
@@ -72,6 +73,34 @@ def test_discover_stays_imported_while_something_still_calls_it() -> None:
         "REGISTRY = Registry.from_settings(app.topics, app)\n"
         "ALL = discover()\n"
     )
+
+
+def test_a_copied_engines_flat_module_paths_point_at_their_rooms_in_the_library() -> None:
+    """The copied engine was one flat folder; the library keeps its modules in rooms, so
+    ``service.engine.retries`` is ``reliable_consumer.engine.redis.delay_queue`` now."""
+    text = (
+        "from service.engine.retries import RetryQueue\n"
+        "from service.engine import lua_claims, errors, registry as handlers_registry\n"
+        "import service.engine.redis_client\n"
+        'PATCHED = "service.engine.processing.open_processor"\n'
+    )
+    assert rewrite(text) == (
+        "from reliable_consumer.engine.redis.delay_queue import RetryQueue\n"
+        "from reliable_consumer.engine import errors\n"
+        "from reliable_consumer.engine.redis.lua import claims as lua_claims\n"
+        "from reliable_consumer.engine.handlers import registry as handlers_registry\n"
+        "import reliable_consumer.engine.redis.client\n"
+        'PATCHED = "reliable_consumer.engine.batch.processing.open_processor"\n'
+    )
+
+
+def test_every_module_a_copied_one_moved_to_is_a_module_of_the_library() -> None:
+    missing = [
+        f"{old} -> {new}"
+        for old, new in ENGINE_MODULES.items()
+        if importlib.util.find_spec(f"reliable_consumer.engine.{new}") is None
+    ]
+    assert missing == []
 
 
 def test_a_project_that_is_not_the_services_module_is_left_alone() -> None:

@@ -15,7 +15,9 @@ because doing it by hand means telling the team's files from the engine's among 
   team handler NAME) into ``tests/handlers/``.
 
 Python files are carried with their imports rewritten to the library (``service.engine`` ->
-``reliable_consumer.engine``, ``service.pipeline`` -> ``reliable_consumer_pipeline``, ``from
+``reliable_consumer.engine``, each flat module to its room there, e.g. ``service.engine.retries``
+-> ``reliable_consumer.engine.redis.delay_queue``; ``service.pipeline`` ->
+``reliable_consumer_pipeline``, ``from
 service import project`` + ``project.TOPICS`` -> ``from service.app import app`` +
 ``app.topics``) and to the example's sample records (``service.dev.sample`` ->
 ``service.sample``). A file the old scaffold wrote and nobody edited since is recognised against
@@ -93,6 +95,57 @@ SCAFFOLD_TEMPLATES = (
     "POSTGRES_TEST_TEMPLATE",
 )
 
+# The copied engine was one flat folder; the library keeps these of its modules in rooms
+# (docs/architecture.md, "Inside the engine"). A module not listed kept its place.
+ENGINE_MODULES = {
+    "app": "declaration.app",
+    "app_location": "declaration.location",
+    "ledger": "declaration.ledger",
+    "samples": "declaration.samples",
+    "naming": "declaration.naming",
+    "processing": "batch.processing",
+    "decisions": "batch.decisions",
+    "jobs": "batch.jobs",
+    "decoding": "batch.decoding",
+    "gate": "batch.gate",
+    "postgres_wave": "batch.postgres_wave",
+    "registry": "handlers.registry",
+    "context": "handlers.context",
+    "policies": "handlers.policies",
+    "redaction": "handlers.redaction",
+    "handler_pool": "handlers.pool",
+    "stuck_calls": "handlers.stuck_calls",
+    "faults": "handlers.faults",
+    "breaker": "handlers.breaker",
+    "redis_client": "redis.client",
+    "redis_url": "redis.url",
+    "redis_errors": "redis.errors",
+    "redis_durability": "redis.durability",
+    "redis_persistence": "redis.persistence_check",
+    "keys": "redis.keys",
+    "long_keys": "redis.long_keys",
+    "idempotency": "redis.idempotency",
+    "retries": "redis.delay_queue",
+    "lua_claims": "redis.lua.claims",
+    "lua_common": "redis.lua.common",
+    "lua_delay_queue": "redis.lua.delay_queue",
+    "lua_finish": "redis.lua.finish",
+    "kafka_client": "kafka.clients",
+    "publisher": "kafka.publisher",
+    "outcome_events": "kafka.outcome_events",
+    "topic_check": "kafka.topic_check",
+    "group_check": "kafka.group_check",
+    "offsets": "kafka.offsets",
+    "inbox": "postgres.inbox",
+    "schema": "postgres.schema",
+    "postgres_checks": "postgres.checks",
+    "observability": "observation.http",
+    "metrics": "observation.metrics",
+    "member_report": "observation.member_report",
+    "membership": "observation.membership",
+    "retrying": "until_done",
+}
+
 # The import rewrites, applied in this order (prose too: a docstring naming service.testing
 # would send a reader to a module that no longer exists).
 _REGISTRY_CALL = re.compile(r"Registry\(\s*discover\(\s*\)\s*,\s*project\.TOPICS\s*\)")
@@ -105,6 +158,8 @@ _PIPELINE = re.compile(r"(?<![\w.])service\.pipeline\b")
 # The example's sample records left the engine for the example itself: service/sample.py.
 _SAMPLE_MODULE = re.compile(r"(?<![\w.])service\.dev\.sample\b")
 _SAMPLE_IMPORT = re.compile(r"^from service\.dev import sample$", re.MULTILINE)
+_ENGINE_MODULE = re.compile(r"(?<![\w.])service\.engine\.(\w+)")
+_FROM_ENGINE = re.compile(r"^([ \t]*)from service\.engine import ([\w ,]+)$", re.MULTILINE)
 _ENGINE_ROOMS = re.compile(r"(?<![\w.])service\.(engine|testing|dev|ops|console|cli)\b")
 _DISCOVER_IMPORT = re.compile(
     r"^(from reliable_consumer\.engine\.handlers\.registry import )([\w, ]+)$", re.MULTILINE
@@ -230,8 +285,28 @@ def rewrite(text: str) -> str:
     text = _PIPELINE.sub("reliable_consumer_pipeline", text)
     text = _SAMPLE_IMPORT.sub("from service import sample", text)
     text = _SAMPLE_MODULE.sub("service.sample", text)
+    text = _FROM_ENGINE.sub(_from_engine_rooms, text)
+    text = _ENGINE_MODULE.sub(lambda m: f"service.engine.{ENGINE_MODULES.get(m[1], m[1])}", text)
     text = _ENGINE_ROOMS.sub(r"reliable_consumer.\1", text)
     return _without_unused_discover(text)
+
+
+def _from_engine_rooms(match: re.Match[str]) -> str:
+    """``from service.engine import a, b as c``: one statement per room the names live in."""
+    indent, kept, moved = match[1], [], []
+    for name in (n.strip() for n in match[2].split(",") if n.strip()):
+        module, _, alias = (part.strip() for part in name.partition(" as "))
+        if module not in ENGINE_MODULES:
+            kept.append(name)
+            continue
+        room, _, base = ENGINE_MODULES[module].rpartition(".")
+        local = alias or module
+        where = f"service.engine.{room}" if room else "service.engine"
+        moved.append(
+            f"{indent}from {where} import {base if base == local else f'{base} as {local}'}"
+        )
+    statements = ([f"{indent}from service.engine import {', '.join(kept)}"] if kept else []) + moved
+    return "\n".join(statements)
 
 
 def _without_unused_discover(text: str) -> str:
