@@ -47,6 +47,18 @@ def _file(module: str) -> str:
     return str(importlib.import_module(module).__file__)
 
 
+def _app_location(engine: str) -> ModuleType:
+    """The module that finds the app declaration: in the engine's ``declaration`` room, or
+    flat in ``engine/`` in a release from before the engine had rooms."""
+    for where in ("engine.declaration.location", "engine.app_location"):
+        try:
+            return importlib.import_module(f"{engine}.{where}")
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not f"{engine}.{where}".startswith(exc.name):
+                raise
+    raise SystemExit(f"release_main: {engine} has no module that finds the app declaration")
+
+
 def main(argv: list[str]) -> None:
     engine, *args = argv
     if engine not in (LEGACY, LIBRARY):
@@ -61,7 +73,7 @@ def main(argv: list[str]) -> None:
         "claiming": _file("tests.chaos.claiming"),
     }
     print(IDENTITY, json.dumps(identity), flush=True)
-    option = importlib.import_module(f"{engine}.engine.app_location").APP_OPTION
+    option = _app_location(engine).APP_OPTION
     cli = importlib.import_module(f"{engine}.cli").app
     cli([option, CHAOS_APP, *args])
 
