@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
-
+# Fault injection's header (handlers/faults.py), honoured only while it is on.
+FAULT_HEADER = "x-fault"
 # Set by ``service dlq redrive`` on what it sends back: the dead letter's coordinates.
 REDRIVE_HEADER = "x-redrive-of"
 # The worker's namespace in record headers (compared case-insensitively).

@@ -23,8 +23,9 @@ import time
 
 from reliable_consumer.engine.errors import PermanentError, RetryableError
 from reliable_consumer.engine.handlers.context import Context
+from reliable_consumer.engine.records import FAULT_HEADER
 
-HEADER = "x-fault"
+HEADER = FAULT_HEADER  # one of the worker's reserved headers (records.py)
 # Logged when an injected hang begins, so a test can act while the handler is running.
 HANG_STARTED = "fault injection: handler hangs until its timeout"
 CRASH_AFTER_COMMIT = "crash-after-commit"
