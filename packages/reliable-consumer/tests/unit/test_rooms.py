@@ -50,7 +50,8 @@ def test_a_seeded_engine_import_of_ops_fails_the_lint(tmp_path: Path) -> None:
         ),
         "engine/lazy.py": "def f() -> None:\n    from reliable_consumer_pipeline import replay\n",
         "ops/allowed.py": (
-            "from reliable_consumer.engine import keys\nfrom reliable_consumer.dev import stack\n"
+            "from reliable_consumer.engine.redis import keys\n"
+            "from reliable_consumer.dev import stack\n"
         ),
     }.items():
         path = tmp_path / SOURCE / "reliable_consumer" / room
@@ -100,3 +101,46 @@ def test_the_library_imports_no_module_of_a_service() -> None:
                 if name == "service" or name.startswith("service."):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
     assert offenders == []
+
+
+def engine_imports(engine: Path) -> dict[str, set[str]]:
+    """Each engine module (dotted, relative to the engine) and the engine modules it imports:
+    at the top, inside functions and under ``TYPE_CHECKING`` alike."""
+    package = "reliable_consumer.engine"
+    modules = {}
+    for path in sorted(engine.rglob("*.py")):
+        parts = path.relative_to(engine).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+        graph[name] = {
+            target
+            for full in found
+            if full.startswith(package + ".")
+            and (target := full.removeprefix(package + ".")) in modules
+            and target != name
+        }
+    return graph
+
+
+def test_no_engine_module_imports_one_that_imports_it_back() -> None:
+    """A cycle (settings.py validated Redis URLs with redis/url.py, which read its options
+    from settings.py) ties two modules so neither can be read, tested or moved alone."""
+    graph = engine_imports(ENGINE)
+    cycles = []
+    for start in graph:
+        stack = [(start, [start])]
+        while stack:
+            module, path = stack.pop()
+            for target in graph[module]:
+                if target == start:
+                    cycles.append(" -> ".join([*path, start]))
+                elif target not in path and target > start:
+                    stack.append((target, [*path, target]))
+    assert cycles == []

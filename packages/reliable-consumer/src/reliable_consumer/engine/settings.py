@@ -18,6 +18,7 @@ from reliable_consumer.engine.declaration.naming import KEY_PREFIX, TOPIC_NAME, 
 from reliable_consumer.engine.declaration.naming import check_topic as _check_topic
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.kafka.outcome_events import Layout
+from reliable_consumer.engine.redis.url import url_problem
 
 
 def _secret_text(value: str | SecretStr | None) -> str:
@@ -112,8 +113,6 @@ class RedisSettings(BaseModel):
         raw = value.get_secret_value()
         if not raw.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
-        from reliable_consumer.engine.redis.url import url_problem  # it imports this module
-
         problem = url_problem(raw)
         if problem is not None:
             raise ValueError(problem)

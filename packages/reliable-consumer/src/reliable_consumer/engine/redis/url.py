@@ -1,19 +1,34 @@
 """Redis URLs: the options the worker passes with one, and why redis-py would refuse one.
 
 Settings are checked at load (``url_problem``, via ``RedisSettings``) so a bad URL is a
-clear error naming the setting, not a crash loop at the first connection.
+clear error naming the setting, not a crash loop at the first connection. So settings.py
+imports this module, and this one names only the options it reads (``ClientOptions``,
+which ``RedisSettings`` has), never settings.py.
 """
 
 from __future__ import annotations
 
 import ssl
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, unquote
 
 from redis.exceptions import RedisError
 
-if TYPE_CHECKING:  # settings imports this module to check its URL
-    from reliable_consumer.engine.settings import RedisSettings
+
+class ClientOptions(Protocol):
+    """The settings of a Redis connection besides its URL (``RedisSettings`` has them)."""
+
+    @property
+    def socket_timeout_s(self) -> float: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def ssl_ca_certs(self) -> str | None: ...
+    @property
+    def ssl_certfile(self) -> str | None: ...
+    @property
+    def ssl_keyfile(self) -> str | None: ...
+
 
 # Connection options the worker sets itself: a URL query option would silently win over
 # them (redis-py lets the query string override keyword arguments), e.g. turn certificate
@@ -33,7 +48,7 @@ _WORKER_OWNED_OPTIONS = {
 }
 
 
-def client_kwargs(url: str, settings: RedisSettings | None = None) -> dict[str, Any]:
+def client_kwargs(url: str, settings: ClientOptions | None = None) -> dict[str, Any]:
     """What ``make_client`` passes to redis-py besides the URL (defaults without settings)."""
     timeout = settings.socket_timeout_s if settings is not None else 5.0
     kwargs: dict[str, Any] = {
