@@ -22,7 +22,7 @@ from reliable_consumer.engine.declaration.location import (
     current_app,
 )
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.observation.http import configure_logging
+from reliable_consumer.engine.observation.logs import configure_logging
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.extras import MissingExtra, require
 from reliable_consumer.ops.cli_group import dlq_redrive_command, offsets_app, status_command

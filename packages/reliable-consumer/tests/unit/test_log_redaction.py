@@ -10,7 +10,7 @@ import io
 import logging
 
 import pytest
-from reliable_consumer.engine.observation.http import configure_logging
+from reliable_consumer.engine.observation.logs import configure_logging
 
 CARD = "4111 1111 1111 1111"
 EMAIL = "jane.doe@example.com"

@@ -1,4 +1,4 @@
-"""Liveness, readiness and metrics over HTTP, plus structured logging.
+"""Liveness, readiness and metrics over HTTP.
 
 The HTTP side is a small stdlib server in daemon threads serving prometheus-client's
 exposition: the event loop never blocks on a scrape, and the threads only read a few
@@ -14,7 +14,6 @@ import logging
 import queue
 import selectors
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,10 +22,8 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import make_wsgi_app
-from pythonjsonlogger.json import JsonFormatter
 
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.handlers.redaction import redact
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.stalls import Stalls
 
@@ -374,51 +371,3 @@ class HttpServer:
                 conn.close()
                 with self._lock:
                     self._answering -= 1
-
-
-_RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
-    "message",
-    "asctime",
-}
-
-
-class _RedactedTracebacks(logging.Formatter):
-    """Tracebacks logged with ``log.exception`` carry the exception's message, which may be
-    a handler's error text: card numbers and e-mail addresses are redacted there too
-    (``redaction.redact``), the rest of the traceback is kept whole."""
-
-    def formatException(self, ei: Any) -> str:
-        return redact(super().formatException(ei))
-
-
-class JsonLogFormatter(_RedactedTracebacks, JsonFormatter):
-    """JSON lines, one per record, with redacted tracebacks."""
-
-
-class ConsoleFormatter(_RedactedTracebacks):
-    """Readable one-line logs for a terminal, with the structured fields appended."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        base = super().format(record)
-        extra = {k: v for k, v in record.__dict__.items() if k not in _RESERVED}
-        if extra:
-            base += " " + " ".join(f"{k}={v}" for k, v in extra.items())
-        return base
-
-
-def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(
-            JsonLogFormatter(
-                "%(asctime)s %(levelname)s %(name)s %(message)s",
-                rename_fields={"levelname": "level", "asctime": "time"},
-            )
-        )
-    else:
-        handler.setFormatter(ConsoleFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    # aiokafka logs every rebalance step at INFO; keep its warnings.
-    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
