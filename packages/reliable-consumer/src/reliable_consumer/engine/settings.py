@@ -4,6 +4,10 @@ Read from the environment (prefix ``WORKER_``, nested fields joined by ``__``) a
 from a ``.env`` file. Invalid values stop the process before it connects anywhere,
 with the setting's name in the message. Secrets are ``SecretStr`` so they never
 appear in reprs, logs or error messages.
+
+This module is long because it holds every knob, one model per part of the worker, and the
+checks that tie parts together (``Settings._consistent``, ``Settings._no_loops``) need
+them all in one place.
 """
 
 from __future__ import annotations

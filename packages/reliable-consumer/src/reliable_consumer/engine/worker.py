@@ -8,6 +8,11 @@ records a bounded time, commit what is done, drop the partition's state (its epo
 so late completions are ignored). On shutdown the same, for everything, then the consumer
 leaves the group before anything else is closed; every step is bounded (shutdown.py), and
 a stopping worker takes no partition the group hands it.
+
+This module is long because start-up, the commit task, rebalances, the observers and
+shutdown share one state (the consumer, each partition's offsets and epoch) and read best
+in the order they happen; what each step waits on is in startup.py, intake.py and
+shutdown.py.
 """
 
 from __future__ import annotations

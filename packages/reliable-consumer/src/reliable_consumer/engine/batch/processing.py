@@ -17,6 +17,10 @@ async on the runner pool, their leases stretched as they start). What each stage
 and writes is in decisions.py. Failures of the infrastructure (Redis or Kafka not
 answering) are not the record's fault: they are retried below this layer, and the batch
 simply stays in flight meanwhile.
+
+This module is long because it is the one place that orders the stages and runs every kind
+of handler (sync, async, postgres) with its timeout and leases; what the stages decide is
+already out, in decisions.py.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ ring of fixed time buckets, so memory is O(buckets) whatever the record rate and
 per-record cost of a success is one bucket update (a failure also notes its key and error
 class in its bucket, bounded). Everything but :meth:`Breaker.snapshot` is meant for the
 event loop's thread; the snapshot only reads, so the HTTP threads may call it.
+
+This module is long because the evidence rules and the state machine they drive are one
+argument: split apart, neither half would say when a circuit opens.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ its own: a batch is released once its own documents are acknowledged, and a batc
 documents meet a refusal that is not about the topic as a whole (too large, a broker's
 policy) is retried alone, with smaller documents when too large, so it stalls its own
 records only, never another partition's.
+
+This module is long because both writes share one producer, one retry loop and one way
+of reporting a stall, and the outcome writes' grouping across batches (each released and
+retried on its own) is half of it; split apart, the shared rules would be copied.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ set inside it, that it is the worker's. A handler caught is ``HandlerBrokeTransa
 (postgres_wave.py decides).
 
 psycopg is imported only when a postgres handler is bound (the ``postgres`` extra).
+
+This module is long because every guard on the wave's transaction (the session's proof, the
+savepoint's release, the rollback's marker, the trigger's refusal) answers one question, who
+ends the transaction, and reads best in one place.
 """
 
 from __future__ import annotations
