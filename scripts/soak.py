@@ -2,7 +2,7 @@
 
 Starts its own broker (Tansu, or with `--broker kafka` Apache Kafka: 1 node, or 3 with
 `--kafka-nodes 3`) and Redis (AOF, appendfsync always) in a temporary directory, runs
-one chaos run (tests/chaos/engine.py) of the size given on the command
+one chaos run (tests/chaos/runs.py) of the size given on the command
 line, and prints: records, kills, SIGTERMs, Redis restarts, rebalances, lost, doubled,
 dead-lettered by reason, duration and throughput; and each worker process's RSS (every
 second, beside the payments ledger's length): first, peak and last, and its growth in MB
@@ -45,7 +45,8 @@ from reliable_consumer.dev.redis_server import RedisServer  # noqa: E402
 from reliable_consumer.dev.tansu import TansuBroker  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-from tests.chaos.engine import (  # noqa: E402
+from tests.chaos.outside import ledger_key  # noqa: E402
+from tests.chaos.runs import (  # noqa: E402
     SEED_ENV,
     ChaosConfig,
     ChaosMix,
@@ -55,7 +56,6 @@ from tests.chaos.engine import (  # noqa: E402
     seed_from_env,
     source_partitions,
 )
-from tests.chaos.outside import ledger_key  # noqa: E402
 
 from bench.rss import MIN_GRANTS_FOR_GROWTH, Incarnation, Point  # noqa: E402
 

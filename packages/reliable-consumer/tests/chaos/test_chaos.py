@@ -1,6 +1,6 @@
 """The chaos suite: real workers, a known mix of records, faults at seeded moments.
 
-Each test is one chaos run (tests/chaos/engine.py): workers as `python -m reliable_consumer
+Each test is one chaos run (tests/chaos/runs.py): workers as `python -m reliable_consumer
 run` subprocesses over a 6-partition topic, records of every kind (ok, transient:k,
 permanent, malformed, hanging, duplicate deliveries) and faults fired when the run's
 progress passes seeded thresholds: SIGKILL, SIGTERM during a busy batch, a Redis kill
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
-from tests.chaos.engine import SEED_ENV, ChaosConfig, ChaosReport, run_chaos, seed_from_env
+from tests.chaos.runs import SEED_ENV, ChaosConfig, ChaosReport, run_chaos, seed_from_env
 from tests.helpers import announce_replay
 
 

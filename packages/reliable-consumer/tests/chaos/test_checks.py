@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.handlers.context import Context, Effects
 from tests.chaos import claiming
-from tests.chaos.engine import EndState, Placed, Routed, final_verdict, overlapping_runs
 from tests.chaos.outside import DeadLetter, View
+from tests.chaos.runs import EndState, Placed, Routed, final_verdict, overlapping_runs
 
 from service import sample
 from service.handlers.payments import PaymentSucceeded

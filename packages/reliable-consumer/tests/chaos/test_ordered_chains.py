@@ -37,8 +37,8 @@ from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
-from tests.chaos.engine import SEED_ENV, current_assignment, seed_from_env
 from tests.chaos.outside import TP, Outside, View, Where, ledger_key, wait_settled
+from tests.chaos.runs import SEED_ENV, current_assignment, seed_from_env
 from tests.helpers import announce_replay, await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import WorkerProcess, worker_processes

@@ -28,7 +28,6 @@ from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.handlers import faults
-from tests.chaos.engine import current_assignment, frozen, seed_from_env
 from tests.chaos.postgres import (
     Producer,
     durable_problems,
@@ -41,6 +40,7 @@ from tests.chaos.postgres import (
     steady_state,
     wait_pg_settled,
 )
+from tests.chaos.runs import current_assignment, frozen, seed_from_env
 from tests.helpers import announce_replay, await_until
 from tests.integration.harness import prepare_topics
 from tests.integration.procs import HangWatch, WorkerProcess, worker_processes

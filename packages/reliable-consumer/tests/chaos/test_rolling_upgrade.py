@@ -63,7 +63,16 @@ from reliable_consumer.dev.postgres_server import PostgresServer
 from reliable_consumer.dev.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
-from tests.chaos.engine import (
+from tests.chaos.outside import TP, Outside, View, Where, ledger_key, wait_settled
+from tests.chaos.releases import (
+    PREVIOUS_RELEASE,
+    Release,
+    ReleaseProcess,
+    current_release,
+    materialize,
+    run_command,
+)
+from tests.chaos.runs import (
     CLAIMED,
     PAYMENTS,
     ChaosConfig,
@@ -77,15 +86,6 @@ from tests.chaos.engine import (
     frozen,
     make_outside,
     read_end_state,
-)
-from tests.chaos.outside import TP, Outside, View, Where, ledger_key, wait_settled
-from tests.chaos.releases import (
-    PREVIOUS_RELEASE,
-    Release,
-    ReleaseProcess,
-    current_release,
-    materialize,
-    run_command,
 )
 from tests.helpers import await_until
 from tests.integration.harness import prepare_topics

@@ -6,7 +6,7 @@ point runs the unchanged CLI with ``--app tests.chaos.app:app`` (the service's d
 plus that module), so the chaos workers take exactly the production path (`service run`:
 settings, signal handlers, start-up checks, runtime). One thing differs: each failed Redis
 try is logged (at DEBUG, with its attempt number), as the engine measures how long a Redis
-outage lasted by the attempts of one call (tests/chaos/engine.py, ``retries_logged``).
+outage lasted by the attempts of one call (tests/chaos/runs.py, ``retries_logged``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Chaos runs: real worker subprocesses, a known record mix, faults at seeded moments.
 
-One engine for the bounded CI suite (tests/chaos) and the soak (scripts/soak.py), so a
+One harness for the bounded CI suite (tests/chaos) and the soak (scripts/soak.py), so a
 soak figure and a CI pass mean the same thing. A run:
 
 1. produces a known mix (ok, transient:k, permanent, malformed, hanging, duplicate
