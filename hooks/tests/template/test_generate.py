@@ -404,21 +404,25 @@ def test_scaffolded_handler_passes_in_a_generated_project(
     )
 
 
-@pytest.mark.parametrize("store", ["redis", "postgres"])
-def test_whole_suite_after_scaffolding_a_second_topic(
-    billing_project: Path, tmp_path: Path, store: str
+def test_whole_suite_after_scaffolding_a_topic_per_store(
+    billing_project: Path, tmp_path: Path
 ) -> None:
-    """`service new-handler` for a second topic, then the project's whole suite: nothing the
-    template owns pins the example's bindings (deploy/ included, left as generated)."""
+    """`service new-handler` for two more topics, one per effects store, then the project's
+    whole suite: nothing the template owns pins the example's bindings (deploy/ included,
+    left as generated). One project holds both, so the suite runs once."""
     project = tmp_path / billing_project.name
     shutil.copytree(billing_project, project)
-    scaffold = project_python(
-        project, "-m", "reliable_consumer", "new-handler", "refunds", "--topic",
-        "billing.refunds", "--store", store,
-    )  # fmt: skip
-    assert scaffold.returncode == 0, scaffold.stderr
+    for name, topic, store in (
+        ("refunds", "billing.refunds", "redis"),
+        ("chargebacks", "billing.chargebacks", "postgres"),
+    ):
+        scaffold = project_python(
+            project, "-m", "reliable_consumer", "new-handler", name, "--topic", topic,
+            "--store", store,
+        )  # fmt: skip
+        assert scaffold.returncode == 0, scaffold.stderr
     result = run_project_tests(project, "-rf")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "tests/handlers/test_handler_refunds.py" in (
-        run_project_tests(project, "--collect-only", "-q").stdout
-    )
+    collected = run_project_tests(project, "--collect-only", "-q").stdout
+    assert "tests/handlers/test_handler_refunds.py" in collected
+    assert "tests/handlers/test_handler_chargebacks.py" in collected
