@@ -314,7 +314,7 @@ def dev_up(
     console.print(f"export WORKER_REDIS__URL={info.redis_url}", highlight=False)
     if info.postgres_url:
         console.print(f"export WORKER_POSTGRES__URL={info.postgres_url}", highlight=False)
-        console.print("then `service db migrate` creates the inbox and purchases tables")
+        console.print("then `service db migrate` creates the inbox and the project's tables")
 
 
 @dev_app.command("down")

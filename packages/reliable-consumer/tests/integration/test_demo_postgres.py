@@ -8,6 +8,7 @@ a user runs it, reads its grants from the purchases table.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -122,3 +123,24 @@ def test_make_run_with_the_postgres_example_grants_into_postgresql(state_dir: Pa
         assert ledger.xlen("demo:ledger:purchases") == 0  # the Redis example's ledger: unused
     finally:
         ledger.close()
+
+    # The environment the demo printed points an operator command at the demo's own group,
+    # prefix and binding: `service status` sees every partition committed, none lagging.
+    exports = dict(re.findall(r"^ +export (WORKER_[A-Z_]+)=(.*)$", output, re.MULTILINE))
+    assert exports["WORKER_KAFKA__GROUP_ID"] == "payments-worker-demo", output
+    exports["WORKER_TOPICS"] = exports["WORKER_TOPICS"].strip("'")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    status = subprocess.run(
+        [sys.executable, "-m", "reliable_consumer", "status", "--json"],
+        env={**clean, **exports},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert status.returncode == 0, status.stdout + status.stderr
+    seen = json.loads(status.stdout)
+    assert seen["group"]["id"] == "payments-worker-demo"
+    partitions = seen["partitions"]
+    assert {p["topic"] for p in partitions} == {"payments"} and len(partitions) == 6, partitions
+    assert all(p["committed"] == p["high_watermark"] and p["lag"] == 0 for p in partitions)

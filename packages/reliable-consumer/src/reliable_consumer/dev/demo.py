@@ -19,6 +19,7 @@ ledger's table (demo_grants.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import uuid
@@ -71,6 +72,19 @@ class DemoPlan:
     def key_prefix(self) -> str:
         """The demo's own Redis key space (an operator command needs it to see the demo)."""
         return "demo"
+
+
+def demo_environment(settings: Settings, plan: DemoPlan) -> list[str]:
+    """``export`` lines that point the operator commands at the demo's broker, Redis,
+    group, key prefix and binding."""
+    binding = json.dumps({plan.handler: plan.topic})
+    return [
+        f"export WORKER_KAFKA__BOOTSTRAP_SERVERS={settings.kafka.bootstrap_servers}",
+        f"export WORKER_REDIS__URL={settings.redis.url.get_secret_value()}",
+        f"export WORKER_KAFKA__GROUP_ID={plan.group}",
+        f"export WORKER_REDIS__KEY_PREFIX={plan.key_prefix}",
+        f"export WORKER_TOPICS='{binding}'",
+    ]
 
 
 def demo_settings(
@@ -282,6 +296,11 @@ async def _demo(
         f"Redis key prefix {plan.key_prefix}",
         highlight=False,
     )
+    # The operator commands read the app's group and prefix unless told otherwise: this is
+    # what points them at the demo instead (service status, trace, dlq, retries, console).
+    console.print("    operator commands see this demo with:", highlight=False)
+    for line in demo_environment(settings, plan):
+        console.print(f"    {line}", highlight=False, soft_wrap=True)
     if info.postgres_url is not None:
         applied = await migrate(settings.postgres)
         done = f"applied {', '.join(applied)}" if applied else "already up to date"
