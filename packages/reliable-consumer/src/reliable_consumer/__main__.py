@@ -1,3 +1,3 @@
-from reliable_consumer.cli import app
+from reliable_consumer.cli import main
 
-app()
+main()

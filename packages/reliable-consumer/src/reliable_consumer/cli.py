@@ -34,6 +34,7 @@ from reliable_consumer.ops.cli_records import (
     trace_command,
 )
 from reliable_consumer.ops.db import db_app
+from reliable_consumer.ops.unreachable import unreachable
 
 # Never print local variables in a crash report: they hold unwrapped secrets (the Redis URL,
 # the SASL password in the aiokafka arguments). Older typer versions showed them by default.
@@ -140,6 +141,20 @@ def _dev_failed(exc: Exception) -> typer.Exit:
     """A dev server that could not start: its reason as it is, exit code 1."""
     err.print(f"[red]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
     return typer.Exit(1)
+
+
+def main() -> None:
+    """The ``service`` command. A server that does not answer ends the command with one line
+    naming the setting that points at it, never a traceback: an operator who forgot an
+    environment variable must see which one."""
+    try:
+        app()
+    except Exception as exc:
+        line = unreachable(exc)
+        if line is None:
+            raise
+        err.print(f"[red]{escape(line)}[/]", highlight=False, soft_wrap=True)
+        sys.exit(1)
 
 
 def _require(extra: str, what: str) -> None:
@@ -371,9 +386,5 @@ def console_command() -> None:
     serve(settings, registry)
 
 
-def main() -> None:  # pragma: no cover - console script shim
-    app()
-
-
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(app())
+    main()

@@ -38,6 +38,7 @@ from reliable_consumer.ops.retry_admin import (
     show_retry,
 )
 from reliable_consumer.ops.trace import iso_ms, trace
+from reliable_consumer.ops.unreachable import unreachable
 
 T = TypeVar("T")
 retries_app = typer.Typer(no_args_is_help=True, help="The delay queue: list, show, retry, drop.")
@@ -69,7 +70,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         return asyncio.run(coro)
     except (RedisError, KafkaError, OSError, TimeoutError) as exc:
-        _fail(f"{type(exc).__name__}: {exc}")
+        _fail(unreachable(exc) or f"{type(exc).__name__}: {exc}")
 
 
 def _print_json(doc: Any) -> None:
