@@ -1,9 +1,9 @@
 """The parts every stage of a batch works with, built once and shared.
 
-The Processor builds them (or is handed them) and gives the same ones to its decisions, its
-handler runner and its postgres waves, so there is one idempotency client, one publisher,
-one set of circuit breakers and one record of stuck calls per record path: no stage builds
-its own copy that could drift from the others'.
+The Processor gathers them once (building the breakers, the stuck calls and the key names
+itself) and gives the same ones to its decisions, its handler runner and its postgres waves:
+one idempotency client, one publisher, one set of circuit breakers and one record of stuck
+calls per record path, and no stage keeps copies of its own that could drift apart.
 """
 
 from __future__ import annotations
