@@ -181,7 +181,7 @@ async def test_outcome_documents_are_cut_to_the_limit_the_outcomes_topic_has_at_
         await producer.stop()
     async with running_worker(settings, registry=registry_for(settings)) as worker:
         assert worker.processor is not None
-        assert worker.processor._publisher.document_bytes == limit - TOPIC_LIMIT_ROOM
+        assert worker.processor.parts.publisher.document_bytes == limit - TOPIC_LIMIT_ROOM
         await committed_to_the_end(settings)
     records = await audit.read_all(settings.kafka, outcomes)
     assert sorted(e["dedupe_key"] for e in audit.outcome_events(records)) == keys

@@ -173,7 +173,7 @@ async def test_an_effects_only_delivery_never_overtakes_a_live_claim(env: Env) -
     """A retry (or any claiming delivery) of the key is running: ours must not grant."""
     key = env.idem_key("optimistic", "p_held")
     other = ClaimRequest(key, "someone-else", "fp-any", False)
-    assert await env.processor._idem.claim(other) is ClaimStatus.CLAIMED
+    assert await env.processor.parts.idempotency.claim(other) is ClaimStatus.CLAIMED
     outcomes = await env.processor.process_batch([env.delivery("optimistic", "p_held")])
     assert outcomes == [Outcome.RETRY_SCHEDULED]
     assert await env.ledger("optimistic") == []

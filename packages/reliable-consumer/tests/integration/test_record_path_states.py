@@ -177,7 +177,7 @@ class RecordPath(RuleBasedStateMachine):
     def crash_after_claim(self, record: Rec) -> None:
         """A worker claimed the key, then died: its offset is not committed, nothing else."""
         payload = PaymentSucceeded.model_validate_json(record.delivery().value or b"")
-        idem = self.processors[0]._idem
+        idem = self.processors[0].parts.idempotency
         key = idem.key(CLAIMING.name, record.payment_id)
         self.run(idem.claim(ClaimRequest(key, idem.tokens.next(), fingerprint(payload), False)))
 

@@ -19,12 +19,10 @@ from typing import Any
 
 from reliable_consumer.engine.batch.decoding import DecodeFailure, decode
 from reliable_consumer.engine.batch.jobs import Fate, Job, log_fields
-from reliable_consumer.engine.handlers.breaker import Breaker, BreakerState, Failure
+from reliable_consumer.engine.batch.parts import Parts
 from reliable_consumer.engine.handlers.policies import RetryPolicy
 from reliable_consumer.engine.handlers.redaction import describe_error, record_text
-from reliable_consumer.engine.handlers.registry import Handler, Registry
-from reliable_consumer.engine.kafka.publisher import Publisher
-from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.handlers.registry import Handler
 from reliable_consumer.engine.records import (
     REDRIVE_HEADER,
     Delivery,
@@ -33,19 +31,16 @@ from reliable_consumer.engine.records import (
     redrive_ticket_value,
     without_redrive,
 )
-from reliable_consumer.engine.redis.delay_queue import ParkRequest, ParkStatus, RetryQueue, now_ms
+from reliable_consumer.engine.redis.delay_queue import ParkRequest, ParkStatus, now_ms
 from reliable_consumer.engine.redis.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
     FinishRequest,
     FinishStatus,
-    Idempotency,
     RedriveTicket,
     fingerprint,
 )
-from reliable_consumer.engine.redis.keys import RedisKeys
-from reliable_consumer.engine.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +48,15 @@ log = logging.getLogger(__name__)
 class Decisions:
     """The stages of a batch that decide fates and write them to Redis and Kafka."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        registry: Registry,
-        idempotency: Idempotency,
-        retries: RetryQueue,
-        publisher: Publisher,
-        metrics: Metrics,
-    ) -> None:
+    def __init__(self, parts: Parts) -> None:
+        settings, registry = parts.settings, parts.registry
         self._settings = settings
         self._registry = registry
-        self._idem = idempotency
-        self._retries = retries
-        self._publisher = publisher
-        self._metrics = metrics
-        self._key_prefix = settings.redis.key_prefix
-        self._keys = RedisKeys(self._key_prefix)
+        self._idem = parts.idempotency
+        self._retries = parts.retries
+        self._publisher = parts.publisher
+        self._metrics = parts.metrics
+        self._keys = parts.keys
         default = settings.retry.policy()
         self._policies: dict[str, RetryPolicy] = {
             h.name: h.retry or default for _, h in registry.items()
@@ -110,7 +97,7 @@ class Decisions:
         of = redrive_of(d.headers) if d.headers else None
         if of is None:
             return None
-        key = RedisKeys(self._key_prefix).redrive_ticket(of)
+        key = self._keys.redrive_ticket(of)
         return RedriveTicket(key, redrive_ticket_value(d.topic, d.value))
 
     # --- stage 1: route and decode (no I/O) ---
@@ -206,46 +193,21 @@ class Decisions:
             else:  # BUSY: another delivery of this key is running; park briefly, same attempt
                 job.park(job.delivery.attempt, "busy: key claimed by another delivery", busy_ms)
 
-    def handler_failed(
-        self,
-        job: Job,
-        exc: BaseException,
-        error: str | None = None,
-        breaker: Breaker | None = None,
-    ) -> None:
+    def handler_failed(self, job: Job, error: str, *, permanent: bool, held: bool) -> None:
         """A handler error: dead-letter if permanent or out of attempts, else park; or hold.
 
-        A retryable failure counts against the handler's circuit breaker, which weighs a
-        record's first attempt apart from its retries (breaker.py: records failing on their
-        own are not an outage). When the breaker is open, or parking a record not yet in the
-        delay queue would spend more than its retry budget, the record is held
-        (Fate.HOLD): the dependency is down, and neither a park nor an attempt is spent.
-        Its text is recorded (dead-letter header, log, retry item, outcome event) only as
-        ``describe_error`` makes it: public message if declared, redacted, bounded.
+        ``permanent``: the handler's declarations classify the error as one no retry can
+        mend. ``held``: its circuit breaker, told of this failure by the runner (runner.py),
+        is open or would not let the record be parked: the record is held (Fate.HOLD), the
+        dependency is down, and neither a park nor an attempt is spent. ``error`` is already
+        the text ``describe_error`` made of it.
         """
-        assert job.handler is not None
-        error = error or describe_error(exc)
-        d = job.delivery
-        if job.handler.classify(exc) == "fail":
+        if permanent:
             job.dead_letter("permanent", error)
-            if breaker is not None:  # the dependency answered; the record is wrong
-                breaker.record_success(first_attempt=d.attempt == 1)
             return
-        if breaker is not None:
-            breaker.record_failure(
-                Failure(
-                    error,
-                    type(exc).__name__,
-                    job.idem_key or d.retry_id,
-                    first_attempt=d.attempt == 1,
-                    failing_since_ms=d.first_failed_ms,
-                )
-            )
-            if breaker.state is not BreakerState.CLOSED or not breaker.try_park(
-                new_item=not d.is_retry
-            ):
-                self._hold(job, error)
-                return
+        if held:
+            self._hold(job, error)
+            return
         self.retry_or_give_up(job, error)
 
     def _hold(self, job: Job, error: str) -> None:

@@ -1,8 +1,8 @@
 """One record's state on its way through a batch, and how a batch is cut into waves.
 
 A ``Job`` carries what each stage learns (handler, payload, dedupe key, claim, effects)
-and the fate decided so far; the stages (decisions.py, processing.py) read and set it,
-and only the last stages make the fate durable.
+and the fate decided so far; the stages (decisions.py, processing.py, runner.py) read and
+set it, and only the last stages make the fate durable.
 """
 
 from __future__ import annotations

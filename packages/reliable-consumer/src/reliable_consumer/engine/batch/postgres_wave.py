@@ -1,12 +1,13 @@
 """A wave's postgres records through their handlers: one transaction, a savepoint each.
 
-Called by processing.py in place of the handler runners for handlers declared
-``store="postgres"``; the transaction itself is ``inbox.py``'s. First the inbox rows of the
-whole wave in one INSERT (an existing row: a duplicate, or a conflict). Then per record, in
-offset order on the wave's one connection: stretch its leases, open its savepoint, run the
-handler on ``ctx.db`` under its timeout, release the savepoint (or roll back to it and delete
-its inbox row on failure: the record's decision is made as for any handler, its wave-mates
-unharmed).
+Called by processing.py in place of the runner's Redis path for handlers declared
+``store="postgres"``; the transaction itself is ``inbox.py``'s, and each call's context,
+deadline, leases, latency and what its circuit breaker hears are the runner's (runner.py).
+First the inbox rows of the whole wave in one INSERT (an existing row: a duplicate, or a
+conflict). Then per record, in offset order on the wave's one connection: stretch its
+leases, open its savepoint, run the handler on ``ctx.db`` under its timeout, release the
+savepoint (or roll back to it and delete its inbox row on failure: the record's decision is
+made as for any handler, its wave-mates unharmed).
 Then one commit. Only a committed record goes on to FINISH as succeeded (or duplicate);
 when the connection or the commit fails, every record still waiting on it is a retryable
 failure (counted by its circuit breaker, so an outage opens the circuit and holds records
@@ -33,24 +34,20 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.batch.jobs import Job, log_fields
+from reliable_consumer.engine.batch.parts import Parts
+from reliable_consumer.engine.batch.runner import HandlerRunner
 from reliable_consumer.engine.errors import RetryableError
 from reliable_consumer.engine.handlers import faults
-from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.context import Context
 from reliable_consumer.engine.handlers.redaction import describe_error
 from reliable_consumer.engine.handlers.stuck_calls import (
-    DEFAULT_CANCEL_GRACE_S,
     CallAbandoned,
-    StuckCalls,
     fence,
     within,
 )
-from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.postgres.inbox import (
     STALL,
     HandlerBrokeTransaction,
@@ -62,7 +59,6 @@ from reliable_consumer.engine.postgres.inbox import (
     transaction_control_refused,
 )
 from reliable_consumer.engine.postgres.inbox import is_connection_error as _is_connection_error
-from reliable_consumer.engine.stalls import Stalls
 
 log = logging.getLogger(__name__)
 # PGPROC_MAX_CACHED_SUBXIDS: the subtransactions a backend's snapshot entry holds.
@@ -73,33 +69,17 @@ class PostgresWaves:
     """Runs the postgres handlers of a wave inside one transaction and commits it."""
 
     def __init__(
-        self,
-        store: InboxStore,
-        decisions: Decisions,
-        breakers: Breakers,
-        *,
-        context_of: Callable[[Job], Context],
-        timeout_of: Callable[[Job], float],
-        renew_leases: Callable[[Job, float], Awaitable[bool]],
-        observe: Callable[[str, float], None],
-        fault_injection: bool = False,
-        metrics: Metrics | None = None,
-        stalls: Stalls | None = None,
-        cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S,
-        stuck: StuckCalls | None = None,
+        self, store: InboxStore, parts: Parts, decisions: Decisions, runner: HandlerRunner
     ) -> None:
         self._store = store
         self._decisions = decisions
-        self._breakers = breakers
-        self._context_of = context_of
-        self._timeout_of = timeout_of
-        self._renew = renew_leases
-        self._observe = observe
-        self._inject = fault_injection
-        self._metrics = metrics or Metrics()
-        self._stalls = stalls
-        self._grace_s = cancel_grace_s
-        self._stuck = stuck if stuck is not None else StuckCalls()
+        # Each call's context, deadline, leases, latency and what its breaker hears.
+        self._runner = runner
+        self._inject = parts.settings.fault_injection
+        self._metrics = parts.metrics
+        self._stalls = parts.stalls
+        self._grace_s = parts.settings.handler_cancel_grace_s
+        self._stuck = parts.stuck
 
     async def run(self, jobs: list[Job]) -> None:
         """Every job to a decision: committed (fate left for FINISH), or failed, or parked.
@@ -115,7 +95,7 @@ class PostgresWaves:
     async def _run_transaction(self, jobs: list[Job]) -> None:
         waiting: list[Job] = []  # released into the transaction, not yet committed
         try:
-            limit = max(self._timeout_of(j) for j in jobs)
+            limit = max(self._runner.timeout_of(j) for j in jobs)
             async with self._store.begin(limit) as tx:
                 try:
                     rows = {id(job): _row(job) for job in jobs}
@@ -170,7 +150,7 @@ class PostgresWaves:
         (found as this record's savepoint opens), broke the wave's transaction.
         """
         assert job.handler is not None and job.payload is not None
-        limit_s = self._timeout_of(job)
+        limit_s = self._runner.timeout_of(job)
         if verdict is Verdict.DUPLICATE:
             job.inbox_duplicate = True
             return True  # FINISH still marks the key done and drops a retry item
@@ -186,7 +166,9 @@ class PostgresWaves:
             )
             return False
         try:
-            if (job.holds_claim or job.delivery.is_retry) and not await self._renew(job, limit_s):
+            if (job.holds_claim or job.delivery.is_retry) and not await self._runner.renew_leases(
+                job, limit_s
+            ):
                 await tx.forget(row)  # parked: its claim or retry lease was lost meanwhile
                 return False
             await tx.enter()
@@ -195,9 +177,8 @@ class PostgresWaves:
         except Exception as exc:
             tx.broken = exc
             return False
-        ctx = self._context_of(job)
+        ctx = self._runner.context(job)
         ctx.db = tx.conn
-        breaker = self._breakers.for_handler(job.name)
         started = time.perf_counter()
         job.ran = True
         error: BaseException | None = None
@@ -207,9 +188,9 @@ class PostgresWaves:
         except Exception as exc:
             error = exc
         finally:
-            self._observe(job.name, time.perf_counter() - started)
+            self._runner.observe(job.name, time.perf_counter() - started)
         if isinstance(error, CallAbandoned):  # its connection is closed: the wave is over
-            self._decisions.handler_failed(job, error, str(error), breaker=breaker)
+            self._runner.failed(job, error, str(error))
             tx.broken = error
             return False
         if error is None:
@@ -218,8 +199,7 @@ class PostgresWaves:
                 # Counted now, as its wave-mates' failures are: counting successes only at
                 # COMMIT would show the breaker a wave's failures alone (a commit that fails
                 # later counts every record of the wave as failed, _fail_all).
-                if breaker is not None:
-                    breaker.record_success(first_attempt=job.delivery.attempt == 1)
+                self._runner.succeeded(job)
                 return True
             except HandlerBrokeTransaction:
                 raise
@@ -237,11 +217,9 @@ class PostgresWaves:
             # Not the record's doing: retryable whatever the handler declares.
             error = RetryableError(f"PostgreSQL failed: {describe_error(error)}")
         if isinstance(error, TimeoutError):
-            self._decisions.handler_failed(
-                job, error, f"handler timed out after {limit_s:g} s", breaker=breaker
-            )
+            self._runner.failed(job, error, f"handler timed out after {limit_s:g} s")
         else:
-            self._decisions.handler_failed(job, error, breaker=breaker)
+            self._runner.failed(job, error)
         return False
 
     async def _abandon(
@@ -310,8 +288,7 @@ class PostgresWaves:
         for job in jobs:
             if job.fate is None:
                 job.inbox_duplicate = False
-                breaker: Any = self._breakers.for_handler(job.name)
-                self._decisions.handler_failed(job, error, breaker=breaker)
+                self._runner.failed(job, error)
 
 
 def _row(job: Job) -> InboxRow:

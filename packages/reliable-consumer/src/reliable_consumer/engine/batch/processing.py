@@ -12,15 +12,13 @@ script, one park script, one outcome batch. That is where the worker's speed com
 from (see bench/). Records that share a Kafka key run in successive waves, so a key's
 records are handled in offset order.
 
-This module dispatches: the stages in order, and the handlers themselves (sync inline,
-async on the runner pool, their leases stretched as they start). What each stage decides
-and writes is in decisions.py. Failures of the infrastructure (Redis or Kafka not
-answering) are not the record's fault: they are retried below this layer, and the batch
-simply stays in flight meanwhile.
-
-This module is long because it is the one place that orders the stages and runs every kind
-of handler (sync, async, postgres) with its timeout and leases; what the stages decide is
-already out, in decisions.py.
+This module dispatches: the stages in order, the Redis path's handlers to the runner
+(runner.py: sync inline, async on the runner pool, their leases stretched as they start)
+and the postgres handlers to their waves (postgres_wave.py, on the same runner). What each
+stage decides and writes is in decisions.py. Failures of the infrastructure (Redis or Kafka
+not answering) are not the record's fault: they are retried below this layer, and the batch
+simply stays in flight meanwhile. The parts every stage shares are built once, here
+(parts.py).
 """
 
 from __future__ import annotations
@@ -29,12 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
-import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
-from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
@@ -42,15 +35,14 @@ from redis.asyncio import Redis
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.batch.gate import Gate, GaveUp
 from reliable_consumer.engine.batch.jobs import Fate, Job, key_waves, log_fields
+from reliable_consumer.engine.batch.parts import Parts
 from reliable_consumer.engine.batch.postgres_wave import PostgresWaves
-from reliable_consumer.engine.handlers import faults
+from reliable_consumer.engine.batch.runner import HandlerRunner
 from reliable_consumer.engine.handlers.breaker import Breakers
-from reliable_consumer.engine.handlers.context import Context, Effects
 from reliable_consumer.engine.handlers.policies import BreakerPolicy
-from reliable_consumer.engine.handlers.pool import HandlerPool, Slot
 from reliable_consumer.engine.handlers.redaction import describe_error
 from reliable_consumer.engine.handlers.registry import Registry
-from reliable_consumer.engine.handlers.stuck_calls import CallAbandoned, StuckCalls, fence
+from reliable_consumer.engine.handlers.stuck_calls import StuckCalls
 from reliable_consumer.engine.kafka.clients import make_producer
 from reliable_consumer.engine.kafka.publisher import Publisher, document_bytes_for
 from reliable_consumer.engine.observation.metrics import Metrics
@@ -59,7 +51,7 @@ from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.records import Delivery, Outcome
 from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.delay_queue import RetryQueue
-from reliable_consumer.engine.redis.idempotency import ExtendRequest, ExtendStatus, Idempotency
+from reliable_consumer.engine.redis.idempotency import Idempotency
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.persistence_check import check_persistence
 from reliable_consumer.engine.settings import Settings
@@ -73,13 +65,6 @@ log = logging.getLogger(__name__)
 INTERNAL_ATTEMPTS = 5
 INTERNAL_FIRST_WAIT_S = 1.0
 INTERNAL_BACKOFF_MAX_S = 30.0
-# A lease stretched as a handler starts outlives its timeout and cancel grace by this much:
-# the watchdog's tick, a loaded event loop, and the finish or park that follows the handler.
-LEASE_MARGIN_MS = 1_000
-POSTGRES_EFFECTS_REFUSAL = (
-    "this handler keeps its effects in PostgreSQL (store='postgres'): write them with SQL on "
-    "ctx.db, in the transaction that also records the inbox row; ctx.effects takes nothing"
-)
 
 
 class Processor:
@@ -98,43 +83,30 @@ class Processor:
         inbox: InboxStore | None = None,
         stalls: Stalls | None = None,
     ) -> None:
-        self._settings = settings
-        self._registry = registry
-        self._idem = idempotency
-        self._publisher = publisher
-        self._redis = redis
-        self._metrics = metrics
-        self.decisions = Decisions(settings, registry, idempotency, retries, publisher, metrics)
-        # Handler calls given up on because they ignored their cancellation (stuck_calls.py).
-        self.stuck = StuckCalls(metrics, stalls)
-        # Async handlers running at once, across all batches: protects what they call.
-        self._pool = HandlerPool(
-            settings.max_concurrent_handlers,
-            cancel_grace_s=settings.handler_cancel_grace_s,
-            stuck=self.stuck,
+        self.parts = Parts(
+            settings,
+            registry,
+            idempotency,
+            retries,
+            publisher,
+            redis,
+            metrics,
+            # The circuit breakers in front of the handlers (none: every record is admitted).
+            breakers=breakers or Breakers(registry, BreakerPolicy(enabled=False)),
+            stuck=StuckCalls(metrics, stalls),
+            stalls=stalls,
+            keys=RedisKeys(settings.redis.key_prefix),
         )
-        self._latency: dict[str, Any] = {}  # handler name -> its histogram child
-        self._key_prefix = settings.redis.key_prefix
-        # The circuit breakers in front of the handlers (none: every record is admitted).
-        self.breakers = breakers or Breakers(registry, BreakerPolicy(enabled=False))
+        self._settings = settings
+        self.decisions = Decisions(self.parts)
+        self.breakers = self.parts.breakers
+        self.stuck = self.parts.stuck
+        self._runner = HandlerRunner(self.parts, self.decisions)
         self._gate = Gate(self.breakers, idempotency, settings.retry.busy_delay_ms)
         # The postgres effects store's waves (None: no bound handler keeps effects there).
         self._sql: PostgresWaves | None = None
         if inbox is not None:
-            self._sql = PostgresWaves(
-                inbox,
-                self.decisions,
-                self.breakers,
-                context_of=self._context,
-                timeout_of=self._timeout_of,
-                renew_leases=self._renew_leases,
-                observe=lambda name, s: self._latency_of(name).observe(s),
-                fault_injection=settings.fault_injection,
-                metrics=metrics,
-                stalls=stalls,
-                cancel_grace_s=settings.handler_cancel_grace_s,
-                stuck=self.stuck,
-            )
+            self._sql = PostgresWaves(inbox, self.parts, self.decisions, self._runner)
 
     @classmethod
     def build(
@@ -254,7 +226,7 @@ class Processor:
         return True
 
     async def _dead_letter_internal(self, d: Delivery, exc: BaseException) -> bool:
-        job = Job(delivery=d, handler=self._registry.for_topic(d.topic))
+        job = Job(delivery=d, handler=self.parts.registry.for_topic(d.topic))
         job.dead_letter("internal", describe_error(exc))
         try:
             await self.decisions.dead_letter([job])
@@ -303,7 +275,7 @@ class Processor:
                 sql = [j for j in live if j.handler and j.handler.store == "postgres"]
                 if sql:
                     live = [j for j in live if j.handler and j.handler.store != "postgres"]
-                await self._handle(live)
+                await self._runner.run(live)
                 if sql:  # one transaction, committed before FINISH marks the keys done
                     await self._postgres(sql)
                 await self.decisions.claim_failed(admitted)
@@ -315,58 +287,6 @@ class Processor:
         await self.decisions.emit(jobs)
         return [j.outcome or Outcome.DEAD_LETTERED for j in jobs]
 
-    # --- stage 3: run the handlers (sync inline, async as bounded tasks) ---
-
-    async def _handle(self, jobs: list[Job]) -> None:
-        inject = self._settings.fault_injection
-        later: list[tuple[Job, Context, bool]] = []
-        inline = Counter[str]()  # handler name -> inline runs
-        # Inline successes not yet told to their breaker, by handler and whether they were
-        # first attempts: told once per batch, or before a failure of the same handler is
-        # (the breaker sees the runs in the same order).
-        untold = Counter[tuple[str, bool]]()
-        started = time.perf_counter()
-        for job in jobs:
-            ctx = self._context(job)
-            handler, payload = job.handler, job.payload
-            assert handler is not None and payload is not None
-            try:
-                hang = inject and faults.inject(ctx)
-                if hang or handler.is_async:
-                    later.append((job, ctx, hang))
-                    continue
-                inline[handler.name] += 1
-                job.ran = True
-                handler.run_sync(payload, ctx)
-                untold[handler.name, job.delivery.attempt == 1] += 1
-            except Exception as exc:
-                job.ran = True
-                breaker = self.breakers.for_handler(handler.name)
-                if breaker is not None:
-                    for first in (True, False):
-                        if successes := untold.pop((handler.name, first), 0):
-                            breaker.record_success(successes, first_attempt=first)
-                self.decisions.handler_failed(job, exc, breaker=breaker)
-        for (name, first), successes in untold.items():
-            if successes and (breaker := self.breakers.for_handler(name)):
-                breaker.record_success(successes, first_attempt=first)
-        if inline:
-            # Inline handlers take microseconds: one observation of the batch's mean per
-            # handler keeps the histogram honest about them without a per-record cost.
-            mean = (time.perf_counter() - started) / inline.total()
-            for name in inline:
-                self._latency_of(name).observe(mean)
-        if later:
-            timeouts = [self._timeout_of(job) for job, _, _ in later]
-            run = self._run_async
-            await self._pool.run(
-                [
-                    functools.partial(run, job, ctx, hang, timeout)
-                    for (job, ctx, hang), timeout in zip(later, timeouts, strict=True)
-                ],
-                shortest_timeout_s=min(timeouts),
-            )
-
     async def _postgres(self, jobs: list[Job]) -> None:
         if self._sql is None:
             from reliable_consumer.engine.errors import ConfigurationError
@@ -377,104 +297,13 @@ class Processor:
             )
         await self._sql.run(jobs)
 
-    def _timeout_of(self, job: Job) -> float:
-        assert job.handler is not None
-        return job.handler.timeout_s or self._settings.handler_timeout_s
-
-    async def _run_async(
-        self, job: Job, ctx: Context, hang: bool, limit_s: float, slot: Slot
-    ) -> None:
-        """One async handler on a pool runner, under its timeout; records its own failure."""
-        assert job.handler is not None and job.payload is not None
-        if (job.holds_claim or job.delivery.is_retry) and not await self._renew_leases(
-            job, limit_s
-        ):
-            return
-        started = time.perf_counter()
-        breaker = self.breakers.for_handler(job.handler.name)
-        job.ran = True
-        abandon = functools.partial(self._abandoned, job, ctx, limit_s, started)
-        try:
-            with slot.deadline(limit_s, job.handler.name, abandon):
-                if hang:
-                    log.warning(faults.HANG_STARTED, extra=log_fields(job))
-                    await asyncio.Event().wait()
-                # Handler.__call__, inlined on the hot path.
-                result = job.handler.func(job.payload, ctx)
-                if result is not None:
-                    await result
-            if breaker is not None:
-                breaker.record_success(first_attempt=job.delivery.attempt == 1)
-        except TimeoutError as exc:
-            self.decisions.handler_failed(
-                job, exc, f"handler timed out after {limit_s:g} s", breaker=breaker
-            )
-        except Exception as exc:
-            self.decisions.handler_failed(job, exc, breaker=breaker)
-        finally:
-            if not slot.abandoned:  # else measured when it was abandoned
-                self._latency_of(job.name).observe(time.perf_counter() - started)
-
-    def _abandoned(self, job: Job, ctx: Context, limit_s: float, started: float) -> None:
-        """The pool gave up on this record's call: its fate now, as for a timeout; the call
-        is fenced, since it still runs and may still queue effects."""
-        fence(ctx)
-        self._latency_of(job.name).observe(time.perf_counter() - started)
-        error = CallAbandoned(limit_s, self._settings.handler_cancel_grace_s)
-        log.warning(
-            "handler ignored its cancellation past the grace; its record goes on without it",
-            extra={**log_fields(job), "error": str(error)},
-        )
-        breaker = self.breakers.for_handler(job.name)
-        self.decisions.handler_failed(job, error, str(error), breaker=breaker)
-
-    async def _renew_leases(self, job: Job, limit_s: float) -> bool:
-        """Make the claim and retry lease outlast the handler about to start, or park.
-
-        Both were taken when the wave was claimed, but the record may have waited for a
-        runner since, while its timeout only starts now: without this a lease could end
-        mid-run and another delivery of the key run beside it. A fresh claim with time to
-        spare costs nothing; otherwise one script stretches both, only while still ours.
-        Returns False (the record parked, same attempt) when one was already lost.
-        """
-        # Until its fate is decided: the timeout, and the cancel grace a stuck call gets.
-        need_ms = math.ceil((limit_s + self._settings.handler_cancel_grace_s) * 1000)
-        need_ms += LEASE_MARGIN_MS
-        retry_lease = job.delivery.retry_lease
-        if retry_lease is None and job.claim_until - time.monotonic() >= need_ms / 1000:
-            return True
-        sent = time.monotonic()
-        claim_ms = max(self._settings.idempotency.lease_ms, need_ms)
-        request = ExtendRequest(
-            key=job.idem_key if job.holds_claim else "",
-            token=job.token,
-            claim_ms=claim_ms,
-            retry_id=job.delivery.retry_id if retry_lease is not None else "",
-            retry_lease=retry_lease,
-            retry_ms=max(self._settings.retry.lease_ms, need_ms),
-        )
-        ((status, lease),) = await self._idem.extend_many([request])
-        if status is ExtendStatus.OK:
-            job.claim_until = sent + claim_ms / 1000
-            if lease is not None:  # the new fencing token: PARK must present this one
-                job.delivery = replace(job.delivery, retry_lease=lease)
-            return True
-        busy_ms = self._settings.retry.busy_delay_ms
-        if status is ExtendStatus.LOST_CLAIM:
-            job.holds_claim = False
-            why = "busy: claim lease expired before the handler started"
-        else:  # PARK will find the lease lost too, and release our claim
-            why = "superseded: retry lease expired before the handler started"
-        job.park(job.delivery.attempt, why, busy_ms)
-        return False
-
     def stop_retrying(self) -> None:
         """Kafka writes give up after their current try (shutdown, past its grace)."""
-        self._publisher.stopping = True
+        self.parts.publisher.stopping = True
 
     async def aclose(self) -> None:
         """Stop the handler runners (after the batches using them have ended)."""
-        await self._pool.aclose()
+        await self._runner.aclose()
         if self.stuck:
             # asyncio cancels them once more at exit and waits for them: said, not hidden.
             log.error(
@@ -482,33 +311,6 @@ class Processor:
                 "they end, or when it is killed",
                 len(self.stuck),
             )
-
-    def _context(self, job: Job) -> Context:
-        d = job.delivery
-        assert job.handler is not None
-        # Scoped: the handler's effects may write only under its own namespaces.
-        effects = job.effects = Effects([], self._key_prefix, job.handler.namespaces)
-        if job.handler.store == "postgres":
-            effects.refusal = POSTGRES_EFFECTS_REFUSAL
-        return Context(  # positional: this runs once per record
-            d.topic,
-            d.partition,
-            d.offset,
-            d.key,
-            d.headers,
-            d.timestamp_ms,
-            d.attempt,
-            job.dedupe_key or "",
-            effects,
-            self._redis,
-            self._key_prefix,
-        )
-
-    def _latency_of(self, name: str) -> Any:
-        child = self._latency.get(name)
-        if child is None:
-            child = self._latency[name] = self._metrics.handler_seconds.labels(name)
-        return child
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,44 @@
+"""The parts every stage of a batch works with, built once and shared.
+
+The Processor gathers them once (building the breakers, the stuck calls and the key names
+itself) and gives the same ones to its decisions, its handler runner and its postgres waves:
+one idempotency client, one publisher, one set of circuit breakers and one record of stuck
+calls per record path, and no stage keeps copies of its own that could drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from reliable_consumer.engine.handlers.breaker import Breakers
+from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.handlers.stuck_calls import StuckCalls
+from reliable_consumer.engine.kafka.publisher import Publisher
+from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.redis.delay_queue import RetryQueue
+from reliable_consumer.engine.redis.idempotency import Idempotency
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.settings import Settings
+from reliable_consumer.engine.stalls import Stalls
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What the record path's stages share: settings, servers' clients, breakers, reports."""
+
+    settings: Settings
+    registry: Registry
+    idempotency: Idempotency
+    retries: RetryQueue
+    publisher: Publisher
+    redis: Redis  # the client a handler's ``ctx.redis`` reads with
+    metrics: Metrics
+    # The circuit breakers in front of the handlers (none enabled: every record is admitted).
+    breakers: Breakers
+    # Handler calls given up on because they ignored their cancellation (stuck_calls.py).
+    stuck: StuckCalls
+    # Hears of what holds progress back outside the records (the worker's, when it runs).
+    stalls: Stalls | None
+    keys: RedisKeys
