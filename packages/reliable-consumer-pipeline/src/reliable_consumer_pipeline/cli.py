@@ -4,6 +4,10 @@ Imports stay light here (no pyspark at import time) so the main CLI starts fast;
 imports Spark when it runs. Defaults are the worker's own `Settings` (WORKER_* environment,
 `.env`, the app declaration service/app.py), so on a box configured for the worker `service pipeline
 reconcile` needs no flags and reads exactly the topics the worker consumes.
+
+This module is long because each command's options are its help text: the typer
+signatures (reconcile's above all) are most of its lines, and they read best beside the code
+that turns them into a `ReconcileConfig` or a replay; the jobs themselves live elsewhere.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ reused by the reconcile job for its snapshot offsets.
 
 Offsets follow Kafka's convention: an offset range `[start, end)` names the records with
 `start <= offset < end`, and `end` of a whole partition is its high watermark.
+
+This module is long because every read it offers (partitions, watermarks, offsets for a
+time, range reads, commits) runs on one private event loop with one consumer set-up
+(`_run_with_consumer`) and one offset convention; split apart, each part would repeat them.
 """
 
 from __future__ import annotations

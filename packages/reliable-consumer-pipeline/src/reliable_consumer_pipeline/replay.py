@@ -24,6 +24,11 @@ with MGET, so an operator sees how much of a range a replay would actually run. 
 marker TTL configured (WORKER_IDEMPOTENCY__TTL_S), records older than the dedupe window are
 refused like the worker refuses them (dead-lettered as `beyond_dedupe_window`; the dry run
 counts them so), never run on the strength of a marker that may have expired.
+
+This module is long because the driver's half (planning the ranges, sealing the settings)
+and the executors' half (`_PartitionJob`, which opens the seal and runs the worker's path) are
+one contract, and the report counts what that job returns; split, the contract would span
+modules that must change together.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ Options of the Python source (case-insensitive; defaults after the dash):
 - `pollTimeoutMs`: fail a task that sees no records for this long - 120000
 - `kafka.security.protocol`, `kafka.sasl.mechanism|username|password`,
   `kafka.ssl.cafile|certfile|keyfile`: security, as the worker's `WORKER_KAFKA__*` - PLAINTEXT
+
+This module is long because both sources answer to one set of options: the official
+connector's are derived from the same parsing as ours (`official_options`), and the batch and
+streaming readers share the partition planning and the Arrow conversion.
 """
 
 from __future__ import annotations

@@ -33,10 +33,10 @@ from reliable_consumer_pipeline.cli import pipeline_app
 from reliable_consumer_pipeline.reconcile import (
     DedupeField,
     ReconcileConfig,
-    _read_grants,
     dedupe_fields,
     run_reconcile,
 )
+from reliable_consumer_pipeline.reconcile.grants import read_grants
 from reliable_consumer_pipeline.synthetic import Dataset, Scenario, produce_dataset
 from tests.pipeline.test_reconcile import BASE_TS, KEY_PREFIX, place_computed
 from typer.testing import CliRunner, Result
@@ -238,7 +238,7 @@ def test_an_app_without_a_ledger_has_none_read_and_reconcile_says_so(
         postgres_topics=("on-postgres",),
     )
     with caplog.at_level(logging.WARNING, logger="reliable_consumer_pipeline.reconcile"):
-        rows, pg, store, _ = _read_grants(rc, rc.key_fields())
+        rows, pg, store, _ = read_grants(rc, rc.key_fields())
     assert (rows, pg, store) == (None, None, None)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2, said
@@ -249,7 +249,7 @@ def test_an_app_without_a_ledger_has_none_read_and_reconcile_says_so(
     app_with_ledger(Ledger(entry_key=order_key, stream=("ledger", "purchases")))
     rc = dataclasses.replace(rc, ledger=app_location.current_app().ledger)
     with caplog.at_level(logging.WARNING, logger="reliable_consumer_pipeline.reconcile"):
-        rows, pg, store, _ = _read_grants(rc, rc.key_fields())
+        rows, pg, store, _ = read_grants(rc, rc.key_fields())
     assert rows == [("o1", None, "r/0/0")] and pg is None and store == "redis"
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "declares no ledger table" in said[0], said

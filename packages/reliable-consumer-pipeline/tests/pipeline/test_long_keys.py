@@ -20,13 +20,13 @@ from reliable_consumer.engine.records import Delivery, Outcome
 from reliable_consumer.engine.redis import long_keys
 from reliable_consumer_pipeline.reconcile import (
     DedupeField,
-    _ledger_frame,
     as_written,
     parse_dead_letters,
     parse_outcomes,
     parse_source,
     reconcile_frames,
 )
+from reliable_consumer_pipeline.reconcile.ledger_rows import ledger_frame
 from reliable_consumer_pipeline.source import KAFKA_SCHEMA
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def test_a_long_key_payment_reconciles_as_one_payment(spark: SparkSession) -> No
         [dead_letter(3, dead[0], digested=False), dead_letter(4, dead[1], digested=True)],
         KAFKA_SCHEMA,
     )
-    ledger = _ledger_frame(spark, [(k, TS_MS + 1, f"{TOPIC}/0/{i}") for i, k in enumerate(granted)])
+    ledger = ledger_frame(spark, [(k, TS_MS + 1, f"{TOPIC}/0/{i}") for i, k in enumerate(granted)])
     fields = {TOPIC: DedupeField("payment_id", "payment_id")}
     table = reconcile_frames(
         parse_source(source, fields),

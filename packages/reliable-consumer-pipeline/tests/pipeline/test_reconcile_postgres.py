@@ -20,7 +20,7 @@ from reliable_consumer.dev.servers import free_port
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.ops import audit
 from reliable_consumer_pipeline.cli import _grant_stores, pipeline_app
-from reliable_consumer_pipeline.postgres_grants import read_postgres_grants
+from reliable_consumer_pipeline.reconcile.postgres_grants import read_postgres_grants
 from tests.integration.harness import (
     assert_invariants,
     prepare_topics,

@@ -27,10 +27,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from reliable_consumer_pipeline.reconcile import LedgerRow
+from reliable_consumer_pipeline.reconcile.ledger_rows import LedgerRow
 
 __all__ = ["INBOX_TABLE", "PostgresGrants", "read_postgres_grants"]
 
