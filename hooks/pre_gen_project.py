@@ -27,6 +27,7 @@ ANSWERS_JSON = r"""{{ {
     "project_slug": cookiecutter.project_slug,
     "description": cookiecutter.description,
     "author": cookiecutter.author,
+    "license": cookiecutter.license,
     "first_topic": cookiecutter.first_topic,
     "consumer_group": cookiecutter.consumer_group,
     "redis_key_prefix": cookiecutter.redis_key_prefix,
@@ -162,11 +163,40 @@ def _library_source(value: str) -> str | None:
     return f"{value!r}: answer {' or '.join(LIBRARY_SOURCES)} (where the engine is installed from)"
 
 
+# An SPDX licence expression, as pyproject.toml's `license` takes it (PEP 639). packaging,
+# when the interpreter running cookiecutter has it, knows the licence list and the canonical
+# spelling; without it only the expression's shape is checked here, and the build backend
+# names an unknown identifier when the project is first installed.
+SPDX_SHAPE = re.compile(r"^[A-Za-z0-9.+:() -]{1,200}$")
+
+
+def _license(value: str) -> str | None:
+    if not value:
+        return None  # no licence: pyproject.toml declares none
+    try:
+        from packaging.licenses import (  # optional: see SPDX_SHAPE
+            InvalidLicenseExpression,
+            canonicalize_license_expression,
+        )
+    except ImportError:
+        if SPDX_SHAPE.match(value) and value.count("(") == value.count(")"):
+            return None
+        return f"{value!r}: not an SPDX licence expression (e.g. MIT, Apache-2.0 OR MIT)"
+    try:
+        canonical = canonicalize_license_expression(value)
+    except InvalidLicenseExpression as error:
+        return f"{value!r}: not an SPDX licence expression ({error}; e.g. MIT, Apache-2.0)"
+    if canonical != value:
+        return f"{value!r}: write it as SPDX spells it, {canonical!r}"
+    return None
+
+
 CHECKS: dict[str, Callable[[str], str | None]] = {
     "project_name": _text(100, empty_ok=False),
     "project_slug": _slug,
     "description": _text(300, empty_ok=False),
     "author": _text(200, empty_ok=True),
+    "license": _license,
     "first_topic": _topic,
     "consumer_group": _group,
     "redis_key_prefix": _prefix,

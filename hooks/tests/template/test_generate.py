@@ -214,6 +214,8 @@ def test_non_default_answers_are_applied(orders_project: Path) -> None:
     pyproject = tomllib.loads((project / "pyproject.toml").read_text())
     assert pyproject["project"]["name"] == "order-events"
     assert pyproject["project"]["authors"] == [{"name": ORDERS["author"]}]
+    assert "license" not in pyproject["project"]  # no licence was given: none is claimed
+    assert "No licence was chosen" in (project / "README.md").read_text()
     dev = pyproject["project"]["optional-dependencies"]["dev"]
     assert f"reliable-consumer[testing]=={library_version()}" in dev
     assert (project / "README.md").read_text().startswith("# Order Events Service\n")

@@ -34,7 +34,15 @@ ANSWERS = {
     "first_topic": "billing.invoices-paid",
     "redis_key_prefix": "inv",
     "include_pipeline": "no",
+    # A licence expression the build backend must accept as the project installs (PEP 639).
+    "license": "Apache-2.0 OR MIT",
 }
+
+# The installed project's licence, as its metadata declares it.
+LICENCE_OF_PROJECT = (
+    "from importlib.metadata import metadata; "
+    "print(metadata('invoice-settlement')['License-Expression'])"
+)
 
 
 def _version() -> str:
@@ -93,6 +101,8 @@ def test_a_new_engine_version_reaches_a_service_by_its_pin_alone(
     versions = {d["name"]: d["version"] for d in json.loads(installed)}
     assert versions["reliable-consumer"] == new
     assert "invoice-settlement" in versions
+    licence = _run(bin_dir / "python", "-c", LICENCE_OF_PROJECT, cwd=project).strip()
+    assert licence == ANSWERS["license"]
 
     # A command whose extra is missing: one line naming it, exit 2, nothing started.
     demo = subprocess.run(

@@ -30,6 +30,7 @@ VALID = {
     "project_slug": "payments-worker",
     "description": "x",
     "author": "",
+    "license": "",
     "first_topic": "payments",
     "consumer_group": "payments-worker",
     "redis_key_prefix": "payments-worker",
@@ -75,6 +76,10 @@ INVALID = [
     ("effects_store", "Postgres"),
     ("effects_store", ""),
     ("library_source", "git"),
+    ("license", "MITT"),
+    ("license", "(MIT"),
+    ("license", "mit"),  # SPDX spells it MIT: the message says so
+    ("license", "Apache 2"),
 ]
 
 
@@ -100,6 +105,9 @@ def test_validation_names_the_field(field: str, value: str) -> None:
         ("author", ""),
         ("effects_store", "postgres"),
         ("library_source", "index"),
+        ("license", "MIT"),
+        ("license", "Apache-2.0 OR MIT"),
+        ("license", "LicenseRef-Acme-Proprietary"),
         ("project_name", "Ünïcode Service ✓"),
     ],
 )
@@ -196,3 +204,15 @@ def test_unknown_effects_store_is_refused_by_the_hook(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "error: effects_store: 'mysql': answer redis or postgres" in result.stderr
     assert list(out.iterdir()) == []
+
+
+def test_a_licence_is_checked_by_shape_where_packaging_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cookiecutter may run where packaging is not installed: the expression's shape is
+    still checked (the build backend then names an unknown identifier at install)."""
+    monkeypatch.setitem(sys.modules, "packaging.licenses", None)  # import fails
+    assert pre_gen.validate({**VALID, "license": "Apache-2.0 OR MIT"}) == []
+    problems = pre_gen.validate({**VALID, "license": "(MIT"})
+    assert [p.split(":")[0] for p in problems] == ["license"], problems
+    assert pre_gen.validate({**VALID, "license": "MIT; rm -rf /"}) != []
