@@ -36,7 +36,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from pydantic import BaseModel
-from reliable_consumer.testing.deploy import Settings
+from reliable_consumer.testing.deploy import Settings, tested_kafka_version
 from yamllint import linter as yamllint_linter
 from yamllint.config import YamlLintConfig
 
@@ -671,6 +671,16 @@ def test_compose_env_loads_into_worker_settings() -> None:
 
 
 # --------------------------------------------------------------------------- compose
+
+
+def test_compose_runs_the_kafka_version_the_engine_is_tested_on() -> None:
+    """Compose ran Apache Kafka 3.9.1 while the engine's every test ran 4.4.0: what a team
+    tried locally was not what the engine was proven on."""
+    images = {name: s["image"] for name, s in compose()["services"].items() if "kafka" in name}
+    assert images, "no Kafka service in deploy/docker-compose.yml"
+    expected = f"apache/kafka:{tested_kafka_version()}"
+    wrong = [f"{name} runs {image}" for name, image in images.items() if image != expected]
+    assert not wrong, f"deploy/docker-compose.yml: {', '.join(wrong)}, not {expected}"
 
 
 def test_compose_services() -> None:

@@ -19,7 +19,7 @@ from reliable_consumer.engine.settings import Settings
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-__all__ = ["Metrics", "Registry", "Settings", "create_console_app"]
+__all__ = ["Metrics", "Registry", "Settings", "create_console_app", "tested_kafka_version"]
 
 
 def create_console_app(settings: Settings, registry: Registry) -> Starlette:
@@ -27,3 +27,12 @@ def create_console_app(settings: Settings, registry: Registry) -> Starlette:
     from reliable_consumer.console.app import create_app
 
     return create_app(settings, registry)
+
+
+def tested_kafka_version() -> str:
+    """The Apache Kafka version the library is tested against (and ``--broker kafka`` runs):
+    the version a service's compose stack should run too, so what it tries locally is what
+    the engine was proven on."""
+    from reliable_consumer.dev.apache_kafka import kafka_version
+
+    return kafka_version()
