@@ -46,9 +46,9 @@ from typing import Any, Literal, cast
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.dev.servers.broker import create_topics
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer.engine import runtime
 from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 from reliable_consumer.engine.handlers.registry import Registry

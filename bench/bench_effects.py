@@ -42,10 +42,10 @@ from pathlib import Path
 import psycopg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.dev.postgres_server import PostgresServer
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.dev.servers.broker import create_topics
+from reliable_consumer.dev.servers.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer.engine import runtime
 from reliable_consumer.engine.handlers.registry import Registry, discover
 from reliable_consumer.engine.observation.metrics import Metrics

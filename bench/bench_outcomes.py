@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import psutil
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.engine import runtime
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka import outcome_events

@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.dev.servers.broker import create_topics
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer_pipeline.reconcile import (
     RECORDS_TABLE,
     DedupeField,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from aiokafka import AIOKafkaConsumer
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.engine import runtime
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.observation.metrics import Metrics

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import psutil
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
 
 from bench.stack import BenchStack, sample_payment
 

@@ -24,8 +24,8 @@ from typing import IO, Self, cast
 
 import psutil
 import redis
-from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import create_topics
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.redis.keys import effect_key
 from reliable_consumer.engine.settings import Settings
 

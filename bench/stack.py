@@ -18,10 +18,10 @@ from typing import Literal, Self
 
 import redis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
-from reliable_consumer.dev.broker import create_topics
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.servers.broker import create_topics
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.tansu import TansuBroker
 
 BrokerKind = Literal["kafka", "tansu"]
 

@@ -39,10 +39,10 @@ if str(ROOT) not in sys.path:  # run as `python scripts/soak.py` from anywhere
 import psutil  # noqa: E402
 import redis as redis_client  # noqa: E402
 import typer  # noqa: E402
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster, available  # noqa: E402
-from reliable_consumer.dev.broker import Broker  # noqa: E402
-from reliable_consumer.dev.redis_server import RedisServer  # noqa: E402
-from reliable_consumer.dev.tansu import TansuBroker  # noqa: E402
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster, available  # noqa: E402
+from reliable_consumer.dev.servers.broker import Broker  # noqa: E402
+from reliable_consumer.dev.servers.redis_server import RedisServer  # noqa: E402
+from reliable_consumer.dev.servers.tansu import TansuBroker  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from tests.chaos.outside import ledger_key  # noqa: E402

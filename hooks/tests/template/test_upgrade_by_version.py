@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from redis import Redis
-from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker, create_topics
+from reliable_consumer.dev.servers.process import free_port
 from tests.helpers import wait_until
 from tests.template.support import ROOT, clean_env, generate
 

@@ -7,11 +7,11 @@ same fixtures a service's own tests load.
 The session broker (`kafka_broker`) is chosen once for the whole suite by
 `WORKER_TEST_BROKER`:
 
-- `auto` (the default): a 1-node Apache Kafka (`reliable_consumer.dev.apache_kafka`) where Java 17+
-  and Maven are installed, else Tansu, with the reason in the summary at the end. On CI
-  (`CI=true`) `auto` requires Apache Kafka and fails, naming what is missing.
+- `auto` (the default): a 1-node Apache Kafka (`reliable_consumer.dev.servers.apache_kafka`)
+  where Java 17+ and Maven are installed, else Tansu, with the reason in the summary at the
+  end. On CI (`CI=true`) `auto` requires Apache Kafka and fails, naming what is missing.
 - `kafka`: Apache Kafka, or fail saying why not.
-- `tansu`: Tansu, the embedded broker (`reliable_consumer.dev.tansu`).
+- `tansu`: Tansu, the embedded broker (`reliable_consumer.dev.servers.tansu`).
 
 Tests that need a Tansu-only feature (its TLS listener, its process) use `tansu_broker`.
 """
@@ -31,7 +31,7 @@ import pytest
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.declaration.location import choose_app
 from reliable_consumer.engine.errors import ConfigurationError
 from tests.helpers import on_ci, replay_lines
@@ -129,7 +129,7 @@ def kafka_broker(
 ) -> Iterator[Broker]:
     """The session's broker (`WORKER_TEST_BROKER`, see the module docstring); tests isolate
     with unique topic/group names and never restart it."""
-    from reliable_consumer.dev import apache_kafka
+    from reliable_consumer.dev.servers import apache_kafka
 
     config = request.config
     wanted = broker_choice()

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster, available
-from reliable_consumer.dev.broker import Broker, create_topics
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster, available
+from reliable_consumer.dev.servers.broker import Broker, create_topics
 from tests.helpers import on_ci
 from tests.integration.harness import create_topics_with_configs
 

@@ -24,8 +24,8 @@ import redis
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from reliable_consumer import Ledger
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.declaration import location as app_location
 from reliable_consumer.engine.handlers import registry
 from reliable_consumer.engine.redis.keys import RedisKeys

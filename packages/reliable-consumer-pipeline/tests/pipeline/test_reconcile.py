@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.declaration import location as app_location
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.handlers import registry

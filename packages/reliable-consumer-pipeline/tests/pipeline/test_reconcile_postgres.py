@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.ops import audit
 from reliable_consumer_pipeline.cli import _grant_stores, pipeline_app

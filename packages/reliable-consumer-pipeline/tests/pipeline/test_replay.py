@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import redis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.batch.processing import open_processor
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.records import Delivery, Outcome

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer_pipeline.kafka_reader import KafkaConfig, fetch_high_watermarks
 from reliable_consumer_pipeline.source import (
     KAFKA_ARROW_SCHEMA,

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit

@@ -262,7 +262,7 @@ def demo(
     _require("devstack", "service demo")
     from reliable_consumer.dev.demo import DemoPlan, run_demo
     from reliable_consumer.dev.demo_grants import demo_handler
-    from reliable_consumer.dev.servers import DevStackError
+    from reliable_consumer.dev.servers.process import DevStackError
 
     topics = _settings().topics
     declared = current_app()
@@ -309,7 +309,7 @@ def dev_up(
 ) -> None:
     """Start the broker and Redis, and PostgreSQL if needed (or report the running ones)."""
     _require("devstack", "service dev up")
-    from reliable_consumer.dev.servers import DevStackError
+    from reliable_consumer.dev.servers.process import DevStackError
     from reliable_consumer.dev.stack import DevStack, bound_to_postgres
 
     if postgres is None:

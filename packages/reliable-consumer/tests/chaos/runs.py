@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos import claiming

@@ -18,8 +18,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from tests.chaos.runs import SEED_ENV, ChaosConfig, ChaosReport, run_chaos, seed_from_env
 from tests.helpers import announce_replay
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.context import Context, Effects
 from tests.chaos import claiming
 from tests.chaos.outside import DeadLetter, View

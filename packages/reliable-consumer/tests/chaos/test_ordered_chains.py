@@ -33,8 +33,8 @@ from typing import Any, cast
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos.outside import TP, Outside, View, Where, ledger_key, wait_settled

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.postgres_server import PostgresServer
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers import faults
 from tests.chaos.postgres import (
     Producer,

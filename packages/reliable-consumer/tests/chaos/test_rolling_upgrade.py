@@ -58,9 +58,9 @@ import psycopg
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.postgres_server import PostgresServer
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos.outside import TP, Outside, View, Where, ledger_key, wait_settled

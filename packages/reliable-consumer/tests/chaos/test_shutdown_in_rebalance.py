@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.structs import TopicPartition
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.settings import Settings
 from tests.helpers import on_ci, wait_until
 from tests.integration.procs import WorkerProcess, worker_processes

@@ -24,9 +24,9 @@ import pytest
 import uvicorn
 from reliable_consumer.console.app import create_app
 from reliable_consumer.console.backend import Backend
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.settings import ConsoleSettings, Settings
 from reliable_consumer.ops import redrive, retry_admin

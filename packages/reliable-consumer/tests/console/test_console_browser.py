@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from reliable_consumer.ops.action_log import read_actions

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import uvicorn
 from reliable_consumer.console.app import create_app
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.settings import ConsoleSettings, Settings
 from reliable_consumer.ops import audit

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker, create_topics
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.publisher import (
     DROPPED_HEADER,

@@ -21,7 +21,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
-from reliable_consumer.dev.broker import Broker, create_topics
+from reliable_consumer.dev.servers.broker import Broker, create_topics
 from reliable_consumer.engine.kafka.publisher import (
     DROPPED_HEADER,
     KEY_DIGESTED_HEADER,

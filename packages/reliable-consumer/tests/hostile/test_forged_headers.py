@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.records import REDRIVE_HEADER
 from reliable_consumer.engine.settings import Settings

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
-from reliable_consumer.dev.broker import Broker, create_topics
+from reliable_consumer.dev.servers.broker import Broker, create_topics
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.publisher import DEAD_LETTER_UNWRITABLE, OUTCOMES_UNWRITABLE
 from reliable_consumer.engine.settings import Settings

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.publisher import TOPIC_LIMIT_ROOM

@@ -33,8 +33,8 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.outcome_events import MAX_DOCUMENT_BYTES

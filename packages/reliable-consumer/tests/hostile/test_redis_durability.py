@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.durability import fence_key

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import pytest
 import redis
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.batch.processing import (
     INTERNAL_ATTEMPTS,
     INTERNAL_BACKOFF_MAX_S,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings

@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel, SecretStr
 from redis.exceptions import RedisError
-from reliable_consumer.dev.servers import die_with_parent_preexec
+from reliable_consumer.dev.servers.process import die_with_parent_preexec
 from reliable_consumer.engine.handlers import faults
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.redis.keys import RedisKeys

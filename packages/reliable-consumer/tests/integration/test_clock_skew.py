@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel, SecretStr
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.batch.processing import open_processor
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.records import Delivery, Outcome

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import (

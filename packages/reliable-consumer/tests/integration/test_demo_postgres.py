@@ -19,8 +19,8 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
-from reliable_consumer.dev.broker import Broker
 from reliable_consumer.dev.demo import OUTAGE_RECORDS
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.dev.stack import DevStack
 from tests.integration.harness import (
     REFUND_IN_ORDER,

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings

@@ -16,11 +16,11 @@ import psycopg
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.servers import DevStackError
+from reliable_consumer.dev.servers.broker import Broker, create_topics
+from reliable_consumer.dev.servers.process import DevStackError
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer.dev.stack import DevStack, postgres_cluster_dir
-from reliable_consumer.dev.tansu import TansuBroker
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import REFUND_IN_ORDER
 
@@ -110,7 +110,7 @@ def test_sigkilled_owner_leaves_no_orphan_server(tmp_path: Path) -> None:
         pytest.skip("PR_SET_PDEATHSIG is Linux-only")
     owner_script = (
         "import sys, pathlib\n"
-        "from reliable_consumer.dev.redis_server import RedisServer\n"
+        "from reliable_consumer.dev.servers.redis_server import RedisServer\n"
         "server = RedisServer(pathlib.Path(sys.argv[1])).start()\n"
         "print(server.pid, flush=True)\n"
         "sys.stdin.read()\n"  # block until killed

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker, create_topics
+from reliable_consumer.dev.servers.broker import Broker, create_topics
 from reliable_consumer.engine.batch.processing import Processor, open_processor
 from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 from reliable_consumer.engine.handlers.registry import Handler, Registry

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from aiokafka.consumer.fetcher import FetchResult, PartitionRecords
 from aiokafka.structs import TopicPartition
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.runtime import GC_INTERVAL_S
 from tests.helpers import await_until
 from tests.integration.harness import (

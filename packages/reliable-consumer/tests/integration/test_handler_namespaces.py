@@ -16,7 +16,7 @@ from typing import Literal, cast
 import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import Broker, create_topics
+from reliable_consumer.dev.servers.broker import Broker, create_topics
 from reliable_consumer.engine.batch.processing import Processor, open_processor
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.handlers.registry import Registry

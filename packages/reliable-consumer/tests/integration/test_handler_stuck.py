@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.handlers.context import InvalidEffect
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.settings import Settings

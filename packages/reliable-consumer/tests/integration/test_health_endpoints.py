@@ -10,9 +10,9 @@ import urllib.request
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.redis.delay_queue import RetryScheduler
 from reliable_consumer.engine.worker import Worker
 from tests.helpers import await_until

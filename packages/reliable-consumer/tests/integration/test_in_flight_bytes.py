@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.batch.processing import Processor
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.worker import Worker

@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 from reliable_consumer.engine.handlers.registry import Handler, Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs

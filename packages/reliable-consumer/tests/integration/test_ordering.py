@@ -23,8 +23,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker, create_topics
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.batch.processing import open_processor
 from reliable_consumer.engine.handlers.registry import Handler, Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, produce, running_worker

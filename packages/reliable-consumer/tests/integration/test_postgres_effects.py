@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.handlers.registry import Registry, discover
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings

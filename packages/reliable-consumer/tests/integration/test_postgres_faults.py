@@ -20,8 +20,8 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.postgres_server import PostgresServer
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.ops import audit

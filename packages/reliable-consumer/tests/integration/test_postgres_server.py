@@ -15,9 +15,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from reliable_consumer.dev import servers
-from reliable_consumer.dev.postgres_server import PostgresServer
-from reliable_consumer.dev.servers import LOOPBACK, DevStackError
+from reliable_consumer.dev.servers import process
+from reliable_consumer.dev.servers.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.process import LOOPBACK, DevStackError
 
 pytestmark = pytest.mark.integration
 
@@ -132,8 +132,8 @@ def test_a_lost_port_race_is_retried_on_another_port(
         taken.bind((LOOPBACK, 0))  # bound, not listening: only the server's bind fails
         taken_port = taken.getsockname()[1]
         picks = iter([taken_port])
-        real_free_port = servers.free_port
-        monkeypatch.setattr(servers, "free_port", lambda: next(picks, None) or real_free_port())
+        real_free_port = process.free_port
+        monkeypatch.setattr(process, "free_port", lambda: next(picks, None) or real_free_port())
 
         with PostgresServer(tmp_path / "postgres") as server:
             assert server.port != taken_port

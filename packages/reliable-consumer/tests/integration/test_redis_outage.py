@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics

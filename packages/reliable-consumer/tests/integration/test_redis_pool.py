@@ -16,7 +16,7 @@ import asyncio
 import time
 
 from pydantic import SecretStr
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.settings import RedisSettings
 

@@ -6,8 +6,8 @@ from collections.abc import Awaitable
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import make_producer
 from reliable_consumer.engine.kafka.publisher import KEY_SUBSTITUTED_HEADER
 from reliable_consumer.engine.records import REDRIVE_HEADER

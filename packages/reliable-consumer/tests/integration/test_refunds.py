@@ -11,7 +11,7 @@ import random
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.redis.keys import effect_key
 from reliable_consumer.ops import audit
 from tests.integration.harness import (

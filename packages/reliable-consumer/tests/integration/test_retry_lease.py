@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.redis.delay_queue import ParkRequest, ParkStatus, RetryQueue, now_ms

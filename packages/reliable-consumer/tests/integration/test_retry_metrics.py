@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.redis.client import RedisOps

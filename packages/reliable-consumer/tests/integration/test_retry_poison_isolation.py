@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.batch import processing
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.records import Delivery

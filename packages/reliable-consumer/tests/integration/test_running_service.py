@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.servers import free_port
-from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer.ops import audit
 from reliable_consumer.testing import RecordNotDone, RunningService
 from tests.integration.harness import postgres_rows

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.handlers.policies import RetryPolicy
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker

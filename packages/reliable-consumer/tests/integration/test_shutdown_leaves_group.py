@@ -24,9 +24,9 @@ import urllib.request
 from collections.abc import Callable
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.faults import HEADER as FAULT_HEADER
 from reliable_consumer.ops.status import describe_group
 from tests.helpers import await_until

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from tests.helpers import wait_until
 from tests.integration.harness import make_settings
 from tests.integration.procs import WorkerProcess

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
-from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker, create_topics
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.worker import Worker

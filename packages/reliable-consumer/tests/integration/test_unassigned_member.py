@@ -30,8 +30,8 @@ from aiokafka.coordinator.protocol import (
     ConsumerProtocolMemberAssignment,
     ConsumerProtocolMemberMetadata,
 )
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.observation.membership import PATIENCE_SESSIONS, UNASSIGNED

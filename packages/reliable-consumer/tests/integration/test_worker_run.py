@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from tests.integration.harness import (
     assert_invariants,
     make_settings,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster, available
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster, available
 from tests.helpers import on_ci
 
 

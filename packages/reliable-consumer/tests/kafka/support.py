@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.engine.settings import Settings
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.engine.kafka.publisher import DEAD_LETTER_UNWRITABLE
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker

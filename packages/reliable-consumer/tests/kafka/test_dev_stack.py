@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from reliable_consumer.cli import app
-from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.stack import STATE_FILE_NAME, DevStack
 from tests.helpers import wait_until
 from typer.testing import CliRunner

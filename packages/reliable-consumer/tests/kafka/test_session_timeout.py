@@ -13,8 +13,8 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine import worker as worker_module
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.worker import Worker

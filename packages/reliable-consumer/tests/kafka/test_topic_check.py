@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.kafka.topic_check import check_topic_durability, describe
 from tests.integration.harness import make_settings

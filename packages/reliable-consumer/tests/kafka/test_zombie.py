@@ -12,7 +12,7 @@ import os
 import signal
 from pathlib import Path
 
-from reliable_consumer.dev.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import (

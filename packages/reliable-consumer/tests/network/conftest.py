@@ -1,6 +1,7 @@
 """Fixtures for network faults: a Toxiproxy server, proxied links, workers that use them.
 
-Toxiproxy is built from the Go module proxy the first time (reliable_consumer/dev/toxiproxy.py).
+Toxiproxy is built from the Go module proxy the first time
+(reliable_consumer/dev/servers/toxiproxy.py).
 Without Go the tests skip, saying how to install it; on CI (CI=true) they fail instead,
 so the suite never passes there without having run.
 """
@@ -13,7 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from reliable_consumer.dev.toxiproxy import Proxy, Toxiproxy, ToxiproxyUnavailable, ensure_server
+from reliable_consumer.dev.servers.toxiproxy import (
+    Proxy,
+    Toxiproxy,
+    ToxiproxyUnavailable,
+    ensure_server,
+)
 from reliable_consumer.engine.settings import Settings
 from tests.helpers import on_ci
 from tests.integration.procs import WorkerProcess, worker_processes

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.servers import free_port
-from reliable_consumer.dev.toxiproxy import Proxy
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.toxiproxy import Proxy
 from reliable_consumer.engine.settings import Settings
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics

@@ -1,5 +1,5 @@
-"""The Toxiproxy client itself (reliable_consumer/dev/toxiproxy.py), against a real server and
-Redis."""
+"""The Toxiproxy client itself (reliable_consumer/dev/servers/toxiproxy.py), against a real
+server and Redis."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.toxiproxy import LOOPBACK, Toxiproxy
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.toxiproxy import LOOPBACK, Toxiproxy
 
 # The server logs a few hundred bytes per connection: 600 connections are several times
 # the 64 KiB a pipe holds (it used to hang after fewer than 250).

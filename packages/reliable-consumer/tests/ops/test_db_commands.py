@@ -17,8 +17,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.postgres_server import PostgresServer
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.db import run_migrations
 from tests.integration.harness import postgres_rows, prepare_topics, purchases_settings

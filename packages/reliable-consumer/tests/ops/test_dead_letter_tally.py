@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.ops import dead_letters
 from reliable_consumer.ops.dead_letters import DeadLetterTally

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from tests.helpers import wait_until
 from tests.ops.test_retries_cli import Stack, record, records_stack
 

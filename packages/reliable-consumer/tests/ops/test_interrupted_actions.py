@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 from reliable_consumer.cli import app
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.publisher import Publisher
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit, db, redrive, retry_admin

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
 from reliable_consumer.ops.action_log import read_actions

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.cli import app
-from reliable_consumer.dev.broker import Broker, create_topics
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker, create_topics
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit

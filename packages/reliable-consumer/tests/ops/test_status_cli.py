@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.observation.member_report import read_member_reports
 from reliable_consumer.engine.worker import Worker

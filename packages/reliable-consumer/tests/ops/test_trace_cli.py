@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from reliable_consumer.dev.broker import Broker
+from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.outcome_events import encode_record, partition_of, source_key
 from reliable_consumer.engine.records import Delivery, Outcome

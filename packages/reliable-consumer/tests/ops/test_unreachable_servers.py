@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.process import free_port
 
 
 def service(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

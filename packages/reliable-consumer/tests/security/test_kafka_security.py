@@ -24,8 +24,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError
-from reliable_consumer.dev.servers import LOOPBACK, free_port
-from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.dev.servers.process import LOOPBACK, free_port
+from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer.engine.kafka.clients import connection_kwargs, make_consumer, make_producer
 from reliable_consumer.engine.settings import KafkaSettings, Settings
 from tests.integration.harness import assert_invariants, make_settings, running_worker, wait_settled

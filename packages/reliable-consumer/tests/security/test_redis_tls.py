@@ -21,8 +21,8 @@ import pytest
 import redis as sync_redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from reliable_consumer.dev.redis_server import REDIS_BIN_ENV, RedisServer, find_redis_server
-from reliable_consumer.dev.servers import DevStackError, free_port
+from reliable_consumer.dev.servers.process import DevStackError, free_port
+from reliable_consumer.dev.servers.redis_server import REDIS_BIN_ENV, RedisServer, find_redis_server
 from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.persistence_check import check_persistence

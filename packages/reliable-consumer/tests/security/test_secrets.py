@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaError
-from reliable_consumer.dev.broker import Broker
-from reliable_consumer.dev.redis_server import RedisServer
+from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.declaration.location import current_app_spec
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.settings import Settings, load_settings

@@ -19,7 +19,7 @@ import uvicorn
 from reliable_consumer.console.app import create_app
 from reliable_consumer.console.auth import NO_ACTOR, READ_ONLY, WRONG_TOKEN, Refusal, authorize
 from reliable_consumer.console.backend import Backend, BackendUnavailable
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.dead_letters import DeadLetter, DeadLetterFilter

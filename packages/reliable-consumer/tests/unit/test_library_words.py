@@ -24,7 +24,7 @@ STAYS = {
         "the migration from a copied engine recognises the old template's example handler "
         "files by name, to leave them out of what it keeps as the team's"
     ),
-    ("dev/apache_kafka.pom.xml", "<groupId>"): (
+    ("dev/servers/apache_kafka.pom.xml", "<groupId>"): (
         "the local pom's coordinate: its digest keys every machine's cache of the broker's "
         "jars, so renaming it would fetch them all again for no reader's gain"
     ),

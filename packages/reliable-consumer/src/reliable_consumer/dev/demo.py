@@ -35,9 +35,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from reliable_consumer.dev.broker import create_topics
 from reliable_consumer.dev.demo_grants import Grants, grants_for, migrate, uses_postgres
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.broker import create_topics
+from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.dev.stack import DEFAULT_BROKER, STOP_HINT, DevStack, DevStackInfo
 from reliable_consumer.engine.declaration.app import App
 from reliable_consumer.engine.declaration.samples import SampleRecord

@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from reliable_consumer.dev.servers import DevStackError
+from reliable_consumer.dev.servers.process import DevStackError
 from reliable_consumer.engine.declaration.ledger import Ledger
 from reliable_consumer.engine.declaration.samples import Samples
 from reliable_consumer.engine.handlers.registry import Registry

@@ -1,10 +1,10 @@
 """`service dev up|down|status`: a broker and a Redis (and, for a project whose example keeps
 its effects in PostgreSQL, an embedded PostgreSQL) that outlive the command that started them.
 
-Unlike the suite's servers (`reliable_consumer.dev.servers`, which die with their owner), these are
-detached on purpose and found again through `<state_dir>/state.json`. `down` signals only a
-recorded pid that is still the same binary started at the same moment, never a process that
-merely reuses the pid. Nothing here prints; callers decide what to show.
+Unlike the suite's servers (`reliable_consumer.dev.servers.process`, which die with their
+owner), these are detached on purpose and found again through `<state_dir>/state.json`.
+`down` signals only a recorded pid that is still the same binary started at the same moment,
+never a process that merely reuses the pid. Nothing here prints; callers decide what to show.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import psutil
 
-from reliable_consumer.dev.postgres_server import PostgresServer, clusters_dir
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.servers import (
+from reliable_consumer.dev.servers.postgres_server import PostgresServer, clusters_dir
+from reliable_consumer.dev.servers.process import (
     DEFAULT_START_TIMEOUT_S,
     LOOPBACK,
     DevStackError,
@@ -34,7 +33,8 @@ from reliable_consumer.dev.servers import (
     log_tail,
     port_is_free,
 )
-from reliable_consumer.dev.tansu import TansuBroker, kafka_metadata_ok
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.tansu import TansuBroker, kafka_metadata_ok
 
 # `service dev up --broker`: Tansu needs nothing but the wheel; Apache Kafka needs Java + Maven.
 BROKERS = ("tansu", "kafka")
@@ -355,8 +355,8 @@ def _postgres_url(port: int) -> str:
 
 def postgres_cluster_dir(state_dir: Path) -> Path:
     """Where the stack of ``state_dir`` keeps its PostgreSQL cluster: in the embedded
-    PostgreSQL's own folder (reliable_consumer/dev/postgres_server.py says why not in the checkout),
-    named after the state directory's path."""
+    PostgreSQL's own folder (reliable_consumer/dev/servers/postgres_server.py says why not in
+    the checkout), named after the state directory's path."""
     digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:16]
     return clusters_dir() / f"devstack-{digest}"
 
@@ -385,7 +385,7 @@ def _broker_server(kind: str, state_dir: Path, port: int, timeout: float) -> Man
     """The server `up` starts for `kind`; Apache Kafka says plainly what it lacks here."""
     if kind == "tansu":
         return TansuBroker(state_dir, port, start_timeout=timeout)
-    from reliable_consumer.dev.apache_kafka import ApacheKafkaBroker, KafkaUnavailable
+    from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaBroker, KafkaUnavailable
 
     try:
         return ApacheKafkaBroker(
@@ -399,7 +399,7 @@ def _broker_server(kind: str, state_dir: Path, port: int, timeout: float) -> Man
 
 def _broker_answers(kind: str, port: int) -> bool:
     if kind == "kafka":
-        from reliable_consumer.dev.apache_kafka import broker_answers
+        from reliable_consumer.dev.servers.apache_kafka import broker_answers
 
         return broker_answers(port)
     return kafka_metadata_ok(LOOPBACK, port)

@@ -33,6 +33,6 @@ def tested_kafka_version() -> str:
     """The Apache Kafka version the library is tested against (and ``--broker kafka`` runs):
     the version a service's compose stack should run too, so what it tries locally is what
     the engine was proven on."""
-    from reliable_consumer.dev.apache_kafka import kafka_version
+    from reliable_consumer.dev.servers.apache_kafka import kafka_version
 
     return kafka_version()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from reliable_consumer.dev.postgres_server import PostgresServer
-from reliable_consumer.dev.redis_server import RedisServer
-from reliable_consumer.dev.tansu import TansuBroker
+from reliable_consumer.dev.servers.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.tansu import TansuBroker
 
 
 @pytest.fixture(scope="session")

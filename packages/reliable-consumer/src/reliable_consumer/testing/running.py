@@ -37,7 +37,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from pydantic import ValidationError
 
-from reliable_consumer.dev.broker import create_topics
+from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.engine.declaration.app import App
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.handlers.registry import Registry

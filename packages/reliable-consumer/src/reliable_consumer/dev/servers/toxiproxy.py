@@ -11,7 +11,7 @@ a pinned version) into a cache directory outside the checkout, and reused; a fil
 keeps two concurrent first runs from building twice. The HTTP client here is a few
 lines of stdlib: the PyPI client (``toxiproxy-python``) was last released in 2019.
 
-``python -m reliable_consumer.dev.toxiproxy`` builds it (or finds the built one) and prints
+``python -m reliable_consumer.dev.servers.toxiproxy`` builds it (or finds the built one) and prints
 its path.
 """
 
@@ -34,8 +34,8 @@ from typing import IO, Any, Self
 
 from mirakuru import HTTPExecutor
 
-from reliable_consumer.dev.downloads import shared_cache
-from reliable_consumer.dev.servers import free_port
+from reliable_consumer.dev.servers.downloads import shared_cache
+from reliable_consumer.dev.servers.process import free_port
 
 VERSION = "v2.12.0"
 MODULE = "github.com/Shopify/toxiproxy/v2/cmd/server"

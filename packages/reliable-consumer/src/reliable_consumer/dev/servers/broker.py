@@ -1,7 +1,8 @@
 """What the dev tools and the suite need from any Kafka broker they start, and topic setup.
 
-Tansu (`reliable_consumer.dev.tansu`) is the embedded default; an Apache Kafka broker or cluster can
-stand in wherever something typed `Broker` is expected (`service dev up --broker ...`).
+Tansu (`reliable_consumer.dev.servers.tansu`) is the embedded default; an Apache Kafka broker
+or cluster can stand in wherever something typed `Broker` is expected (`service dev up
+--broker ...`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
-from reliable_consumer.dev.servers import DEFAULT_START_TIMEOUT_S, DevStackError
+from reliable_consumer.dev.servers.process import DEFAULT_START_TIMEOUT_S, DevStackError
 
 
 @runtime_checkable

@@ -54,8 +54,8 @@ from mirakuru import TCPExecutor
 from mirakuru.base import SimpleExecutor
 from mirakuru.exceptions import AlreadyRunning, ExecutorError
 
-from reliable_consumer.dev.downloads import shared_cache
-from reliable_consumer.dev.servers import ManagedServer
+from reliable_consumer.dev.servers.downloads import shared_cache
+from reliable_consumer.dev.servers.process import ManagedServer
 
 __all__ = [
     "ApacheKafkaBroker",
@@ -676,7 +676,7 @@ def broker_answers(port: int) -> bool:
 
 
 if TYPE_CHECKING:  # mypy proves both shapes satisfy the interface every broker offers
-    from reliable_consumer.dev.broker import Broker
+    from reliable_consumer.dev.servers.broker import Broker
 
     _cluster_satisfies: type[Broker] = ApacheKafkaCluster
 
@@ -703,7 +703,7 @@ def _tail(path: Path, max_chars: int = 3000) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m reliable_consumer.dev.apache_kafka``: fetch the jars, print where (or why
+    """``python -m reliable_consumer.dev.servers.apache_kafka``: fetch the jars, print where (or why
     not)."""
     del argv
     reason = available()

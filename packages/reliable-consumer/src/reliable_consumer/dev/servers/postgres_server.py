@@ -40,7 +40,7 @@ from types import TracebackType
 import psycopg
 from mirakuru.exceptions import ProcessFinishedWithError
 
-from reliable_consumer.dev.servers import (
+from reliable_consumer.dev.servers.process import (
     DEFAULT_START_TIMEOUT_S,
     LOOPBACK,
     DevStackError,

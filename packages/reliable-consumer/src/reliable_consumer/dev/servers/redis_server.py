@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from reliable_consumer.dev.servers import (
+from reliable_consumer.dev.servers.process import (
     DEFAULT_START_TIMEOUT_S,
     INSTALL_HINT,
     LOOPBACK,

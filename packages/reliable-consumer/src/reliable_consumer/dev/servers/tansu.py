@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reliable_consumer.dev.servers import (
+from reliable_consumer.dev.servers.process import (
     DEFAULT_START_TIMEOUT_S,
     INSTALL_HINT,
     LOOPBACK,
@@ -49,7 +49,7 @@ def find_tansu() -> Path:
 
 class TansuBroker(ManagedServer):
     """A Tansu broker on loopback with in-memory storage (a
-    `reliable_consumer.dev.broker.Broker`)."""
+    `reliable_consumer.dev.servers.broker.Broker`)."""
 
     display_name = "tansu"
     unset_env = _TANSU_ENV_VARS
@@ -93,7 +93,7 @@ class TansuBroker(ManagedServer):
 
 
 if TYPE_CHECKING:  # mypy proves Tansu satisfies the interface every broker offers
-    from reliable_consumer.dev.broker import Broker
+    from reliable_consumer.dev.servers.broker import Broker
 
     _satisfies: type[Broker] = TansuBroker
 
