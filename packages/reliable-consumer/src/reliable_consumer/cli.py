@@ -25,16 +25,16 @@ from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.observation.logs import configure_logging
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.extras import MissingExtra, require
-from reliable_consumer.ops.cli_group import dlq_redrive_command, offsets_app, status_command
-from reliable_consumer.ops.cli_records import (
+from reliable_consumer.ops.commands.db import db_app
+from reliable_consumer.ops.commands.group import dlq_redrive_command, offsets_app, status_command
+from reliable_consumer.ops.commands.records import (
     audit_command,
     dlq_list,
     dlq_show,
     retries_app,
     trace_command,
 )
-from reliable_consumer.ops.db import db_app
-from reliable_consumer.ops.unreachable import unreachable
+from reliable_consumer.ops.commands.unreachable import unreachable
 
 # Never print local variables in a crash report: they hold unwrapped secrets (the Redis URL,
 # the SASL password in the aiokafka arguments). Older typer versions showed them by default.
@@ -53,17 +53,17 @@ app.add_typer(dev_app, name="dev")
 app.add_typer(dlq_app, name="dlq")
 app.command("new-handler")(new_handler_command)  # scaffold: reliable_consumer/dev/scaffold.py
 app.command("migrate-from-copy")(migrate_from_copy_command)  # reliable_consumer/dev/from_copy.py
-app.command("status")(status_command)  # reliable_consumer/ops/cli_group.py
+app.command("status")(status_command)  # reliable_consumer/ops/commands/group.py
 app.add_typer(offsets_app, name="offsets")
 dlq_app.command("redrive")(dlq_redrive_command)
-app.add_typer(retries_app, name="retries")  # reliable_consumer/ops/cli_records.py
+app.add_typer(retries_app, name="retries")  # reliable_consumer/ops/commands/records.py
 dlq_app.command("list")(dlq_list)
 dlq_app.command("show")(dlq_show)
 app.command("trace")(trace_command)
 app.command("audit")(audit_command)
 app.add_typer(
     db_app, name="db"
-)  # reliable_consumer/ops/db.py: the PostgreSQL effects store's schema
+)  # reliable_consumer/ops/commands/db.py: the PostgreSQL effects store's schema
 
 
 def _mount_pipeline() -> None:

@@ -20,7 +20,7 @@ import pytest
 from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.dev.servers.postgres_server import PostgresServer
 from reliable_consumer.engine.settings import Settings
-from reliable_consumer.ops.db import run_migrations
+from reliable_consumer.ops.commands.db import run_migrations
 from tests.integration.harness import postgres_rows, prepare_topics, purchases_settings
 from tests.ops.cli import service_cli
 

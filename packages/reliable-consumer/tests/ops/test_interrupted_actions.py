@@ -26,7 +26,8 @@ from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.publisher import Publisher
 from reliable_consumer.engine.settings import Settings
-from reliable_consumer.ops import audit, db, redrive, retry_admin
+from reliable_consumer.ops import audit, redrive, retry_admin
+from reliable_consumer.ops.commands import db
 from reliable_consumer.ops.dead_letters import list_dead_letters
 from tests.integration.harness import make_settings, prepare_topics, produce, purchases_settings
 from tests.integration.procs import settings_env

@@ -1,6 +1,8 @@
 """The rooms' rules: the engine imports nothing from ops, dev, pipeline or the command line,
 the library imports nothing of a service (the app is handed to it, never imported by name),
-and inside the engine each room imports only the rooms its row of ``MAY_IMPORT`` lists.
+inside the engine each room imports only the rooms its row of ``MAY_IMPORT`` lists, and
+outside it the dev servers import nothing of the dev tools, the operations nothing of the
+CLI's commands.
 
 ruff's banned-import rules (pyproject.toml) enforce the first on every lint (TID251) and
 the coarse half of the third (TID253: no module-level import of the batch or the lifecycle
@@ -137,6 +139,26 @@ def test_the_library_imports_no_module_of_a_service() -> None:
     assert offenders == []
 
 
+def imported_names(path: Path) -> set[str]:
+    """Every dotted name a module imports (``from a import b`` gives ``a`` and ``a.b``): at
+    the top, inside functions, under ``TYPE_CHECKING`` and by ``import_module`` alike."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value)
+    return found
+
+
 def engine_imports(engine: Path) -> dict[str, set[str]]:
     """Each engine module (dotted, relative to the engine) and the engine modules it imports:
     at the top, inside functions, under ``TYPE_CHECKING`` and by ``import_module`` alike."""
@@ -147,23 +169,9 @@ def engine_imports(engine: Path) -> dict[str, set[str]]:
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
-            elif (
-                isinstance(node, ast.Call)
-                and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
-            ):
-                found.add(node.args[0].value)
         graph[name] = {
             target
-            for full in found
+            for full in imported_names(path)
             if full.startswith(package + ".")
             and (target := full.removeprefix(package + ".")) in modules
             and target != name
@@ -302,3 +310,45 @@ def test_the_rooms_init_modules_import_nothing() -> None:
         )
     ]
     assert importing == []
+
+
+def inward_imports(room: Path, package: str, outer: str) -> list[str]:
+    """Imports of `outer`'s modules from inside `room` (package `package`), as "module: name"."""
+    return [
+        f"{path.relative_to(room).as_posix()}: {name}"
+        for path in sorted(room.rglob("*.py"))
+        for name in sorted(imported_names(path))
+        if name.startswith(outer + ".") and not name.startswith(package + ".")
+    ]
+
+
+def test_the_dev_servers_import_nothing_of_the_dev_tools_that_use_them() -> None:
+    """The servers a test starts (dev/servers/) stand alone: the demo, the dev stack and the
+    scaffold use them, never the other way round."""
+    servers = LIBRARY / "dev" / "servers"
+    assert inward_imports(servers, "reliable_consumer.dev.servers", "reliable_consumer.dev") == []
+
+
+def test_the_operations_import_nothing_of_the_commands_that_call_them() -> None:
+    """ops/ holds the operations the CLI and the console share; ops/commands/ is the CLI's
+    own room (arguments, tables, exit codes), which no operation may lean on."""
+    leaks = [
+        f"{path.name}: {name}"
+        for path in sorted((LIBRARY / "ops").glob("*.py"))
+        for name in sorted(imported_names(path))
+        if name.startswith("reliable_consumer.ops.commands")
+    ]
+    assert leaks == []
+
+
+def test_a_seeded_inward_import_is_caught(tmp_path: Path) -> None:
+    room = tmp_path / "servers"
+    room.mkdir()
+    (room / "tansu.py").write_text(
+        "from reliable_consumer.dev.servers.process import free_port\n"
+        "def f() -> None:\n    from reliable_consumer.dev.stack import DevStack\n"
+    )
+    assert inward_imports(room, "reliable_consumer.dev.servers", "reliable_consumer.dev") == [
+        "tansu.py: reliable_consumer.dev.stack",
+        "tansu.py: reliable_consumer.dev.stack.DevStack",
+    ]

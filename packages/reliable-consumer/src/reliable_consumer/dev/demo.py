@@ -14,6 +14,9 @@ must not find stray servers later.
 When the handler it runs keeps its effects in PostgreSQL, the stack also runs the embedded
 PostgreSQL, the demo migrates it (`service db migrate`) and counts the effects in the
 ledger's table (demo_grants.py).
+
+This module is long because the demo is one live story told from one snapshot of the
+run: the plan, the live view, the outage and the summary read the same counts.
 """
 
 from __future__ import annotations

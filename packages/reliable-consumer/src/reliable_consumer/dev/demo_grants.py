@@ -111,7 +111,7 @@ def grants_for(
 async def migrate(settings: PostgresSettings) -> list[str]:
     """`service db migrate` on the dev database: the inbox and the project's tables."""
     from reliable_consumer.engine.postgres.schema import MigrationError
-    from reliable_consumer.ops.db import run_migrations
+    from reliable_consumer.ops.commands.db import run_migrations
 
     try:
         return await run_migrations(settings)

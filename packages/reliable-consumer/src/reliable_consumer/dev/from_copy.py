@@ -30,6 +30,10 @@ scaffold's output), with the team's version of it. Differences it cannot settle 
 service's names, a binding to another topic) are conflicts ``--force`` does not settle: it
 exits 1 on them. What it cannot judge (deploy files, docs, the Dockerfile that differ from
 NEW's) it lists for review.
+
+This module is long because the migration is one command run once per service, whose
+steps (read OLD, plan, rewrite imports, apply, check the result) all work on the same
+picture of OLD's files; split, each step would re-derive that picture.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ The template's post-generation hook uses this module to write a project's first
 handler, in whatever interpreter runs cookiecutter: so the logic below needs only the
 standard library and :mod:`reliable_consumer.engine.declaration.naming`, and typer only for the
 command itself.
+
+This module is long because it holds the templates it renders (a handler and its test,
+for each effects store, and a migration) beside the code that renders them, and the
+generation hook imports it alone, with the standard library only.
 """
 
 from __future__ import annotations

@@ -39,6 +39,10 @@ would move and writes nothing; ``rate`` spaces the sends. Every real run is audi
 ``dlq.redrive`` (reliable_consumer/ops/action_log.py): started before it sends, ended with the
 counts, interrupted or not; a chunk of sends (tickets, sends, acks, remembered) is one
 step, so ``redriven`` counts exactly the records the source topic acknowledged.
+
+This module is long because a redrive's safety is one protocol read in order: the marks
+and tickets, the pacing, the sends and acks, and the audit steps refer to each other, and a
+reader checking "can this grant twice?" needs them on one page.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ its chain's next record is released. A dropped record is redriven like any dead 
 Each action is audited (``action_log``): a ``started`` entry before it changes anything,
 an end entry with the counts after, also when it is interrupted; each item (or MAKE_DUE
 batch) is one step, so the counts say exactly what moved.
+
+This module is long because its four views (list, show, retry now, drop) read the queue
+the same way (items, filters, a chain's order) and the two actions keep the engine's
+leases and fences; apart, the reads would be written twice.
 """
 
 from __future__ import annotations

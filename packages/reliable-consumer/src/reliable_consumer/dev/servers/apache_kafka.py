@@ -22,6 +22,10 @@ only and one more node (``.controller``, never killed by the fault methods) is t
 KRaft quorum: with combined nodes, 2 of 3 down is a lost quorum (no group coordinator,
 no leader elections), which hides what 2 of 3 *brokers* down does to ``acks=all``.
 Brokers never outlive their owner (PR_SET_PDEATHSIG).
+
+This module is long because a broker node's configuration, its process, the cluster
+built of such nodes and the fault methods the tests call on it share one lifetime and one
+set of ports; the jar fetch at the top is the only part that stands alone, and is short.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def offsets_reset_command(
 ) -> None:
     """Move the group's committed offsets; refused while the group has live members."""
     from reliable_consumer.ops.action_log import default_actor
-    from reliable_consumer.ops.cli_actions import run_action
+    from reliable_consumer.ops.commands.actions import run_action
     from reliable_consumer.ops.offsets_reset import (
         ResetRefused,
         ResetTarget,
@@ -292,7 +292,7 @@ def dlq_redrive_command(
     offsets seen at start. A record redriven before that failed again is left unless
     --include-redriven (no loops). Every real run is written to the audit log.
     """
-    from reliable_consumer.ops.cli_actions import run_action
+    from reliable_consumer.ops.commands.actions import run_action
     from reliable_consumer.ops.dead_letters import DeadLetterFilter
     from reliable_consumer.ops.redrive import redrive
 

@@ -36,7 +36,7 @@ from reliable_consumer.engine.postgres.schema import (
 from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.settings import PostgresSettings, Settings, load_settings
 from reliable_consumer.ops.action_log import audited, default_actor
-from reliable_consumer.ops.cli_actions import run_action
+from reliable_consumer.ops.commands.actions import run_action
 
 db_app = typer.Typer(no_args_is_help=True, help="The PostgreSQL effects store's schema.")
 out = Console()

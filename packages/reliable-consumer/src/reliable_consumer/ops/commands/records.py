@@ -26,7 +26,8 @@ from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.ops.action_log import default_actor, read_actions
-from reliable_consumer.ops.cli_actions import run_action
+from reliable_consumer.ops.commands.actions import run_action
+from reliable_consumer.ops.commands.unreachable import unreachable
 from reliable_consumer.ops.dead_letters import DeadLetterFilter, find_dead_letter, list_dead_letters
 from reliable_consumer.ops.retry_admin import (
     STATES,
@@ -38,7 +39,6 @@ from reliable_consumer.ops.retry_admin import (
     show_retry,
 )
 from reliable_consumer.ops.trace import iso_ms, trace
-from reliable_consumer.ops.unreachable import unreachable
 
 T = TypeVar("T")
 retries_app = typer.Typer(no_args_is_help=True, help="The delay queue: list, show, retry, drop.")
