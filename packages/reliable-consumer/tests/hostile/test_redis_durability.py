@@ -278,14 +278,20 @@ async def test_redis_crash_and_restart_loses_no_parked_retry(
     await produce(settings, records)
     async with running_worker(settings) as worker:
         # Wait for the moment Redis is the only home of the parked retries: every offset
-        # committed, retries still waiting in the delay queue.
+        # committed, retries still waiting in the delay queue. The queue is read last and the
+        # kill follows at once: read apart from the check (after a slow `observe` on a busy
+        # machine), the retries had all run by then and the crash met an empty queue.
+        before = (0, 0, 0)
+
         async def parked_and_committed() -> bool:
+            nonlocal before
             state = await observe(settings)
-            committed = all(p.committed == p.high_watermark for p in state.offsets)
-            return committed and state.retry_depth[0] >= 10
+            if not all(p.committed == p.high_watermark for p in state.offsets):
+                return False
+            before = await audit.retry_queue_depth(redis_server.url, settings.redis.key_prefix)
+            return before[0] >= 10
 
         await await_until(parked_and_committed, 60, interval=0.1, message="no parked retries")
-        before = await audit.retry_queue_depth(redis_server.url, settings.redis.key_prefix)
         errors = redis_errors(worker)
         await asyncio.to_thread(redis_server.kill)  # a crash: no shutdown, no final fsync
         # Redis stays down until the worker has hit the outage (the loop keeps running).
