@@ -116,9 +116,7 @@ async def test_each_missing_worker_acl_is_named_at_start(
         assert f"{acl.operation} on {acl.resource} to {principal}" in said, (acl, said)
 
 
-async def _what_start_says(
-    settings: Settings, acl: Acl, caplog: pytest.LogCaptureFixture
-) -> str:
+async def _what_start_says(settings: Settings, acl: Acl, caplog: pytest.LogCaptureFixture) -> str:
     """Start a worker lacking ``acl``: the refusal, the stall or the warning that names it."""
     caplog.clear()
     worker = Worker(settings)

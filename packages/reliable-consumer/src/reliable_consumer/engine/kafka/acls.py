@@ -58,7 +58,7 @@ class Acl:
 
     @property
     def resource(self) -> str:
-        """How a person names the resource: ``Topic 'payments'``, ``Group prefix 'g.'``."""
+        """How a person names the resource: ``Topic 'orders'``, ``Group prefix 'g.'``."""
         if self.resource_type == "Cluster":
             return "the Cluster"
         prefix = " prefix" if self.pattern == "prefixed" else ""
@@ -102,14 +102,15 @@ def worker_acls(settings: Settings) -> list[Acl]:
     checks = settings.topic_durability != "off"
     for topic in bound_topics(settings):
         dead = settings.dead_letter_topic(topic)
-        acls.append(Acl("Topic", dead, "Write", f"dead-letter {topic!r}'s records"))
+        acls.append(Acl("Topic", dead, "Write", f"write the dead letters of {topic!r}"))
         if checks:
             acls.append(
                 Acl(
                     "Topic",
                     dead,
                     "DescribeConfigs",
-                    "start-up check: replication and min.insync.replicas of the dead letters",
+                    "let the start-up check read the dead-letter topic's replication and "
+                    "min.insync.replicas",
                 )
             )
     outcomes = settings.outcomes_topic()
@@ -121,7 +122,8 @@ def worker_acls(settings: Settings) -> list[Acl]:
                     "Topic",
                     outcomes,
                     "DescribeConfigs",
-                    "start-up check: replication, min.insync.replicas, max.message.bytes",
+                    "let the start-up check read its replication, min.insync.replicas and "
+                    "max.message.bytes",
                 )
             )
     acls.append(
@@ -129,7 +131,8 @@ def worker_acls(settings: Settings) -> list[Acl]:
             "Cluster",
             CLUSTER,
             "DescribeConfigs",
-            "start-up check: the group coordinator's session timeout range",
+            "let the start-up check read the group coordinator's session timeout range "
+            "(without it the check is skipped, with a warning)",
         )
     )
     return acls
@@ -175,7 +178,7 @@ def operator_acls(settings: Settings) -> list[Acl]:
     return acls
 
 
-class AccessDenied(KafkaError):
+class AccessDenied(KafkaError):  # type: ignore[misc]  # aiokafka.errors is untyped
     """The broker refused an operation this principal needs: one ACL is missing.
 
     A KafkaError, so the start-up's wait goes on asking (an ACL granted later is picked
@@ -202,3 +205,8 @@ def needed(settings: Settings, resource_type: ResourceType, name: str, operation
         if (acl.resource_type, acl.name, acl.operation) == (resource_type, name, operation):
             return acl
     raise LookupError(f"{operation} on {resource_type} {name!r} is not in the worker's list")
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Kafka refused the request to this principal (an ACL is missing), not a failure."""
+    return isinstance(exc, AUTHORIZATION_ERRORS)
