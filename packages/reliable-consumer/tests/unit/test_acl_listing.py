@@ -9,12 +9,13 @@ same as the text.
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import yaml
 from reliable_consumer.cli import app
 from reliable_consumer.engine.kafka.acls import operator_acls, worker_acls
 from reliable_consumer.engine.settings import load_settings
-from reliable_consumer.ops.acl_listing import render
+from reliable_consumer.ops.acl_listing import default_principals, render
 from typer.testing import CliRunner
 
 
@@ -84,3 +85,10 @@ def test_service_acls_prints_the_lists_and_refuses_an_unknown_format() -> None:
     assert "ALLOW Read" in shown.output and "Group" in shown.output
     refused = CliRunner().invoke(app, ["acls", "--format", "xml"])
     assert refused.exit_code == 2
+
+
+def test_security_md_holds_the_examples_list_as_service_acls_prints_it() -> None:
+    settings = load_settings()
+    printed = render(settings, "text", *default_principals(settings))
+    doc = (Path(__file__).resolve().parents[4] / "docs" / "security.md").read_text()
+    assert printed.rstrip("\n") in doc, "regenerate docs/security.md 6.3 with `service acls`"
