@@ -87,18 +87,30 @@ async def bound(acl_kafka: ApacheKafkaCluster, redis_url: str, unique_name: str)
     return settings_as(acl_kafka, WORKER, base)
 
 
-async def test_the_worker_runs_end_to_end_with_exactly_its_printed_acls(
+async def test_the_worker_and_the_operator_work_with_exactly_their_printed_acls(
     acl_kafka: ApacheKafkaCluster, bound: Settings
 ) -> None:
     await acl_kafka.grant(f"User:{WORKER}", worker_acls(bound))
     admin = settings_as(acl_kafka, None, bound)
     records = sample.generate(40, sample.Mix(transient=0.2, permanent=0.1, malformed=0.05))
     assert any(r.expect_dead_letter for r in records)
+    assert any(r.kind == "transient" for r in records)
     async with running_worker(bound) as worker:
         await produce(admin, records)
         state = await wait_settled(admin, timeout=90)
         assert not worker.stalls.active(), worker.stalls.active()
     assert_invariants(state, records)
+
+    # The operator, granted its list, reads what status and dlq list show.
+    operator = settings_as(acl_kafka, OPERATOR, bound)
+    await acl_kafka.grant(f"User:{OPERATOR}", operator_acls(bound))
+    topic = bound.topics["payments"]
+    expected = len(await read_all(admin.kafka, bound.dead_letter_topic(topic)))
+    seen = await status.collect_status(operator, Registry.from_settings(operator.topics))
+    assert not seen.errors, seen.errors
+    assert sum(p.high_watermark for p in seen.partitions) == len(records)
+    assert sum(int(d["count"]) for d in seen.dead_letters) == expected
+    assert len(await dead_letters.list_dead_letters(operator, topic)) == expected
 
 
 async def test_each_missing_worker_acl_is_named_at_start(
@@ -145,24 +157,29 @@ async def _what_start_says(settings: Settings, acl: Acl, caplog: pytest.LogCaptu
         await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 60)
 
 
-async def test_the_operator_reads_status_and_dead_letters_with_its_printed_acls(
+async def test_each_missing_operator_acl_is_named_by_status_and_dlq_list(
     acl_kafka: ApacheKafkaCluster, bound: Settings
 ) -> None:
     operator = settings_as(acl_kafka, OPERATOR, bound)
-    admin = settings_as(acl_kafka, None, bound)
     topic = bound.topics["payments"]
-    records = sample.generate(10, sample.Mix(transient=0, permanent=0.3, malformed=0))
-    await acl_kafka.grant(f"User:{WORKER}", worker_acls(bound))
-    async with running_worker(bound):
-        await produce(admin, records)
-        await wait_settled(admin, timeout=90)
-    expected = len(await read_all(admin.kafka, bound.dead_letter_topic(topic)))
-    assert expected > 0
-
+    principal = f"User:{OPERATOR}"
     acls = operator_acls(bound)
-    await acl_kafka.grant(f"User:{OPERATOR}", acls)
-    seen = await status.collect_status(operator, Registry.from_settings(operator.topics))
-    assert not seen.errors, seen.errors
-    assert sum(p.high_watermark for p in seen.partitions) == len(records)
-    assert sum(int(d["count"]) for d in seen.dead_letters) == expected
-    assert len(await dead_letters.list_dead_letters(operator, topic)) == expected
+    await acl_kafka.grant(principal, acls)
+    registry = Registry.from_settings(operator.topics)
+    # What status and dlq list read: the group, the bound topic, the dead letters.
+    for acl in [a for a in acls if a.pattern == "literal" and a.operation == "Read"]:
+        await acl_kafka.revoke(principal, [acl])
+        try:
+            said: list[str] = []
+            try:
+                said += (await status.collect_status(operator, registry)).errors
+            except Exception as exc:
+                said.append(str(exc))
+            try:
+                await dead_letters.list_dead_letters(operator, topic)
+            except Exception as exc:
+                said.append(str(exc))
+        finally:
+            await acl_kafka.grant(principal, [acl])
+        wanted = f"{acl.operation} on {acl.resource} to {principal}"
+        assert any(wanted in line for line in said), (acl, said)

@@ -16,6 +16,8 @@ on, where Kafka's own says only which topic.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -199,12 +201,30 @@ def access_denied(
     )
 
 
-def needed(settings: Settings, resource_type: ResourceType, name: str, operation: Operation) -> Acl:
-    """The worker's list entry for this resource and operation (the one a refusal names)."""
-    for acl in worker_acls(settings):
+def needed(
+    settings: Settings,
+    resource_type: ResourceType,
+    name: str,
+    operation: Operation,
+    of: Callable[[Settings], list[Acl]] = worker_acls,
+) -> Acl:
+    """The list entry (the worker's, or ``of``'s) for this resource and operation: the one
+    a refusal names."""
+    for acl in of(settings):
         if (acl.resource_type, acl.name, acl.operation) == (resource_type, name, operation):
             return acl
-    raise LookupError(f"{operation} on {resource_type} {name!r} is not in the worker's list")
+    raise LookupError(f"{operation} on {resource_type} {name!r} is not in the list")
+
+
+@contextlib.contextmanager
+def naming_refusal(kafka: KafkaSettings, acl: Acl) -> Iterator[None]:
+    """Turn a refusal inside the block into ``AccessDenied`` naming ``acl``."""
+    try:
+        yield
+    except KafkaError as exc:
+        if is_refusal(exc):
+            raise access_denied(kafka, acl, exc) from exc
+        raise
 
 
 def is_refusal(exc: BaseException) -> bool:
