@@ -49,3 +49,50 @@ async def test_a_broker_not_answering_is_no_access_stall() -> None:
         return calls
 
     assert await until_answered(ask, asyncio.Event(), stalls) == 2
+
+
+async def test_a_fetch_refused_while_running_is_the_stall_naming_the_principal() -> None:
+    from typing import Any
+
+    from aiokafka.errors import TopicAuthorizationFailedError
+    from reliable_consumer.engine.intake import Intake
+    from reliable_consumer.engine.kafka.offsets import OffsetTracker
+    from reliable_consumer.engine.observation.http import HealthState
+    from reliable_consumer.engine.settings import load_settings
+
+    settings = load_settings(
+        kafka={
+            "security_protocol": "SASL_PLAINTEXT",
+            "sasl_mechanism": "PLAIN",
+            "sasl_username": "w",
+            "sasl_password": "p",
+        }
+    )
+    health = HealthState()
+    stop = asyncio.Event()
+    seen: list[str] = []
+
+    class RefusedOnce:
+        """A consumer whose first fetch the broker refuses (Read taken away)."""
+
+        calls = 0
+
+        async def getmany(self, **_: Any) -> dict[Any, Any]:
+            self.calls += 1
+            if self.calls == 1:
+                raise TopicAuthorizationFailedError("orders")
+            seen.append(health.stalls.active()[STALL].detail)
+            stop.set()
+            return {}
+
+        def pause(self, *_: Any) -> None: ...
+
+        def resume(self, *_: Any) -> None: ...
+
+        def assignment(self) -> set[Any]:
+            return set()
+
+    intake = Intake(settings, OffsetTracker(), health, stop, lambda _: None)
+    await asyncio.wait_for(intake.run(RefusedOnce(), lambda *_: None), 10)  # type: ignore[arg-type]
+    assert seen and "User:w" in seen[0] and "TopicAuthorizationFailed" in seen[0], seen
+    assert STALL not in health.stalls.active()  # the fetch let through cleared it
