@@ -325,6 +325,8 @@ SITES: tuple[Site, ...] = (
     Site(K8S, r"\btopic:\s*\"(?P<old>payments)\"", _topic, required=True),
     Site(DEPLOY, r"`(?P<old>payments)(?=(\.dlq)?`)", _topic),
     Site(DEPLOY, r"--topic (?P<old>payments)(?![\w.-])", _topic),
+    # The ACL list of docs/security.md (`service acls`) and its example refusal.
+    Site(DOCS, r"Topic '(?P<old>payments)(?=(\.dlq)?')", _topic),
     Site(TESTS, r"PAYMENTS_TOPIC = \"(?P<old>payments)\"", _topic),
     Site(TESTS, r"topics == \{\"(?P<old>payments)\": PAYMENTS_TOPIC\}", _deploy_first_handler),
     # Everything else that names the project: Kubernetes names, labels, compose, Grafana.

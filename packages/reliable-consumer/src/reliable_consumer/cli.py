@@ -25,6 +25,7 @@ from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.observation.logs import configure_logging
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.extras import MissingExtra, require
+from reliable_consumer.ops.commands.acls import acls_command
 from reliable_consumer.ops.commands.db import db_app
 from reliable_consumer.ops.commands.group import dlq_redrive_command, offsets_app, status_command
 from reliable_consumer.ops.commands.records import (
@@ -61,6 +62,7 @@ dlq_app.command("list")(dlq_list)
 dlq_app.command("show")(dlq_show)
 app.command("trace")(trace_command)
 app.command("audit")(audit_command)
+app.command("acls")(acls_command)  # reliable_consumer/ops/commands/acls.py
 app.add_typer(
     db_app, name="db"
 )  # reliable_consumer/ops/commands/db.py: the PostgreSQL effects store's schema

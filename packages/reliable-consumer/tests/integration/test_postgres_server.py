@@ -15,9 +15,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from reliable_consumer.dev.servers import process
 from reliable_consumer.dev.servers.postgres_server import PostgresServer
-from reliable_consumer.dev.servers.process import LOOPBACK, DevStackError
+from reliable_consumer.dev.servers.process import LOOPBACK, DevStackError, process
 
 pytestmark = pytest.mark.integration
 

@@ -20,6 +20,8 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from reliable_consumer.engine.kafka.acls import STALL as ACCESS_DENIED
+from reliable_consumer.engine.kafka.acls import is_refusal, principal
 from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, join_refusal
 from reliable_consumer.engine.kafka.offsets import OffsetTracker
 from reliable_consumer.engine.observation.http import HealthState
@@ -119,6 +121,15 @@ class Intake:
                     # is consumed; the stall says it once, the join's success clears it
                     # (worker._on_assigned). The wait below paces the joins.
                     self._health.stalls.report(GROUP_JOIN_REFUSED, refused)
+                elif is_refusal(exc):
+                    # An ACL taken away while running (the start checked them): a stall
+                    # naming it, cleared by the next fetch that is let through.
+                    self._health.stalls.report(
+                        ACCESS_DENIED,
+                        f"Kafka refuses a fetch or commit to {principal(self._settings.kafka)}:"
+                        f" {exc!r}; the worker needs Read on its topics and group "
+                        "(docs/security.md, `service acls`)",
+                    )
                 else:
                     self._health.kafka_ok = False
                     log.warning("fetch failed", extra={"error": repr(exc)})
@@ -126,6 +137,7 @@ class Intake:
                     await asyncio.wait_for(self._stop.wait(), 1.0)
                 continue
             self._health.kafka_ok = True
+            self._health.stalls.clear(ACCESS_DENIED)
             self._health.last_poll = self._health.clock()
             if batches:
                 self._size_hint = max(_size(r) for records in batches.values() for r in records)

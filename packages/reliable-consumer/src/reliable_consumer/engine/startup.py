@@ -21,6 +21,10 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from reliable_consumer.engine.kafka.acls import STALL as ACCESS_DENIED
+from reliable_consumer.engine.kafka.acls import AccessDenied
+from reliable_consumer.engine.stalls import Stalls
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -62,16 +66,34 @@ def _log_kafka_wait(state: RetryCallState) -> None:
     )
 
 
-async def until_answered(call: Callable[[], Awaitable[T]], stop: asyncio.Event) -> T:
+async def until_answered(
+    call: Callable[[], Awaitable[T]], stop: asyncio.Event, stalls: Stalls | None = None
+) -> T:
     """``call()`` (a client's start, a metadata read) with backoff until the broker answers
-    or a stop is requested."""
+    or a stop is requested.
+
+    A missing ACL (``AccessDenied``) is waited out the same way, since granting it is all
+    that is needed, but it is the ``kafka_access_denied`` stall meanwhile (``stalls``
+    given): /readyz says so and one error line names the ACL, not a crash loop.
+    """
+
+    def refused(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        if stalls is not None and isinstance(error, AccessDenied):
+            stalls.report(ACCESS_DENIED, str(error), "the worker waits for it to be granted")
+        else:
+            _log_kafka_wait(state)
+
     async for attempt in AsyncRetrying(
         retry=retry_if_exception_type((KafkaError, OSError)),
         wait=wait_random_exponential(multiplier=0.2, max=5.0),
         stop=lambda _: stop.is_set(),
-        before_sleep=_log_kafka_wait,
+        before_sleep=refused,
         reraise=True,
     ):
         with attempt:
-            return await call()
+            answer = await call()
+            if stalls is not None:
+                stalls.clear(ACCESS_DENIED)
+            return answer
     raise AssertionError("unreachable: tenacity either returns or raises")

@@ -36,7 +36,7 @@ from reliable_consumer.engine.intake import Intake
 from reliable_consumer.engine.kafka.clients import make_consumer, make_producer
 from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, check_session_timeout
 from reliable_consumer.engine.kafka.offsets import OffsetTracker
-from reliable_consumer.engine.kafka.topic_check import check_topic_durability
+from reliable_consumer.engine.kafka.topic_check import check_topic_access, check_topic_durability
 from reliable_consumer.engine.memory_limit import memory_limit_bytes
 from reliable_consumer.engine.observation.http import HealthState, HttpServer
 from reliable_consumer.engine.observation.member_report import INTERVAL_S, MemberReporter
@@ -202,6 +202,8 @@ class Worker:
             )
             for warning in checked:
                 log.warning(warning)
+        access = until_answered(lambda: check_topic_access(s), self._stop, self.stalls)
+        await self._unless_stopped(access, "checking the worker's access to its topics")
         durability = until_answered(lambda: check_topic_durability(s), self._stop)
         topics = await self._unless_stopped(durability, "checking the Kafka topics")
         for warning in topics.warnings:
@@ -220,7 +222,7 @@ class Worker:
         self.intake.held_topics = self.breakers.open_topics
         self.health.circuits = self.breakers.snapshot
         if self.consume:
-            session = until_answered(lambda: check_session_timeout(s), self._stop)
+            session = until_answered(lambda: check_session_timeout(s), self._stop, self.stalls)
             await self._unless_stopped(session, "checking the group's session timeout")
             self._consumer = make_consumer(s.kafka)
             await self._unless_stopped(

@@ -16,11 +16,14 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import TopicAuthorizationFailedError
+from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import TopicPartition
 
 from reliable_consumer.engine.declaration.ledger import Ledger
 from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.kafka.acls import AUTHORIZATION_CODES
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.outcome_events import decode_all
 from reliable_consumer.engine.redis.keys import RedisKeys
@@ -55,6 +58,7 @@ async def high_watermarks(kafka: KafkaSettings, topic: str) -> dict[int, int]:
             parts = consumer.partitions_for_topic(topic) or set()
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         if not tps:
+            await _refuse_if_unauthorized(consumer, topic)
             return {}
         consumer.assign(tps)
         ends = await consumer.end_offsets(tps)
@@ -93,6 +97,18 @@ async def group_offsets(kafka: KafkaSettings, group: str, topic: str) -> list[Pa
     finally:
         await consumer.stop()
     return [PartitionOffsets(p, committed[p], high) for p, high in sorted(highs.items())]
+
+
+async def _refuse_if_unauthorized(consumer: AIOKafkaConsumer, topic: str) -> None:
+    """Raise TopicAuthorizationFailedError when ``topic`` has no partitions for us because
+    the broker hides it from this principal: read as empty, a dead-letter topic the
+    operator may not read would look like no dead letters. Asked by name, not created."""
+    client = consumer._client  # private: the consumer has no no-create metadata read
+    request = MetadataRequest([topic], allow_auto_topic_creation=False)
+    answer = await client.send(client.get_random_node(), request)
+    for entry in answer.topics:
+        if entry[1] == topic and entry[0] in AUTHORIZATION_CODES:
+            raise TopicAuthorizationFailedError(topic)
 
 
 async def read_all(kafka: KafkaSettings, topic: str, timeout_s: float = 30) -> list[Any]:

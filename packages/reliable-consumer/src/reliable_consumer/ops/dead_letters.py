@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from reliable_consumer.engine.kafka.acls import naming_refusal, needed, operator_acls
 from reliable_consumer.engine.records import REDRIVE_HEADER
 from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.settings import Settings
@@ -207,7 +208,9 @@ async def list_dead_letters(
     """The dead letters of ``source_topic`` that match, oldest first per partition, up to
     ``limit`` (the latest ones when cut). Reads the dead-letter topic up to its end now."""
     selection = selection or DeadLetterFilter()
-    records = await read_all(settings.kafka, settings.dead_letter_topic(source_topic))
+    dead = settings.dead_letter_topic(source_topic)
+    with naming_refusal(settings.kafka, needed(settings, "Topic", dead, "Read", operator_acls)):
+        records = await read_all(settings.kafka, dead)
     letters = [DeadLetter.from_record(r) for r in records]
     found = [letter for letter in letters if selection.matches(letter)]
     found.sort(key=lambda d: (d.at_ms or d.timestamp_ms, d.partition, d.offset))

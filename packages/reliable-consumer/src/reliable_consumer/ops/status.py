@@ -22,6 +22,12 @@ from aiokafka.errors import for_code
 from aiokafka.structs import TopicPartition
 
 from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.acls import (
+    AccessDenied,
+    naming_refusal,
+    needed,
+    operator_acls,
+)
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.observation.member_report import MemberReport, read_member_reports
 from reliable_consumer.engine.redis.client import RedisOps, make_client
@@ -271,17 +277,22 @@ async def collect_status(
         retries = await retry_status(redis, settings.redis)
     finally:
         await redis.aclose()
+    # A refusal names the operator's missing ACL (docs/security.md 6.3).
+    on_group = naming_refusal(kafka, needed(settings, "Group", group_id, "Read", operator_acls))
     try:
-        group = await describe_group(kafka, group_id)
+        with on_group:
+            group = await describe_group(kafka, group_id)
     except Exception as exc:
-        errors.append(f"group: {exc!r}")
+        errors.append(f"group: {_said(exc)}")
         group = GroupView(group_id, "unknown", [])
     highs: dict[TopicPartition, int] = {}
     for topic in registry.topics:
-        for p, high in (await high_watermarks(kafka, topic)).items():
-            highs[TopicPartition(topic, p)] = high
+        with naming_refusal(kafka, needed(settings, "Topic", topic, "Read", operator_acls)):
+            for p, high in (await high_watermarks(kafka, topic)).items():
+                highs[TopicPartition(topic, p)] = high
     tps = sorted(highs)
-    committed = await committed_offsets(kafka, group_id, tps)
+    with naming_refusal(kafka, needed(settings, "Group", group_id, "Read", operator_acls)):
+        committed = await committed_offsets(kafka, group_id, tps)
     owners = {
         tp_name: member.member_id for member in group.members for tp_name in member.partitions
     }
@@ -308,10 +319,13 @@ async def collect_status(
     dead: Counter[tuple[str, str]] = Counter()
     for topic in registry.topics:
         try:
-            for reason, count in (await tally.counts(settings, topic)).items():
+            dlq = settings.dead_letter_topic(topic)
+            with naming_refusal(kafka, needed(settings, "Topic", dlq, "Read", operator_acls)):
+                counted = await tally.counts(settings, topic)
+            for reason, count in counted.items():
                 dead[(topic, reason)] += count
         except Exception as exc:
-            errors.append(f"dead letters of {topic}: {exc!r}")
+            errors.append(f"dead letters of {topic}: {_said(exc)}")
     circuits = [
         CircuitStatus(
             name=name,
@@ -334,6 +348,11 @@ async def collect_status(
         circuits=circuits,
         errors=errors,
     )
+
+
+def _said(exc: Exception) -> str:
+    """A refusal's own text names the missing ACL; anything else with its type."""
+    return str(exc) if isinstance(exc, AccessDenied) else repr(exc)
 
 
 async def retry_status(client: aioredis.Redis, redis: RedisSettings) -> RetryStatus:

@@ -13,6 +13,11 @@ Public API (used by tests/kafka, tests/pipeline and the network-fault tests; kee
   Node faults: ``.kill(node)`` (SIGKILL), ``.stop(node)`` (SIGTERM: a controlled
   shutdown), ``.restart(node)`` (keeps its data); ``.stop()`` with no node closes all.
   Coroutines: ``await .create_topics({name: partitions})``, ``await .leader_of(topic, p)``.
+  ``sasl_users={name: password}``: the client listener speaks SASL_PLAINTEXT (PLAIN) and
+  the broker authorizes every request (StandardAuthorizer, nothing allowed without an
+  ACL); ``.client_kwargs(name)`` connects as one of them, ``.admin_kwargs()`` as the super
+  user the cluster's own helpers use; ``await .grant(principal, acls)`` and
+  ``await .revoke(principal, acls)`` change the ACLs.
 
 Process control blocks the caller: from a running event loop call it through
 ``asyncio.to_thread``. Each node is broker and controller at once, on free loopback
@@ -48,7 +53,7 @@ import tempfile
 import time
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +66,9 @@ from mirakuru.exceptions import AlreadyRunning, ExecutorError
 from reliable_consumer.dev.servers.downloads import shared_cache
 from reliable_consumer.dev.servers.process import ManagedServer
 
+if TYPE_CHECKING:
+    from reliable_consumer.engine.kafka.acls import Acl
+
 __all__ = [
     "ApacheKafkaBroker",
     "ApacheKafkaCluster",
@@ -72,6 +80,7 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
+ADMIN_USER = "admin"  # the super user of a cluster started with sasl_users
 POM = Path(__file__).with_name("apache_kafka.pom.xml")
 INSTALL_HINT = "install Java 17+ and Maven (Debian: apt-get install openjdk-17-jre-headless maven)"
 _MARKER = "COMPLETE"
@@ -255,6 +264,7 @@ class ApacheKafkaCluster:
         heap: str = "512m",
         start_timeout: float = 120.0,
         config: Mapping[str, str] | None = None,
+        sasl_users: Mapping[str, str] | None = None,
     ) -> None:
         if nodes not in (1, 3):
             raise ValueError(f"nodes must be 1 or 3, not {nodes}")
@@ -263,6 +273,12 @@ class ApacheKafkaCluster:
         self.heap = heap
         self.start_timeout = start_timeout
         self.extra_config = dict(config or {})
+        # With users, a super user for the helpers: never one of the users under test.
+        self.sasl_users = dict(sasl_users or {})
+        if self.sasl_users:
+            if ADMIN_USER in self.sasl_users:
+                raise ValueError(f"{ADMIN_USER!r} is the cluster's own super user")
+            self.sasl_users[ADMIN_USER] = uuid.uuid4().hex
         self.cluster_id = _cluster_id()
         roles = "broker" if dedicated_controller else "broker,controller"
         self.nodes = [
@@ -351,6 +367,59 @@ class ApacheKafkaCluster:
             for node in self._all_nodes():
                 shutil.rmtree(node.data_dir, ignore_errors=True)
 
+    # -- clients -------------------------------------------------------------------------
+    def client_kwargs(self, user: str | None = None) -> dict[str, Any]:
+        """aiokafka arguments that connect as ``user`` (None: the super user; no users:
+        plain PLAINTEXT)."""
+        kwargs: dict[str, Any] = {"bootstrap_servers": self._running_bootstrap()}
+        if self.sasl_users:
+            name = user or ADMIN_USER
+            kwargs |= {
+                "security_protocol": "SASL_PLAINTEXT",
+                "sasl_mechanism": "PLAIN",
+                "sasl_plain_username": name,
+                "sasl_plain_password": self.sasl_users[name],
+            }
+        return kwargs
+
+    def admin_kwargs(self) -> dict[str, Any]:
+        return self.client_kwargs(None)
+
+    async def grant(self, principal: str, acls: Iterable[Acl]) -> None:
+        """Add an ALLOW entry per ACL for ``principal`` (``User:name``), on every host."""
+        from aiokafka.protocol.admin import CreateAclsRequest
+
+        await self._acl_requests(
+            [CreateAclsRequest(*_acl_fields(acl, principal)) for acl in acls], "creation_responses"
+        )
+
+    async def revoke(self, principal: str, acls: Iterable[Acl]) -> None:
+        """Remove the entries ``grant`` added for these ACLs."""
+        from aiokafka.protocol.admin import DeleteAclsRequest
+
+        await self._acl_requests(
+            [DeleteAclsRequest(*_acl_fields(acl, principal)) for acl in acls], "filter_responses"
+        )
+
+    async def _acl_requests(self, requests: list[Any], field: str) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka.errors import for_code
+
+        admin = AIOKafkaAdminClient(**self.admin_kwargs())
+        await admin.start()
+        try:
+            node = admin._client.get_random_node()  # private: ACL requests have no wrapper
+            for request in requests:
+                answer = (await admin._client.send(node, request)).to_object()
+                for result in answer[field]:
+                    if result["error_code"]:
+                        raise KafkaUnavailable(
+                            f"{type(request).__name__}: {for_code(result['error_code']).__name__}"
+                            f" {result['error_message'] or ''}"
+                        )
+        finally:
+            await admin.close()
+
     # -- broker queries ----------------------------------------------------------------------
     async def create_topics(
         self,
@@ -369,7 +438,7 @@ class ApacheKafkaCluster:
         from aiokafka.protocol.metadata import MetadataRequest
 
         rf = replication_factor or min(len(self.nodes), 3)
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap_servers)
+        admin = AIOKafkaAdminClient(**self.admin_kwargs())
         await admin.start()
         try:
             response = await admin.create_topics(
@@ -424,9 +493,7 @@ class ApacheKafkaCluster:
 
         deadline = time.monotonic() + timeout
         while True:
-            admin = AIOKafkaAdminClient(
-                bootstrap_servers=self._running_bootstrap(), request_timeout_ms=5000
-            )
+            admin = AIOKafkaAdminClient(**self.admin_kwargs(), request_timeout_ms=5000)
             try:
                 await admin.start()
                 described: list[dict[str, Any]] = await admin.describe_topics(topics)
@@ -463,6 +530,10 @@ class ApacheKafkaCluster:
         if "broker" in node.roles:
             listeners["advertised.listeners"] = broker
             listeners["inter.broker.listener.name"] = "PLAINTEXT"
+        if self.sasl_users:
+            listeners = {k: v.replace("PLAINTEXT://", "CLIENT://") for k, v in listeners.items()}
+            if "broker" in node.roles:
+                listeners["inter.broker.listener.name"] = "CLIENT"
         props = {
             "process.roles": node.roles,
             "node.id": str(node.node_id),
@@ -489,8 +560,28 @@ class ApacheKafkaCluster:
             "broker.heartbeat.interval.ms": "500",
             "broker.session.timeout.ms": "3000",
         }
+        if self.sasl_users:
+            props |= self._sasl_properties()
         props.update(self.extra_config)
         return "".join(f"{k}={v}\n" for k, v in props.items())
+
+    def _sasl_properties(self) -> dict[str, str]:
+        """The CLIENT listener (clients and brokers) on SASL PLAIN with the users, and the
+        authorizer. The controller listener stays PLAINTEXT on loopback: its principal,
+        ANONYMOUS, is a super user, as KRaft wants of the brokers' principal there."""
+        users = " ".join(f'user_{name}="{password}"' for name, password in self.sasl_users.items())
+        return {
+            "listener.security.protocol.map": ("CLIENT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT"),
+            "sasl.enabled.mechanisms": "PLAIN",
+            "sasl.mechanism.inter.broker.protocol": "PLAIN",
+            "listener.name.client.plain.sasl.jaas.config": (
+                "org.apache.kafka.common.security.plain.PlainLoginModule required "
+                f'username="{ADMIN_USER}" password="{self.sasl_users[ADMIN_USER]}" {users};'
+            ),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": f"User:{ADMIN_USER};User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found": "false",
+        }
 
     def _java(self, main: str, *args: str) -> list[str]:
         assert self._lib is not None
@@ -585,9 +676,7 @@ class ApacheKafkaCluster:
         deadline = time.monotonic() + timeout
         last: object = None
         while time.monotonic() < deadline:
-            admin = AIOKafkaAdminClient(
-                bootstrap_servers=self._running_bootstrap(), request_timeout_ms=5000
-            )
+            admin = AIOKafkaAdminClient(**self.admin_kwargs(), request_timeout_ms=5000)
             try:
                 await admin.start()
                 cluster = await admin.describe_cluster()
@@ -683,6 +772,25 @@ if TYPE_CHECKING:  # mypy proves both shapes satisfy the interface every broker 
     from reliable_consumer.dev.servers.broker import Broker
 
     _cluster_satisfies: type[Broker] = ApacheKafkaCluster
+
+
+# Kafka's codes (AclOperation, ResourceType, PatternType, AclPermissionType).
+_RESOURCE_TYPES = {"Topic": 2, "Group": 3, "Cluster": 4}
+_OPERATIONS = {"Read": 3, "Write": 4, "Describe": 8, "DescribeConfigs": 10}
+_PATTERNS = {"literal": 3, "prefixed": 4}
+_ALLOW = 3
+
+
+def _acl_fields(acl: Acl, principal: str) -> tuple[int, str, int, str, str, int, int]:
+    return (
+        _RESOURCE_TYPES[acl.resource_type],
+        acl.name,
+        _PATTERNS[acl.pattern],
+        principal,
+        "*",
+        _OPERATIONS[acl.operation],
+        _ALLOW,
+    )
 
 
 def _cluster_id() -> str:

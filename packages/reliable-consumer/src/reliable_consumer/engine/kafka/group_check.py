@@ -9,6 +9,11 @@ refuses to start, naming ``WORKER_KAFKA__SESSION_TIMEOUT_MS`` and the broker's r
 broker that reports no configs (Tansu) leaves nothing to check. If the join is still
 refused at run time (configs unreadable, the range changed), the poll loop reports the
 ``group_join_refused`` stall (``join_refusal``).
+
+A principal without ``Read`` (so without ``Describe``) on the group is refused the
+coordinator lookup itself: that becomes ``AccessDenied`` naming the ACL, where it used to
+be retried as "waiting for Kafka" with nothing said of why. A refused DescribeConfigs on
+the cluster only skips the check, with a warning naming that ACL.
 """
 
 from __future__ import annotations
@@ -26,6 +31,14 @@ from aiokafka.errors import (
 )
 
 from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.kafka.acls import (
+    AUTHORIZATION_CODES,
+    CLUSTER,
+    access_denied,
+    is_refusal,
+    needed,
+    principal,
+)
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import KafkaSettings, Settings
 
@@ -39,6 +52,10 @@ GROUP_JOIN_REFUSED = "group_join_refused"
 
 class ConfigsUnreadable(Exception):
     """The broker answered DescribeConfigs with an error for its resource (e.g. no ACL)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused  # an authorization error: the principal lacks the ACL
 
 
 # What aiokafka's coordinator raises (through getmany) when the broker refuses the join
@@ -70,7 +87,8 @@ async def session_timeout_range(kafka: KafkaSettings) -> tuple[int, int | None] 
                 if res["error_code"]:
                     raise ConfigsUnreadable(
                         f"DescribeConfigs broker {res['resource_name']}: error "
-                        f"{res['error_code']} {res.get('error_message') or ''}".strip()
+                        f"{res['error_code']} {res.get('error_message') or ''}".strip(),
+                        refused=res["error_code"] in AUTHORIZATION_CODES,
                     )
                 for entry in res["config_entries"]:
                     entries[entry["config_names"]] = entry["config_value"]
@@ -94,13 +112,21 @@ async def check_session_timeout(settings: Settings) -> None:
     try:
         allowed = await session_timeout_range(kafka)
     except ConfigsUnreadable as exc:  # not KafkaError (a RuntimeError): that one is retried
+        why: object = exc
+        if exc.refused:
+            why = access_denied(kafka, needed(settings, "Cluster", CLUSTER, "DescribeConfigs"), exc)
         log.warning(
             "could not read the group coordinator's session timeout range (%s); a refused "
             f"join will be reported as the {GROUP_JOIN_REFUSED} stall",
-            exc,
-            extra={"error": str(exc)},
+            why,
+            extra={"error": str(why)},
         )
         return
+    except KafkaError as exc:
+        if is_refusal(exc):  # FindCoordinator needs Describe on the group
+            acl = needed(settings, "Group", kafka.group_id, "Read")
+            raise access_denied(kafka, acl, exc) from exc
+        raise
     if allowed is None:
         return
     low, high = allowed
@@ -120,6 +146,8 @@ def join_refusal(exc: BaseException, kafka: KafkaSettings) -> str | None:
     if not isinstance(exc, JOIN_REFUSALS):
         return None
     detail = f"the broker refuses to let group {kafka.group_id!r} join: {exc!r}"
+    if isinstance(exc, GroupAuthorizationFailedError):
+        detail += f" (Read on Group {kafka.group_id!r} for {principal(kafka)}: docs/security.md)"
     if isinstance(exc, InvalidSessionTimeoutError):
         detail += (
             f"; {SETTING}={kafka.session_timeout_ms} is outside the broker's "

@@ -9,6 +9,12 @@ consuming, the worker reads both topics' replication factor and ``min.insync.rep
 and, per ``WORKER_TOPIC_DURABILITY``, refuses to start or warns (docs/durability.md).
 The same read gives the outcomes topic's ``max.message.bytes``, which outcome documents are
 cut to fit (the publisher also learns it from a refusal, for when the check is off).
+
+First, whatever the mode, ``check_topic_access`` asks for every topic the worker reads or
+writes by name: a broker with ACLs answers TOPIC_AUTHORIZATION_FAILED for one the worker's
+principal may not use, which becomes ``AccessDenied`` naming the missing ACL (without it,
+a consumer missing ``Read`` sat with no partitions, and a missing ``Write`` surfaced only
+at the first dead letter).
 """
 
 from __future__ import annotations
@@ -18,8 +24,16 @@ from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.protocol.metadata import MetadataRequest
 
 from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.kafka.acls import (
+    AUTHORIZATION_CODES,
+    Acl,
+    access_denied,
+    bound_topics,
+    needed,
+)
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.publisher import MIN_DOCUMENT_BYTES, TOPIC_LIMIT_ROOM
 from reliable_consumer.engine.settings import Settings
@@ -62,6 +76,38 @@ class TopicDurability:
         return None
 
 
+def used_topics(settings: Settings) -> dict[str, Acl]:
+    """Topic -> the ACL the worker needs on it: Read on the bound topics, Write on the others
+    (each implies Describe, which a named metadata request is refused without)."""
+    out = {topic: needed(settings, "Topic", topic, "Read") for topic in bound_topics(settings)}
+    for topic in checked_topics(settings):
+        out[topic] = needed(settings, "Topic", topic, "Write")
+    return out
+
+
+async def check_topic_access(settings: Settings) -> None:
+    """Raise ``AccessDenied`` for the first topic the broker refuses to describe to us.
+
+    One metadata request naming the topics, with auto-creation off (naming a topic may
+    otherwise create it). Missing topics are left to the durability check and the
+    publisher, which say so in their own words.
+    """
+    uses = used_topics(settings)
+    admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
+    await admin.start()
+    try:
+        node = admin._client.get_random_node()  # private: the admin has no no-create read
+        request = MetadataRequest(list(uses), allow_auto_topic_creation=False)
+        answer = (await admin._client.send(node, request)).to_object()
+    finally:
+        await admin.close()
+    for entry in answer["topics"]:
+        if entry["error_code"] in AUTHORIZATION_CODES and entry["topic"] in uses:
+            raise access_denied(
+                settings.kafka, uses[entry["topic"]], f"error {entry['error_code']}"
+            )
+
+
 def effective_mode(settings: Settings) -> str:
     """``auto`` is ``require`` in the production durability modes, ``warn`` otherwise."""
     if settings.topic_durability != "auto":
@@ -93,11 +139,12 @@ async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDura
             if name in by_name and by_name[name]["error_code"] != UNKNOWN_TOPIC_OR_PARTITION
         ]
         configs: dict[str, dict[str, str | None]] = {}
+        refused: dict[str, str] = {}
         error: str | None = None
         if present:
             try:
-                configs = await _min_insync(admin, present)
-            except Exception as exc:  # e.g. no DescribeConfigs ACL: say so, decide per mode
+                configs, refused = await _min_insync(admin, present)
+            except Exception as exc:  # e.g. a broker that cannot answer it: decide per mode
                 error = repr(exc)
         out = []
         for name, role in topics.items():
@@ -109,6 +156,11 @@ async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDura
                 out.append(
                     TopicDurability(name, role, True, None, None, f"error {info['error_code']}")
                 )
+                continue
+            if name in refused:  # no DescribeConfigs ACL: name it, decide per mode
+                acl = needed(settings, "Topic", name, "DescribeConfigs")
+                denied = str(access_denied(settings.kafka, acl, refused[name]))
+                out.append(TopicDurability(name, role, True, None, None, denied))
                 continue
             replicas = [len(p["replicas"]) for p in info["partitions"]]
             isr = configs.get(name, {}).get(MIN_INSYNC)
@@ -131,13 +183,18 @@ async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDura
 
 async def _min_insync(
     admin: AIOKafkaAdminClient, topics: list[str]
-) -> dict[str, dict[str, str | None]]:
+) -> tuple[dict[str, dict[str, str | None]], dict[str, str]]:
+    """Each topic's configs, and the topics whose configs the broker refused to show us."""
     # Every config, not a filtered list: the dev broker (Tansu) drops the connection on a
     # request that names configs, and answers the unfiltered one with no entries.
     resources = [ConfigResource(ConfigResourceType.TOPIC, t) for t in topics]
     out: dict[str, dict[str, str | None]] = {}
+    refused: dict[str, str] = {}
     for response in await admin.describe_configs(resources):
         for resource in response.to_object()["resources"]:
+            if resource["error_code"] in AUTHORIZATION_CODES:
+                refused[resource["resource_name"]] = f"error {resource['error_code']}"
+                continue
             if resource["error_code"]:
                 raise RuntimeError(
                     f"DescribeConfigs {resource['resource_name']}: error {resource['error_code']}"
@@ -146,7 +203,7 @@ async def _min_insync(
             out[resource["resource_name"]] = {
                 e["config_names"]: e["config_value"] for e in resource["config_entries"]
             }
-    return out
+    return out, refused
 
 
 @dataclass(frozen=True)
