@@ -25,6 +25,14 @@ out = Console()
 err = Console(stderr=True)
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
+ForceOption = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Act even though the group has no committed offsets and no worker reports "
+        "under the key prefix (a target that looks wrong).",
+    ),
+]
 ActorOption = Annotated[
     str | None,
     typer.Option(help="Who acts, for the audit log (default $SERVICE_ACTOR, else user@host)."),
@@ -67,11 +75,14 @@ def status_command(as_json: JsonOption = False) -> None:
     from reliable_consumer.engine.handlers.registry import Registry
     from reliable_consumer.ops.status import collect_status
 
+    from reliable_consumer.ops.cli_actions import aim
+
     settings = _settings()
     try:
         registry = Registry.from_settings(settings.topics)
     except ConfigurationError as exc:
         raise _fail(str(exc), 2) from None
+    aim(settings)
     status = asyncio.run(collect_status(settings, registry))
     if as_json:
         _print_json(status.to_json())
@@ -168,12 +179,13 @@ def offsets_reset_command(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the before/after table; change nothing.")
     ] = False,
+    force: ForceOption = False,
     actor: ActorOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Move the group's committed offsets; refused while the group has live members."""
     from reliable_consumer.ops.action_log import default_actor
-    from reliable_consumer.ops.cli_actions import run_action
+    from reliable_consumer.ops.cli_actions import aim, run_action
     from reliable_consumer.ops.offsets_reset import (
         ResetRefused,
         ResetTarget,
@@ -186,6 +198,7 @@ def offsets_reset_command(
         target = ResetTarget.parse(to)
     except ValueError as exc:
         raise _fail(str(exc), 2) from None
+    aim(settings, action=None if dry_run else "offsets reset", force=force, group=group)
     try:
         plan = run_action(
             reset_offsets(
@@ -282,6 +295,7 @@ def dlq_redrive_command(
             help="Also take dead letters of records that were themselves redriven.",
         ),
     ] = False,
+    force: ForceOption = False,
     actor: ActorOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -292,11 +306,12 @@ def dlq_redrive_command(
     offsets seen at start. A record redriven before that failed again is left unless
     --include-redriven (no loops). Every real run is written to the audit log.
     """
-    from reliable_consumer.ops.cli_actions import run_action
+    from reliable_consumer.ops.cli_actions import aim, run_action
     from reliable_consumer.ops.dead_letters import DeadLetterFilter
     from reliable_consumer.ops.redrive import redrive
 
     settings = _settings()
+    aim(settings, action=None if dry_run else "dlq redrive", force=force)
     selection = DeadLetterFilter(
         reasons=frozenset(reason) if reason else None,
         dedupe_keys=frozenset(key) if key else None,
