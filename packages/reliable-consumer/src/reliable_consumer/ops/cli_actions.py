@@ -129,7 +129,7 @@ def aim(
             if check.looks_wrong:
                 err.print(f"[bold red]warning: {escape(check.warning())}[/]", soft_wrap=True)
     except WrongTarget as exc:
-        _exit(str(exc), WRONG_TARGET_EXIT)
+        _exit(f"{exc}; --force acts on it anyway", WRONG_TARGET_EXIT)
     except (RedisError, KafkaError, OSError, TimeoutError) as exc:
         _exit(unreachable(exc) or f"{type(exc).__name__}: {exc}", 1)
     return target

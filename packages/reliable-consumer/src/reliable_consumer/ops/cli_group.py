@@ -73,9 +73,8 @@ def _show(value: object) -> str:
 def status_command(as_json: JsonOption = False) -> None:
     """Is it keeping up: partitions and lag, members, retries, dead letters, circuits."""
     from reliable_consumer.engine.handlers.registry import Registry
-    from reliable_consumer.ops.status import collect_status
-
     from reliable_consumer.ops.cli_actions import aim
+    from reliable_consumer.ops.status import collect_status
 
     settings = _settings()
     try:

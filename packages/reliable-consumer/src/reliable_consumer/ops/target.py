@@ -62,7 +62,8 @@ class Target:
 
 @dataclass(frozen=True)
 class TargetCheck:
-    """What the target shows of a worker: committed partitions and live member reports."""
+    """What the target shows of a worker: committed partitions and live member reports
+    (not counted when offsets are committed)."""
 
     target: Target
     committed_partitions: int
@@ -86,19 +87,13 @@ class WrongTarget(Exception):
     """A write action refused (nothing touched) because its target shows no worker."""
 
     def __init__(self, check: TargetCheck, action: str) -> None:
-        super().__init__(
-            f"{action} refused: {check.warning()}; pass --force to act on it anyway"
-        )
+        super().__init__(f"{action} refused, nothing was changed: {check.warning()}")
         self.check = check
 
 
 async def check_target(settings: Settings, target: Target) -> TargetCheck:
-    """Read the target's committed offsets (Kafka) and member reports (Redis)."""
-    redis = make_client(settings.redis)
-    try:
-        reports = await read_member_reports(redis, target.prefix)
-    finally:
-        await redis.aclose()
+    """Read the target's committed offsets (Kafka), then, when there are none, its member
+    reports (Redis): one sign of a worker is enough."""
     tps = [
         TopicPartition(topic, partition)
         for topic in target.topics
@@ -113,7 +108,14 @@ async def check_target(settings: Settings, target: Target) -> TargetCheck:
         finally:
             await admin.close()
         committed = sum(1 for tp in tps if tp in found and found[tp].offset >= 0)
-    return TargetCheck(target, committed_partitions=committed, member_reports=len(reports))
+    if committed:
+        return TargetCheck(target, committed_partitions=committed, member_reports=0)
+    redis = make_client(settings.redis)
+    try:
+        reports = await read_member_reports(redis, target.prefix)
+    finally:
+        await redis.aclose()
+    return TargetCheck(target, committed_partitions=0, member_reports=len(reports))
 
 
 async def refuse_wrong_target(
