@@ -84,3 +84,16 @@ async def test_a_redrive_aimed_at_the_default_group_and_prefix_is_refused_naming
     assert code == 0, err
     assert f"target: group {unique_name}-g, Redis key prefix {unique_name}," in err
     assert "warning" not in err, err
+
+
+async def test_dlq_list_with_kafka_down_says_one_line_without_the_clients_own_noise(
+    redis_server: RedisServer, unique_name: str
+) -> None:
+    from reliable_consumer.dev.servers import free_port
+
+    down = make_settings(f"127.0.0.1:{free_port()}", redis_server.url, unique_name)
+    code, out, err = await service_cli(down, "dlq", "list", "--topic", unique_name)
+    assert code == 1, (out, err)
+    assert "Kafka is not answering at" in err and "WORKER_KAFKA__BOOTSTRAP_SERVERS" in err, err
+    assert "Unable connect" not in err and "Unclosed" not in err, err
+    assert "Traceback" not in err, err

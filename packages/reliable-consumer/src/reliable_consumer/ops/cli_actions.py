@@ -27,7 +27,7 @@ from rich.markup import escape
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import AuditIncomplete, AuditUnavailable
 from reliable_consumer.ops.target import Target, WrongTarget, check_target, refuse_wrong_target
-from reliable_consumer.ops.unreachable import unreachable
+from reliable_consumer.ops.unreachable import quiet_client_logs, unreachable
 
 T = TypeVar("T")
 err = Console(stderr=True)
@@ -119,6 +119,7 @@ def aim(
     shows no worker (ops/target.py); a write action is refused with exit code 2 unless
     ``force``. A server that does not answer the check ends the command with its one line.
     """
+    quiet_client_logs()
     target = Target.of(settings, group=group)
     err.print(escape(target.line()), highlight=False, soft_wrap=True)
     try:

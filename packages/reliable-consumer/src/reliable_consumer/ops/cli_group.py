@@ -188,7 +188,7 @@ def offsets_reset_command(
     from reliable_consumer.ops.offsets_reset import (
         ResetRefused,
         ResetTarget,
-        refusal,
+        named_refusal,
         reset_offsets,
     )
 
@@ -231,9 +231,10 @@ def offsets_reset_command(
             )
         out.print(table)
         out.print("committed" if plan.applied else "nothing changed (dry run)")
-    if dry_run and refusal(plan.group):
+    why = asyncio.run(named_refusal(settings, plan.group)) if dry_run else ""
+    if why:
         err.print(
-            f"[yellow]a real reset would be refused: {escape(refusal(plan.group))}[/]",
+            f"[yellow]a real reset would be refused: {escape(why)}[/]",
             highlight=False,
             soft_wrap=True,
         )
