@@ -311,7 +311,12 @@ def dev_up(
     _require("devstack", "service dev up")
     from reliable_consumer.dev.environment import operator_environment
     from reliable_consumer.dev.servers import DevStackError
-    from reliable_consumer.dev.stack import DevStack, bound_to_postgres, stop_hint
+    from reliable_consumer.dev.stack import (
+        KAFKA_START_TIMEOUT_S,
+        DevStack,
+        bound_to_postgres,
+        stop_hint,
+    )
 
     settings = _settings()
     if postgres is None:
@@ -319,6 +324,12 @@ def dev_up(
             postgres = bound_to_postgres(settings.topics)
         except ConfigurationError as exc:
             raise _refuse(exc) from None
+    if broker == "kafka" and DevStack.status(state_dir) is None:
+        # A JVM takes a while on a busy machine: one line, then quiet until it answers.
+        console.print(
+            f"starting Apache Kafka (waits up to {KAFKA_START_TIMEOUT_S:.0f} s)...",
+            highlight=False,
+        )
     try:
         info = DevStack.up(state_dir, broker=broker, postgres=postgres)
     except DevStackError as exc:
