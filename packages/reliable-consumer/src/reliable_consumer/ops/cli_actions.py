@@ -132,7 +132,9 @@ def aim(
     except WrongTarget as exc:
         _exit(f"{exc}; --force acts on it anyway", WRONG_TARGET_EXIT)
     except (RedisError, KafkaError, OSError, TimeoutError) as exc:
-        _exit(unreachable(exc) or f"{type(exc).__name__}: {exc}", 1)
+        if action is not None:
+            _exit(unreachable(exc) or f"{type(exc).__name__}: {exc}", 1)
+        # A read goes on: it meets the same server and says so in its own one line.
     return target
 
 
