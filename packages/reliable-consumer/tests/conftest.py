@@ -129,7 +129,7 @@ def kafka_broker(
 ) -> Iterator[Broker]:
     """The session's broker (`WORKER_TEST_BROKER`, see the module docstring); tests isolate
     with unique topic/group names and never restart it."""
-    from reliable_consumer.dev.servers.process import apache_kafka
+    from reliable_consumer.dev.servers import apache_kafka
 
     config = request.config
     wanted = broker_choice()

@@ -311,14 +311,27 @@ def dev_up(
 ) -> None:
     """Start the broker and Redis, and PostgreSQL if needed (or report the running ones)."""
     _require("devstack", "service dev up")
+    from reliable_consumer.dev.environment import operator_environment
     from reliable_consumer.dev.servers.process import DevStackError
-    from reliable_consumer.dev.stack import DevStack, bound_to_postgres
+    from reliable_consumer.dev.stack import (
+        KAFKA_START_TIMEOUT_S,
+        DevStack,
+        bound_to_postgres,
+        stop_hint,
+    )
 
+    settings = _settings()
     if postgres is None:
         try:
-            postgres = bound_to_postgres(_settings().topics)
+            postgres = bound_to_postgres(settings.topics)
         except ConfigurationError as exc:
             raise _refuse(exc) from None
+    if broker == "kafka" and DevStack.status(state_dir) is None:
+        # A JVM takes a while on a busy machine: one line, then quiet until it answers.
+        console.print(
+            f"starting Apache Kafka (waits up to {KAFKA_START_TIMEOUT_S:.0f} s)...",
+            highlight=False,
+        )
     try:
         info = DevStack.up(state_dir, broker=broker, postgres=postgres)
     except DevStackError as exc:
@@ -327,11 +340,21 @@ def dev_up(
     console.print(f"Kafka bootstrap: {info.bootstrap}\nRedis URL:       {info.redis_url}")
     if info.postgres_url:
         console.print(f"PostgreSQL URL:  {info.postgres_url}", highlight=False)
-    console.print(f"export WORKER_KAFKA__BOOTSTRAP_SERVERS={info.bootstrap}", highlight=False)
-    console.print(f"export WORKER_REDIS__URL={info.redis_url}", highlight=False)
+    # Everything the operator commands read: without the group and prefix a shell whose
+    # settings differ from the worker's reads another service (ops/target.py warns).
+    console.print("The worker and the operator commands, in every shell:", highlight=False)
+    for line in operator_environment(
+        bootstrap=info.bootstrap,
+        redis_url=info.redis_url,
+        group=settings.kafka.group_id,
+        key_prefix=settings.redis.key_prefix,
+        topics=settings.topics,
+        postgres_url=info.postgres_url,
+    ):
+        console.print(line, highlight=False, soft_wrap=True)
     if info.postgres_url:
-        console.print(f"export WORKER_POSTGRES__URL={info.postgres_url}", highlight=False)
         console.print("then `service db migrate` creates the inbox and the project's tables")
+    console.print(f"Stop it with `{stop_hint(info.state_dir)}`.", highlight=False)
 
 
 @dev_app.command("down")

@@ -37,6 +37,7 @@ from tests.helpers import wait_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.ops.actions_kit import (
     dead_letters,
+    mark_consumed,
     park,
     queue,
     redis_now_ms,
@@ -101,6 +102,7 @@ def _stall_after_steps(monkeypatch: pytest.MonkeyPatch, k: int) -> None:
 def settings(kafka_broker: Broker, redis_server: RedisServer, unique_name: str) -> Settings:
     found = make_settings(kafka_broker.bootstrap, redis_server.url, unique_name)
     asyncio.run(prepare_topics(found, partitions=1))
+    asyncio.run(mark_consumed(found))  # else the target check refuses every action
     return found.model_copy(update={"console": ConsoleSettings(token=TOKEN)})
 
 
@@ -174,6 +176,7 @@ def test_a_console_action_whose_audit_entry_cannot_be_written_is_refused(
     redis = redis_server_factory("audit-redis")
     found = make_settings(kafka_broker.bootstrap, redis.url, unique_name)
     asyncio.run(prepare_topics(found, partitions=1))
+    asyncio.run(mark_consumed(found))  # else the target check refuses the action
     asyncio.run(dead_letters(found, 2))
     settings = found.model_copy(update={"console": ConsoleSettings(token=TOKEN)})
     redis.stop()  # the audit log cannot be written (a redrive reads the dead letters first)
@@ -184,4 +187,20 @@ def test_a_console_action_whose_audit_entry_cannot_be_written_is_refused(
         )
         assert status == 503, body
         assert "audit" in body and "nothing was changed" in body, body
+    assert redriven(settings) == []
+
+
+def test_a_console_redrive_on_a_group_and_prefix_no_worker_used_is_refused_naming_them(
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
+) -> None:
+    found = make_settings(kafka_broker.bootstrap, redis_server.url, unique_name)
+    asyncio.run(prepare_topics(found, partitions=1))
+    asyncio.run(dead_letters(found, 2))  # no commits, no member reports: a wrong target
+    settings = found.model_copy(update={"console": ConsoleSettings(token=TOKEN)})
+
+    status, body, audit_page = _act(settings, "/actions/redrive", {"topic": unique_name})
+
+    assert status == 409, body
+    assert "refused" in body and f"{unique_name}-g" in body and unique_name in body, body
+    assert "dlq.redrive" not in audit_page, audit_page  # nothing started, nothing audited
     assert redriven(settings) == []

@@ -365,6 +365,27 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+def test_dev_up_prints_the_operators_group_prefix_topics_and_how_to_stop_its_state_dir(
+    state_dir: Path,
+) -> None:
+    env = {
+        "WORKER_KAFKA__GROUP_ID": "shop-g",
+        "WORKER_REDIS__KEY_PREFIX": "shop",
+        "WORKER_TOPICS": '{"payments": "shop-payments"}',
+    }
+    up = run_cli("dev", "up", "--state-dir", str(state_dir), env=env)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "export WORKER_KAFKA__GROUP_ID=shop-g\n" in up.stdout, up.stdout
+        assert "export WORKER_REDIS__KEY_PREFIX=shop\n" in up.stdout, up.stdout
+        assert """export WORKER_TOPICS='{"payments": "shop-payments"}'""" in up.stdout
+        assert f"`service dev down --state-dir {state_dir.resolve()}`" in up.stdout, up.stdout
+        assert "make dev-down" not in up.stdout, up.stdout
+    finally:
+        run_cli("dev", "down", "--state-dir", str(state_dir))
+    assert servers_under(state_dir) == []
+
+
 def test_dev_up_starts_postgres_when_the_bindings_need_it(state_dir: Path) -> None:
     """`service dev up|status|down` on the CLI: PostgreSQL only for a postgres binding."""
     plain = run_cli("dev", "up", "--state-dir", str(state_dir))
@@ -488,4 +509,7 @@ def test_demo_leaves_a_stack_it_did_not_start_and_says_how_to_stop_it(
     after = DevStack.status(state_dir)
     assert after is not None and after.healthy, output
     assert (after.broker_pid, after.redis_pid) == (before.broker_pid, before.redis_pid)
-    assert "make dev-down" in output, output
+    # Its own state directory: `make dev-down` would stop the default one, not this.
+    one_line = " ".join(output.split())  # the console wraps long lines
+    assert f"service dev down --state-dir {state_dir.resolve()}" in one_line, output
+    assert "make dev-down" not in output, output

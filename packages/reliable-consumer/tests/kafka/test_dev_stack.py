@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from reliable_consumer.cli import app
 from reliable_consumer.dev.servers.broker import create_topics
@@ -109,3 +111,17 @@ def test_dev_up_with_broker_kafka_without_java_names_what_is_missing(tmp_path: P
     assert "--broker kafka" in said and "no `java` on PATH" in said, said
     assert "Traceback" not in said, said
     assert DevStack.status(state) is None
+
+
+def test_the_kafka_probe_logs_nothing_while_the_broker_refuses_connections(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`dev up --broker kafka` probes until the JVM answers: each refused attempt logged
+    by the client at ERROR ("Unable connect to ...") printed dozens of lines."""
+    from reliable_consumer.dev.servers.apache_kafka import broker_answers
+    from reliable_consumer.dev.servers.process import free_port
+
+    with caplog.at_level(logging.DEBUG):
+        assert broker_answers(free_port()) is False
+    noise = [r.getMessage() for r in caplog.records if r.name.startswith("aiokafka")]
+    assert noise == [], noise

@@ -9,7 +9,9 @@ import json
 from typing import Any
 
 import redis.asyncio as aioredis
-from reliable_consumer.engine.kafka.clients import make_producer
+from aiokafka import AIOKafkaConsumer
+from aiokafka.structs import OffsetAndMetadata, TopicPartition
+from reliable_consumer.engine.kafka.clients import connection_kwargs, make_producer
 from reliable_consumer.engine.kafka.publisher import Publisher
 from reliable_consumer.engine.records import REDRIVE_HEADER, Delivery
 from reliable_consumer.engine.redis.client import RedisOps
@@ -133,3 +135,20 @@ def redriven(settings: Settings) -> list[str]:
     """The `x-redrive-of` of every redriven record in the source topic."""
     records = asyncio.run(audit.read_all(settings.kafka, settings.topics["payments"]))
     return [h for r in records if (h := audit.header(r, REDRIVE_HEADER)) is not None]
+
+
+async def mark_consumed(settings: Settings) -> None:
+    """Commit offset 0 on the payments topic as the settings' group, as a worker that ran
+    there would have: the target check (ops/target.py) then takes it for a used one."""
+    consumer = AIOKafkaConsumer(
+        group_id=settings.kafka.group_id,
+        enable_auto_commit=False,
+        **connection_kwargs(settings.kafka),
+    )
+    await consumer.start()
+    try:
+        tp = TopicPartition(settings.topics["payments"], 0)
+        consumer.assign([tp])
+        await consumer.commit({tp: OffsetAndMetadata(0, "")})
+    finally:
+        await consumer.stop()

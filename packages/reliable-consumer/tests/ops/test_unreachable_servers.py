@@ -32,8 +32,9 @@ def test_status_without_redis_names_the_redis_setting_in_one_line() -> None:
     done = service("status", WORKER_REDIS__URL=f"redis://ops:s3cret-pw@127.0.0.1:{port}/0")
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert lines[0].startswith(f"Redis is not answering at 127.0.0.1:{port} (WORKER_REDIS__URL): ")
+    # The line naming what the command reads (ops/target.py), then the failure's one line.
+    assert len(lines) == 2 and lines[0].startswith("target: group "), done.stderr
+    assert lines[1].startswith(f"Redis is not answering at 127.0.0.1:{port} (WORKER_REDIS__URL): ")
     assert "s3cret-pw" not in done.stdout + done.stderr
 
 

@@ -27,6 +27,7 @@ from reliable_consumer.ops.dead_letters import (
     find_dead_letter,
     list_dead_letters,
 )
+from reliable_consumer.ops.target import Target, refuse_wrong_target
 
 T = TypeVar("T")
 
@@ -92,9 +93,18 @@ class Backend:
             retry_admin.show_retry(self.settings, self.registry, retry_id),
         )
 
+    async def _aimed(self, action: str, dry_run: bool) -> None:
+        """Refuse (``WrongTarget``) a real action on a group and prefix no worker used."""
+        if not dry_run:
+            await self._call(
+                "checking the target",
+                refuse_wrong_target(self.settings, Target.of(self.settings), action=action),
+            )
+
     async def retry_now(
         self, selection: retry_admin.RetryFilter, actor: str, *, dry_run: bool = False
     ) -> dict[str, Any]:
+        await self._aimed("retries.retry-now", dry_run)
         return await self._call(
             "making retries due",
             retry_admin.retry_now(
@@ -110,6 +120,7 @@ class Backend:
     async def drop(
         self, selection: retry_admin.RetryFilter, actor: str, *, dry_run: bool = False
     ) -> dict[str, Any]:
+        await self._aimed("retries.drop", dry_run)
         return await self._call(
             "dropping retries",
             retry_admin.drop_retries(
@@ -144,6 +155,7 @@ class Backend:
         *,
         dry_run: bool,
     ) -> dict[str, Any]:
+        await self._aimed("dlq redrive", dry_run)
         report = await self._call(
             f"redriving the dead letters of {topic}",
             redrive.redrive(

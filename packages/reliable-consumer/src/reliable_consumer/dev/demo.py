@@ -22,7 +22,6 @@ run: the plan, the live view, the outage and the summary read the same counts.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 import uuid
@@ -39,9 +38,10 @@ from rich.table import Table
 from rich.text import Text
 
 from reliable_consumer.dev.demo_grants import Grants, grants_for, migrate, uses_postgres
+from reliable_consumer.dev.environment import operator_environment
 from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.process import free_port
-from reliable_consumer.dev.stack import DEFAULT_BROKER, STOP_HINT, DevStack, DevStackInfo
+from reliable_consumer.dev.stack import DEFAULT_BROKER, DevStack, DevStackInfo, stop_hint
 from reliable_consumer.engine.declaration.app import App
 from reliable_consumer.engine.declaration.samples import SampleRecord
 from reliable_consumer.engine.kafka.clients import connection_kwargs
@@ -80,14 +80,13 @@ class DemoPlan:
 def demo_environment(settings: Settings, plan: DemoPlan) -> list[str]:
     """``export`` lines that point the operator commands at the demo's broker, Redis,
     group, key prefix and binding."""
-    binding = json.dumps({plan.handler: plan.topic})
-    return [
-        f"export WORKER_KAFKA__BOOTSTRAP_SERVERS={settings.kafka.bootstrap_servers}",
-        f"export WORKER_REDIS__URL={settings.redis.url.get_secret_value()}",
-        f"export WORKER_KAFKA__GROUP_ID={plan.group}",
-        f"export WORKER_REDIS__KEY_PREFIX={plan.key_prefix}",
-        f"export WORKER_TOPICS='{binding}'",
-    ]
+    return operator_environment(
+        bootstrap=settings.kafka.bootstrap_servers,
+        redis_url=settings.redis.url.get_secret_value(),
+        group=plan.group,
+        key_prefix=plan.key_prefix,
+        topics={plan.handler: plan.topic},
+    )
 
 
 def demo_settings(
@@ -265,11 +264,12 @@ def _leave_stack(info: DevStackInfo, keep: bool, console: Console) -> None:
         joined = " (PostgreSQL joined them for this demo)" if info.postgres_started else ""
         console.print(
             f"{servers.capitalize()} were already running (`make dev-up`){joined} and keep "
-            f"running; stop them with `{STOP_HINT}`."
+            f"running; stop them with `{stop_hint(info.state_dir)}`."
         )
     elif keep:
         console.print(
-            f"{servers.capitalize()} keep running (--keep); stop them with `{STOP_HINT}`."
+            f"{servers.capitalize()} keep running (--keep); "
+            f"stop them with `{stop_hint(info.state_dir)}`."
         )
     else:
         DevStack.down(info.state_dir)

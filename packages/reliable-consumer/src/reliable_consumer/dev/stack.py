@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import time
@@ -45,8 +46,16 @@ KAFKA_START_TIMEOUT_S = 120.0
 DEFAULT_STATE_DIR_NAME = ".devstack"
 STATE_FILE_NAME = "state.json"
 DEFAULT_STOP_TIMEOUT_S = 10.0
-# What a user types to stop a stack `up` left running (the venv need not be active).
+# What a user types to stop a stack `up` left running in the default state directory (the
+# venv need not be active); `make dev-down` knows no other directory.
 STOP_HINT = "make dev-down"
+
+
+def stop_hint(state_dir: Path) -> str:
+    """The command that stops the stack kept in ``state_dir``."""
+    if state_dir.resolve() == DevStack.default_state_dir().resolve():
+        return STOP_HINT
+    return f"service dev down --state-dir {shlex.quote(str(state_dir))}"
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,8 @@ class DevStack:
                 if info.broker_healthy and info.redis_healthy and info.broker != broker:
                     raise DevStackError(
                         f"a dev stack with {info.broker_name} is running in {state_dir}; "
-                        f"stop it first (`{STOP_HINT}`) to start one with --broker {broker}"
+                        f"stop it first (`{stop_hint(state_dir)}`) to start one with "
+                        f"--broker {broker}"
                     )
                 postgres = postgres or existing.postgres is not None
                 if info.broker_healthy and info.redis_healthy:

@@ -41,6 +41,16 @@ class PartitionOffsets:
         return self.high_watermark - (self.committed or 0)
 
 
+async def _start(consumer: AIOKafkaConsumer) -> None:
+    """Start ``consumer``; one that failed to start is stopped too, else its client stays
+    open and asyncio reports an "Unclosed AIOKafkaConsumer" under the command's error."""
+    try:
+        await consumer.start()
+    except BaseException:
+        await consumer.stop()
+        raise
+
+
 async def high_watermarks(kafka: KafkaSettings, topic: str) -> dict[int, int]:
     """Each partition's high watermark, taken from a fetch response.
 
@@ -50,7 +60,7 @@ async def high_watermarks(kafka: KafkaSettings, topic: str) -> dict[int, int]:
     fetching once returns the true value on any broker.
     """
     consumer = AIOKafkaConsumer(enable_auto_commit=False, **connection_kwargs(kafka))
-    await consumer.start()
+    await _start(consumer)
     try:
         parts = consumer.partitions_for_topic(topic) or set()
         if not parts:
@@ -91,7 +101,7 @@ async def group_offsets(kafka: KafkaSettings, group: str, topic: str) -> list[Pa
     consumer = AIOKafkaConsumer(
         group_id=group, enable_auto_commit=False, **connection_kwargs(kafka)
     )
-    await consumer.start()
+    await _start(consumer)
     try:
         committed = {p: await consumer.committed(TopicPartition(topic, p)) for p in highs}
     finally:
@@ -136,7 +146,7 @@ async def read_from(
     consumer = AIOKafkaConsumer(
         enable_auto_commit=False, auto_offset_reset="earliest", **connection_kwargs(kafka)
     )
-    await consumer.start()
+    await _start(consumer)
     try:
         consumer.assign(list(plan))
         for tp, start in plan.items():

@@ -15,19 +15,27 @@ forward skips them for good, so the table shows how the lag changes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
+from redis.exceptions import RedisError
 
 from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.observation.member_report import MemberReport, read_member_reports
 from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import audited
 from reliable_consumer.ops.audit import high_watermarks
-from reliable_consumer.ops.status import GroupView, committed_offsets, describe_group
+from reliable_consumer.ops.status import (
+    GroupMember,
+    GroupView,
+    committed_offsets,
+    describe_group,
+)
 
 ACTION = "offsets.reset"
 
@@ -126,15 +134,42 @@ class ResetPlan:
         }
 
 
-def refusal(group: GroupView) -> str:
-    """Why the reset is refused, naming the members (empty when it is not)."""
+def refusal(group: GroupView, reports: Sequence[MemberReport] = ()) -> str:
+    """Why the reset is refused, naming the members (empty when it is not).
+
+    A member is named as it reports itself (``reports``, matched by member id): the
+    coordinator's client id and host may be empty (a broker that does not keep them).
+    """
     if not group.live:
         return ""
-    names = ", ".join(f"{m.client_id} ({m.member_id}) on {m.host}" for m in group.members)
+    by_id = {r.member_id: r for r in reports if r.member_id}
+    names = ", ".join(_member_name(m, by_id.get(m.member_id)) for m in group.members)
     return (
         f"group {group.id!r} is {group.state} with {len(group.members)} live member(s): "
         f"{names or 'joining'}; stop them first (offsets reset needs an Empty group)"
     )
+
+
+def _member_name(member: GroupMember, report: MemberReport | None) -> str:
+    if report is not None:
+        return f"{report.name} ({member.member_id}) on {report.host}"
+    client = member.client_id or "a client that gave no id"
+    host = member.host or "a host the broker did not name"
+    return f"{client} ({member.member_id}) on {host}"
+
+
+async def named_refusal(settings: Settings, group: GroupView) -> str:
+    """``refusal`` with the members' own reports, read only when there is a refusal."""
+    if not group.live:
+        return ""
+    redis = make_client(settings.redis)
+    try:
+        reports = await read_member_reports(redis, settings.redis.key_prefix)
+    except (RedisError, OSError):  # names are a courtesy: the refusal stands without them
+        reports = []
+    finally:
+        await redis.aclose()
+    return refusal(group, reports)
 
 
 async def plan_reset(
@@ -182,11 +217,11 @@ async def reset_offsets(
     )
     if dry_run:
         return plan
-    why = refusal(plan.group)
+    why = await named_refusal(settings, plan.group)
     if why:
         raise ResetRefused(why)
     # Members may have joined since the plan was read: ask again right before the commit.
-    why = refusal(await describe_group(settings.kafka, group))
+    why = await named_refusal(settings, await describe_group(settings.kafka, group))
     if why:
         raise ResetRefused(why)
     committed: dict[str, Any] = {"partitions": 0, "lag_change": 0, "offsets": {}}

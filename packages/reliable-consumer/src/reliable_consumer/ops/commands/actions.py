@@ -24,7 +24,10 @@ from redis.exceptions import RedisError
 from rich.console import Console
 from rich.markup import escape
 
+from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import AuditIncomplete, AuditUnavailable
+from reliable_consumer.ops.commands.unreachable import quiet_client_logs, unreachable
+from reliable_consumer.ops.target import Target, WrongTarget, check_target, refuse_wrong_target
 
 T = TypeVar("T")
 err = Console(stderr=True)
@@ -103,6 +106,36 @@ def run_action(coro: Coroutine[Any, Any, T]) -> T:
 
 
 _SEE_AUDIT = "; `service audit` shows it"
+# A write action refused for its target exits as a usage error does: nothing was touched.
+WRONG_TARGET_EXIT = 2
+
+
+def aim(
+    settings: Settings, *, action: str | None = None, force: bool = False, group: str | None = None
+) -> Target:
+    """Say on stderr which group, prefix and topics the command reads, then check them.
+
+    A read command (``action`` None, or a dry run) gets a loud warning when the target
+    shows no worker (ops/target.py); a write action is refused with exit code 2 unless
+    ``force``. A server that does not answer the check ends the command with its one line.
+    """
+    quiet_client_logs()
+    target = Target.of(settings, group=group)
+    err.print(escape(target.line()), highlight=False, soft_wrap=True)
+    try:
+        if action is not None:
+            asyncio.run(refuse_wrong_target(settings, target, action=action, force=force))
+        else:
+            check = asyncio.run(check_target(settings, target))
+            if check.looks_wrong:
+                err.print(f"[bold red]warning: {escape(check.warning())}[/]", soft_wrap=True)
+    except WrongTarget as exc:
+        _exit(f"{exc}; --force acts on it anyway", WRONG_TARGET_EXIT)
+    except (RedisError, KafkaError, OSError, TimeoutError) as exc:
+        if action is not None:
+            _exit(unreachable(exc) or f"{type(exc).__name__}: {exc}", 1)
+        # A read goes on: it meets the same server and says so in its own one line.
+    return target
 
 
 def _exit(message: str, code: int) -> NoReturn:

@@ -25,6 +25,14 @@ out = Console()
 err = Console(stderr=True)
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON document.")]
+ForceOption = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Act even though the group has no committed offsets and no worker reports "
+        "under the key prefix (a target that looks wrong).",
+    ),
+]
 ActorOption = Annotated[
     str | None,
     typer.Option(help="Who acts, for the audit log (default $SERVICE_ACTOR, else user@host)."),
@@ -65,6 +73,7 @@ def _show(value: object) -> str:
 def status_command(as_json: JsonOption = False) -> None:
     """Is it keeping up: partitions and lag, members, retries, dead letters, circuits."""
     from reliable_consumer.engine.handlers.registry import Registry
+    from reliable_consumer.ops.commands.actions import aim
     from reliable_consumer.ops.status import collect_status
 
     settings = _settings()
@@ -72,6 +81,7 @@ def status_command(as_json: JsonOption = False) -> None:
         registry = Registry.from_settings(settings.topics)
     except ConfigurationError as exc:
         raise _fail(str(exc), 2) from None
+    aim(settings)
     status = asyncio.run(collect_status(settings, registry))
     if as_json:
         _print_json(status.to_json())
@@ -168,16 +178,17 @@ def offsets_reset_command(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the before/after table; change nothing.")
     ] = False,
+    force: ForceOption = False,
     actor: ActorOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Move the group's committed offsets; refused while the group has live members."""
     from reliable_consumer.ops.action_log import default_actor
-    from reliable_consumer.ops.commands.actions import run_action
+    from reliable_consumer.ops.commands.actions import aim, run_action
     from reliable_consumer.ops.offsets_reset import (
         ResetRefused,
         ResetTarget,
-        refusal,
+        named_refusal,
         reset_offsets,
     )
 
@@ -186,6 +197,7 @@ def offsets_reset_command(
         target = ResetTarget.parse(to)
     except ValueError as exc:
         raise _fail(str(exc), 2) from None
+    aim(settings, action=None if dry_run else "offsets reset", force=force, group=group)
     try:
         plan = run_action(
             reset_offsets(
@@ -219,9 +231,10 @@ def offsets_reset_command(
             )
         out.print(table)
         out.print("committed" if plan.applied else "nothing changed (dry run)")
-    if dry_run and refusal(plan.group):
+    why = asyncio.run(named_refusal(settings, plan.group)) if dry_run else ""
+    if why:
         err.print(
-            f"[yellow]a real reset would be refused: {escape(refusal(plan.group))}[/]",
+            f"[yellow]a real reset would be refused: {escape(why)}[/]",
             highlight=False,
             soft_wrap=True,
         )
@@ -282,6 +295,7 @@ def dlq_redrive_command(
             help="Also take dead letters of records that were themselves redriven.",
         ),
     ] = False,
+    force: ForceOption = False,
     actor: ActorOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -292,11 +306,12 @@ def dlq_redrive_command(
     offsets seen at start. A record redriven before that failed again is left unless
     --include-redriven (no loops). Every real run is written to the audit log.
     """
-    from reliable_consumer.ops.commands.actions import run_action
+    from reliable_consumer.ops.commands.actions import aim, run_action
     from reliable_consumer.ops.dead_letters import DeadLetterFilter
     from reliable_consumer.ops.redrive import redrive
 
     settings = _settings()
+    aim(settings, action=None if dry_run else "dlq redrive", force=force)
     selection = DeadLetterFilter(
         reasons=frozenset(reason) if reason else None,
         dedupe_keys=frozenset(key) if key else None,

@@ -26,7 +26,7 @@ from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.settings import Settings, load_settings
 from reliable_consumer.ops.action_log import default_actor, read_actions
-from reliable_consumer.ops.commands.actions import run_action
+from reliable_consumer.ops.commands.actions import aim, run_action
 from reliable_consumer.ops.commands.unreachable import unreachable
 from reliable_consumer.ops.dead_letters import DeadLetterFilter, find_dead_letter, list_dead_letters
 from reliable_consumer.ops.retry_admin import (
@@ -127,6 +127,14 @@ Actor = Annotated[
     str | None, typer.Option("--actor", help="Who acts (default: $SERVICE_ACTOR, else user@host).")
 ]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Count what would move; change nothing.")]
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Act even though the group has no committed offsets and no worker reports "
+        "under the key prefix (a target that looks wrong).",
+    ),
+]
 
 
 def _filter(
@@ -182,6 +190,7 @@ def retries_list(
     """The retries waiting in the delay queue, soonest due first."""
     selection = _filter(handler, reason, key, state, due_before, due_after)
     settings = _settings()
+    aim(settings)
     items = _run(list_retries(settings, _registry(settings), selection, limit=limit))
     if as_json:
         _print_json({"filters": selection.to_json(), "retries": [i.to_json() for i in items]})
@@ -197,6 +206,7 @@ def retries_show(
 ) -> None:
     """One retry with its payload and headers."""
     settings = _settings()
+    aim(settings)
     item = _run(show_retry(settings, _registry(settings), retry_id))
     if item is None:
         _fail(f"no retry {retry_id!r} in the delay queue")
@@ -247,6 +257,7 @@ def retries_retry_now(
     ids: Ids = None,
     everything: Annotated[bool, typer.Option("--all", help="Every retry.")] = False,
     dry_run: DryRun = False,
+    force: Force = False,
     actor: Actor = None,
     as_json: AsJson = False,
 ) -> None:
@@ -257,6 +268,7 @@ def retries_retry_now(
     """
     selection = _act_filter(handler, reason, key, state, due_before, due_after, ids, everything)
     settings = _settings()
+    aim(settings, action=None if dry_run else "retries.retry-now", force=force)
     counts = run_action(
         retry_now(
             settings,
@@ -280,6 +292,7 @@ def retries_drop(
     ids: Ids = None,
     everything: Annotated[bool, typer.Option("--all", help="Every retry.")] = False,
     dry_run: DryRun = False,
+    force: Force = False,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
     actor: Actor = None,
     as_json: AsJson = False,
@@ -291,6 +304,7 @@ def retries_drop(
     """
     selection = _act_filter(handler, reason, key, state, due_before, due_after, ids, everything)
     settings = _settings()
+    aim(settings, action=None if dry_run else "retries.drop", force=force)
     registry = _registry(settings)
     who = actor or default_actor()
     if not dry_run and not yes:
@@ -343,6 +357,7 @@ def dlq_list(
         until_ms=parse_when(until, "--until"),
     )
     settings = _settings()
+    aim(settings)
     letters = _run(list_dead_letters(settings, topic, selection, limit=limit))
     if as_json:
         _print_json(
@@ -375,6 +390,7 @@ def dlq_show(
 ) -> None:
     """One dead letter, with its value and headers."""
     settings = _settings()
+    aim(settings)
     letter = _run(find_dead_letter(settings, topic, partition, offset))
     if letter is None:
         _fail(f"no dead letter at {settings.dead_letter_topic(topic)}/{partition}/{offset}")
@@ -398,6 +414,7 @@ def trace_command(
 ) -> None:
     """The life of one record: its state, retries, dead letters, outcome events, ledger."""
     settings = _settings()
+    aim(settings)
     try:
         found = _run(trace(settings, _registry(settings), dedupe_key, handler=handler))
     except LookupError as exc:
@@ -447,6 +464,7 @@ def audit_command(
     first: one row per action, with how it ended (an action with no end entry is still
     running, or was stopped without writing one)."""
     settings = _settings()
+    aim(settings)
 
     async def read() -> list[Any]:
         client = make_client(settings.redis)

@@ -8,6 +8,7 @@ client library's connection code. Every ``service`` command ends that way (cli.p
 
 from __future__ import annotations
 
+import logging
 from urllib.parse import urlsplit
 
 import redis.exceptions
@@ -16,6 +17,8 @@ from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.settings import load_settings
 
+# The Kafka client logs each failed connection attempt itself; the command says it once.
+CLIENT_LOGGERS = ("aiokafka", "aiokafka.conn", "aiokafka.consumer.consumer")
 REDIS_SETTING = "WORKER_REDIS__URL"
 KAFKA_SETTING = "WORKER_KAFKA__BOOTSTRAP_SERVERS"
 
@@ -39,3 +42,14 @@ def where(setting: str) -> str:
         parts = urlsplit(settings.redis.url.get_secret_value())
         return f"{parts.hostname}:{parts.port or 6379}"
     return settings.kafka.bootstrap_servers
+
+
+def quiet_client_logs() -> None:
+    """Silence the Kafka client's own connection-error lines for an operator command.
+
+    Unconfigured, Python prints them on stderr ("Unable connect to ...", one per attempt)
+    before the command's single line that names the setting to fix. Only for the
+    operator commands: the worker keeps them in its configured logs.
+    """
+    for name in CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
