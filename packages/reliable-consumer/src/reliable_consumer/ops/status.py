@@ -39,18 +39,29 @@ IDLE_STATES = frozenset({"Empty", "Dead"})
 
 @dataclass(frozen=True)
 class GroupMember:
-    """A member as the group coordinator lists it; ``partitions`` as ``topic[p]``."""
+    """A member as the group coordinator lists it, joined with its own report.
+
+    ``address``: the coordinator's client address (``10.0.0.7``); ``host``: the member's
+    host name as it reports it, else that address; ``name``: its report's name
+    (``<client id>.<pid>@<host>``), else ``<client id>@<address>``; ``partitions`` as
+    ``topic[p]``: the coordinator's assignment, else (none decodable, or mid-rebalance)
+    what the member reports holding.
+    """
 
     member_id: str
     client_id: str
     host: str
     partitions: list[str]
+    address: str = ""
+    name: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "member_id": self.member_id,
             "client_id": self.client_id,
             "host": self.host,
+            "address": self.address,
+            "name": self.name,
             "partitions": self.partitions,
         }
 
@@ -80,7 +91,9 @@ class PartitionStatus:
     ``committed`` is the group's committed offset (None: never committed), ``position`` the
     next offset its owner will fetch as the owner last reported it (None: no member reports
     it), ``lag`` = high watermark - committed (everything, when never committed), ``owner``
-    the member id (else client id) holding it, ``reported_by`` the report's name.
+    the holding member's name (``GroupMember.name``: client id, pid and host, which a
+    person can find), ``owner_member_id`` the coordinator's id for it, ``reported_by`` the
+    name of the report that gave the position.
     """
 
     topic: str
@@ -91,6 +104,7 @@ class PartitionStatus:
     lag: int
     owner: str | None
     reported_by: str | None
+    owner_member_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -101,6 +115,7 @@ class PartitionStatus:
             "high_watermark": self.high_watermark,
             "lag": self.lag,
             "owner": self.owner,
+            "owner_member_id": self.owner_member_id,
             "reported_by": self.reported_by,
         }
 
@@ -238,6 +253,30 @@ def _member(raw: Any) -> GroupMember:
     return GroupMember(member_id, client_id, host, partitions)
 
 
+def joined(group: GroupView, reports: list[MemberReport]) -> GroupView:
+    """The coordinator's members with what each says of itself (matched by member id):
+    its host name and report name, and its partitions where the coordinator gave none."""
+    by_id = {r.member_id: r for r in reports if r.member_id}
+    members = []
+    for m in group.members:
+        address = m.host.lstrip("/")
+        report = by_id.get(m.member_id)
+        partitions = m.partitions
+        if not partitions and report is not None:
+            partitions = sorted(f"{p.topic}[{p.partition}]" for p in report.partitions)
+        members.append(
+            GroupMember(
+                member_id=m.member_id,
+                client_id=m.client_id,
+                host=(report.host if report and report.host else address),
+                partitions=partitions,
+                address=address,
+                name=report.name if report else f"{m.client_id}@{address}",
+            )
+        )
+    return GroupView(group.id, group.state, members)
+
+
 async def committed_offsets(
     kafka: KafkaSettings, group: str, tps: list[TopicPartition]
 ) -> dict[TopicPartition, int | None]:
@@ -282,9 +321,8 @@ async def collect_status(
             highs[TopicPartition(topic, p)] = high
     tps = sorted(highs)
     committed = await committed_offsets(kafka, group_id, tps)
-    owners = {
-        tp_name: member.member_id for member in group.members for tp_name in member.partitions
-    }
+    group = joined(group, reports)
+    owners = {tp_name: member for member in group.members for tp_name in member.partitions}
     positions: dict[TopicPartition, tuple[int | None, str]] = {}
     for report in reports:
         for held in report.partitions:
@@ -293,6 +331,7 @@ async def collect_status(
     for tp in tps:
         position, reporter = positions.get(tp, (None, None))
         done = committed[tp]
+        owner = owners.get(f"{tp.topic}[{tp.partition}]")
         partitions.append(
             PartitionStatus(
                 topic=tp.topic,
@@ -301,8 +340,9 @@ async def collect_status(
                 position=position,
                 high_watermark=highs[tp],
                 lag=max(0, highs[tp] - (done or 0)),
-                owner=owners.get(f"{tp.topic}[{tp.partition}]"),
+                owner=owner.name if owner else None,
                 reported_by=reporter,
+                owner_member_id=owner.member_id if owner else None,
             )
         )
     dead: Counter[tuple[str, str]] = Counter()
