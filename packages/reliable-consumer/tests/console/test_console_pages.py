@@ -18,10 +18,12 @@ from reliable_consumer.console.app import create_app
 from reliable_consumer.console.backend import Backend
 from reliable_consumer.console.paging import PAGE_SIZE
 from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.history import BUCKET_MS, Sample, fold
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import Action
 from reliable_consumer.ops.dead_letters import DeadLetter, DeadLetterFilter
 from reliable_consumer.ops.retry_admin import RetryFilter, RetryItem
+from reliable_consumer.ops.status import GroupMember, GroupView, RetryStatus, ServiceStatus
 
 TOPIC = "orders"
 NOW_MS = int(time.time() * 1000)
@@ -340,3 +342,39 @@ def test_a_held_and_a_parked_retry_are_steps_of_the_timeline() -> None:
     )
     assert [(s["step"], s["at_ms"]) for s in steps] == [("held", 5), ("parked until", 9)]
     assert "chain k1" in steps[0]["detail"] and "timed out" in steps[1]["detail"]
+
+
+def test_the_overview_draws_the_last_hours_throughput_lag_and_retry_depth(
+    console: tuple[Any, FixedBackend],
+) -> None:
+    app, backend = console
+    now = NOW_MS
+    samples = [
+        (
+            now - (5 - i) * BUCKET_MS,
+            Sample("svc.1@a", {f"{TOPIC}[0]": 600 * i}, {f"{TOPIC}[0]": 600 * i + 7}, i),
+        )
+        for i in range(5)
+    ]
+    backend.status_doc = ServiceStatus(
+        group=GroupView(
+            "g",
+            "Stable",
+            [GroupMember("m-1", "svc", "vm", [f"{TOPIC}[0]"], "10.0.0.7", "svc.1@vm")],
+        ),
+        partitions=[],
+        members=[],
+        retries=RetryStatus(now, 0, 0, 0, None, 0, None, [], 0),
+        dead_letters=[],
+        circuits=[],
+        history=fold(samples, now),
+    ).to_json()
+    status, body = get(app, "/")
+    assert status == 200, body
+    for chart in ("throughput", "lag", "retry-depth"):
+        assert f'id="chart-{chart}"' in body
+    assert "throughput: now 10 rec/s, peak 10 rec/s in the last hour" in body
+    assert "lag: now 7 records" in body and "retry depth: now 4 items" in body
+    assert "<script" not in body.split("</head>", 1)[1]  # drawn on the server
+    members = _rows(body, "members")
+    assert "svc.1@vm" in members[0] and "10.0.0.7" in members[0] and f"{TOPIC}[0]" in members[0]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from aiokafka.structs import TopicPartition
 from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.observation.history import History, fold
 from reliable_consumer.engine.observation.member_report import MemberReport, PartitionReport
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import status
@@ -35,6 +36,10 @@ def _report(name: str, host: str, member_id: str, partitions: list[int]) -> Memb
         started_at_ms=1,
         reported_at_ms=2,
     )
+
+
+async def _no_history(now_ms: int) -> History:
+    return fold([], now_ms)
 
 
 async def _collect(
@@ -66,6 +71,7 @@ async def _collect(
     monkeypatch.setattr(status, "make_client", lambda redis: Client())
     monkeypatch.setattr(status, "read_member_reports", read_reports)
     monkeypatch.setattr(status, "retry_status", retries)
+    monkeypatch.setattr(status, "read_history", lambda c, p, now: _no_history(now))
     monkeypatch.setattr(status, "describe_group", describe)
     monkeypatch.setattr(status, "high_watermarks", highs)
     monkeypatch.setattr(status, "committed_offsets", committed)

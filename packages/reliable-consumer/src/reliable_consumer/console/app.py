@@ -30,7 +30,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from reliable_consumer.console import filters, paging, present
+from reliable_consumer.console import charts, filters, paging, present
 from reliable_consumer.console.auth import (
     NOT_SIGNED_IN,
     SESSION_COOKIE,
@@ -83,6 +83,7 @@ def _environment() -> jinja2.Environment:
     env.filters["when"] = lambda value: present.when(value, int(time.time() * 1000))
     env.filters["redrive_sentence"] = present.redrive_sentence
     env.filters["timeline"] = present.timeline
+    env.globals["sparkline"] = charts.sparkline
     # A long dedupe key as every reader shows it, its digest: the link to its trace and the
     # text stay short (a megabyte key would be a megabyte URL); the trace finds it by that.
     env.filters["written_key"] = lambda key: long_keys.written(key)[0] if key else key

@@ -23,6 +23,7 @@ from aiokafka.structs import TopicPartition
 
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.observation.history import History, read_history
 from reliable_consumer.engine.observation.member_report import MemberReport, read_member_reports
 from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.delay_queue import RetryQueue
@@ -186,7 +187,8 @@ class ServiceStatus:
     ``dead_letters``: ``[{"source_topic", "reason", "count"}]``; ``members``: the workers'
     own reports (``MemberReport.to_json()``), scheduler-only processes included;
     ``open_circuits``: the circuits not closed; ``stalled``: every member's stalls (a
-    member that is not in the group's list, e.g. one whose join never completes, too).
+    member that is not in the group's list, e.g. one whose join never completes, too);
+    ``history``: throughput, lag and retry depth per minute of the last hour.
     """
 
     group: GroupView
@@ -196,6 +198,7 @@ class ServiceStatus:
     dead_letters: list[dict[str, Any]]
     circuits: list[CircuitStatus]
     errors: list[str] = field(default_factory=list)  # parts that could not be read
+    history: History | None = None  # the last hour, as the members reported it
 
     @property
     def open_circuits(self) -> list[CircuitStatus]:
@@ -221,6 +224,7 @@ class ServiceStatus:
             "open_circuits": [c.to_json() for c in self.open_circuits],
             "stalled": self.stalled,
             "errors": self.errors,
+            "history": self.history.to_json() if self.history else None,
         }
 
 
@@ -308,6 +312,7 @@ async def collect_status(
     try:
         reports = await read_member_reports(redis, settings.redis.key_prefix)
         retries = await retry_status(redis, settings.redis)
+        history = await read_history(redis, settings.redis.key_prefix, retries.now_ms)
     finally:
         await redis.aclose()
     try:
@@ -373,6 +378,7 @@ async def collect_status(
         ],
         circuits=circuits,
         errors=errors,
+        history=history,
     )
 
 
