@@ -306,7 +306,7 @@ def test_the_trace_page_tells_a_keys_life_as_a_timeline(
     assert steps == [
         "delivered",
         "attempt failed, retry scheduled",
-        "dead-lettered",
+        "failed for good",
         "dead-lettered",
         "dead (permanent)",
     ], steps

@@ -58,6 +58,8 @@ def sparkline(values: Sequence[float | int | None], title: str, unit: str = "") 
             ).format(area, line)
         )
     latest = known[-1][1]
+    x, y = point(*known[-1]).split(",")
+    shapes.append(Markup('<circle class="dot" cx="{}" cy="{}" r="2.5"/>').format(x, y))
     said = f"{title}: now {_number(latest)}{unit}, peak {_number(peak)}{unit} in the last hour"
     return Markup(
         '<svg class="chart" role="img" viewBox="0 0 {w} {h}" width="{w}" height="{h}" '

@@ -167,6 +167,6 @@ def timeline(handler: dict[str, Any]) -> list[dict[str, Any]]:
 _EVENT_WORDS = {
     "succeeded": "done",
     "retry_scheduled": "attempt failed, retry scheduled",
-    "dead_lettered": "dead-lettered",
+    "dead_lettered": "failed for good",  # its dead letter is a step of its own
     "duplicate": "duplicate (already done)",
 }

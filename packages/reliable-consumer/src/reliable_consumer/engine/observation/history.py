@@ -1,8 +1,9 @@
 """The last hour of the workers' own numbers, kept in Redis for the console's charts.
 
 Each member report (``member_report.py``) also appends one sample to the stream
-``{prefix}:worker:history``: per held partition, the offset committed and the high
-watermark the consumer last saw, and the retry queue's depth. The stream is trimmed to
+``{prefix}:worker:history``: per held partition, the offset committed (its position
+before its first commit) and the high watermark the consumer last saw, and the retry
+queue's depth. The stream is trimmed to
 the last hour (``MINID``), so it is small, shared by every console replica, and survives a
 console restart; no member waits for it (a failed append is the report's failed write).
 

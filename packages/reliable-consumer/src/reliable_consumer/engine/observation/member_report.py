@@ -206,10 +206,13 @@ class MemberReporter:
         committed: dict[str, int] = {}
         highs: dict[str, int] = {}
         for p in report.partitions:
-            if p.committed is None:
+            # Before its first commit a member knows only its position: with nothing in
+            # flight (a member that found its partitions caught up) that is the same.
+            done = p.committed if p.committed is not None else p.position
+            if done is None:
                 continue
             name = f"{p.topic}[{p.partition}]"
-            committed[name] = p.committed
+            committed[name] = done
             high = _highwater(consumer, TopicPartition(p.topic, p.partition))
             if high is not None:
                 highs[name] = high
