@@ -378,3 +378,11 @@ def test_the_overview_draws_the_last_hours_throughput_lag_and_retry_depth(
     assert "<script" not in body.split("</head>", 1)[1]  # drawn on the server
     members = _rows(body, "members")
     assert "svc.1@vm" in members[0] and "10.0.0.7" in members[0] and f"{TOPIC}[0]" in members[0]
+
+
+def test_an_iso_time_in_a_state_the_ops_functions_word_reads_as_a_relative_time() -> None:
+    due = NOW_MS + 5 * 60_000
+    iso = present.absolute(due).replace(" UTC", "Z").replace(" ", "T")
+    html = str(present.times_in(f"parked until {iso} <b>", NOW_MS))
+    assert html.startswith("parked until <time ") and ">in 5 min</time>" in html
+    assert html.endswith(" &lt;b&gt;")  # the rest is escaped

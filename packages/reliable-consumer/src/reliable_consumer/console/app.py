@@ -81,6 +81,7 @@ def _environment() -> jinja2.Environment:
     )
     # Relative to the moment the page is rendered, the UTC time in its title.
     env.filters["when"] = lambda value: present.when(value, int(time.time() * 1000))
+    env.filters["times_in"] = lambda text: present.times_in(text, int(time.time() * 1000))
     env.filters["redrive_sentence"] = present.redrive_sentence
     env.filters["timeline"] = present.timeline
     env.globals["sparkline"] = charts.sparkline

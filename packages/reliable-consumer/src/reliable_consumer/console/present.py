@@ -7,6 +7,7 @@ without a server, and the pages stay templates.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -71,6 +72,21 @@ def when(value: Any, now_ms: int) -> Markup:
     return Markup('<time datetime="{}" title="{}">{}</time>').format(
         iso, absolute(ms), relative(ms, now_ms)
     )
+
+
+_ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d)?")
+
+
+def times_in(text: Any, now_ms: int) -> Markup:
+    """``text`` (escaped) with each ISO 8601 time in it shown as ``when`` shows it: the
+    states the ops functions word themselves ("parked until 2026-...")."""
+    out = Markup("")
+    rest = str(text)
+    position = 0
+    for found in _ISO.finditer(rest):
+        out += escape(rest[position : found.start()]) + when(found.group(0), now_ms)
+        position = found.end()
+    return out + escape(rest[position:])
 
 
 def redrive_sentence(report: dict[str, Any]) -> str:
