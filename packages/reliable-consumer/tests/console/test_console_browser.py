@@ -33,7 +33,7 @@ from service import sample
 pytestmark = pytest.mark.timeout(180)
 
 T = TypeVar("T")
-SCREENSHOT = Path(__file__).resolve().parents[4] / "docs" / "console.png"
+DOCS = Path(__file__).resolve().parents[4] / "docs"
 ACTOR = "Ada Operator"
 
 
@@ -59,6 +59,15 @@ def _records() -> tuple[list[sample.SampleRecord], str, str]:
         *ok[2:],
     ]
     return records, dead.payment_id, parked.payment_id
+
+
+def _shot(page: Any, tmp_path: Path, name: str) -> None:
+    """A screenshot of the page; copied into docs/ (the docs' pictures) when
+    WORKER_UPDATE_SCREENSHOTS=1 (docs/operations.md says how to regenerate them)."""
+    shot = tmp_path / f"{name}.png"
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("WORKER_UPDATE_SCREENSHOTS") == "1":
+        shutil.copyfile(shot, DOCS / f"{name}.png")
 
 
 def _grants(settings: Settings) -> dict[str, int]:
@@ -159,6 +168,27 @@ def test_console_shows_the_data_and_redrives_only_with_the_token(
         message=lambda: f"the fixed worker is not a member: {members.inner_text()!r}",
     )
 
+    # The member is named with its host and partitions, and owns the partitions it holds.
+    def named() -> bool:
+        members, partitions = _cells(page, "members"), _cells(page, "partitions")
+        return (
+            len(members) == 1
+            and members[0][1] not in ("", "—")
+            and members[0][2].count(topic) == 2
+            and all(row[6].startswith(fixed.kafka.client_id) for row in partitions)
+        )
+
+    wait_until(named, 30, message=lambda: f"members: {_cells(page, 'members')!r}")
+    # The charts are drawn from the members' history: the lag the fixed worker reported.
+    wait_until(
+        lambda: "lag: now" in page.inner_html("#chart-lag"),
+        30,
+        message=lambda: f"no lag chart: {page.inner_html('#charts')!r}",
+    )
+    assert page.locator("#charts svg.chart").count() >= 1
+    assert page.locator("script:not([src])").count() == 0
+    _shot(page, tmp_path, "console")
+
     # Retries: the parked payment, and its own page.
     page.goto(console.url + "/retries")
     items = _cells(page, "retry-items")
@@ -175,20 +205,26 @@ def test_console_shows_the_data_and_redrives_only_with_the_token(
     assert page.inner_text("#dlq-count") == "1"
     letter = _cells(page, "dead-letters")[0]
     assert letter[1] == "permanent" and letter[2] == dead_id, letter
+    _shot(page, tmp_path, "console-dead-letters")
     page.locator("#dead-letters td.num a").click()
     page.wait_for_url(re.compile(r"/dlq/[^/]+/0/0$"))
     assert "x-dlq-reason" in page.inner_text("main") and dead_id in page.inner_text("main")
 
-    # Trace: the dead payment is dead.
+    # Trace: the dead payment is dead, and its timeline says how it got there.
     page.goto(console.url + f"/trace?key={dead_id}")
     assert "dead" in page.inner_text("#trace-state")
+    steps = page.locator("#timeline-1 li .what").all_inner_texts()
+    assert steps[0] == "delivered" and "dead-lettered" in steps, steps
+    assert page.locator("time[title$=' UTC']").count() >= 2
+    _shot(page, tmp_path, "console-trace")
 
     # Redrive without the token: refused, nothing produced, nothing granted, nothing audited.
     highs_before = _run(audit.high_watermarks(fixed.kafka, topic))
     page.goto(console.url + f"/dlq?topic={topic}&key={dead_id}")
     page.click("text=Redrive these")
     page.wait_for_url(re.compile(r"/dlq/redrive"))
-    assert re.search(r"redriven\s+1", page.inner_text("main")), page.inner_text("main")
+    assert page.inner_text("#redrive-preview") == "would redrive 1: permanent 1"
+    _shot(page, tmp_path, "console-redrive-preview")
     page.fill("#redrive-form input[name=actor]", ACTOR)
     page.fill("#redrive-form input[name=token]", "not-the-token-not-the-token")
     with page.expect_response(lambda r: r.url.endswith("/actions/redrive")) as refused:
@@ -216,12 +252,6 @@ def test_console_shows_the_data_and_redrives_only_with_the_token(
     assert entry[1:4] == [ACTOR, "dlq.redrive", "console"], entry
     assert dead_id in entry[4]
 
-    page.goto(console.url + "/")
-    page.wait_for_selector("#partitions tbody tr")
-    shot = tmp_path / "console.png"
-    page.screenshot(path=str(shot), full_page=True)
-    if os.environ.get("WORKER_UPDATE_SCREENSHOTS") == "1":
-        shutil.copyfile(shot, SCREENSHOT)
     page.close()
 
 

@@ -94,8 +94,11 @@ async def test_status_json_reports_offsets_positions_retries_and_dead_letters(
         for n, high in highs.items():
             row: dict[str, Any] = parts[n]
             assert (row["committed"], row["high_watermark"], row["lag"]) == (high, high, 0)
-            assert row["position"] == high and row["owner"] == member["member_id"]
+            assert row["position"] == high and row["owner_member_id"] == member["member_id"]
         (report,) = doc["members"]
+        # The owner and the member are named as a person finds them: client id, pid, host.
+        assert member["name"] == report["name"] and member["host"] == report["host"]
+        assert {row["owner"] for row in parts.values()} == {report["name"]}
         assert report["member_id"] == member["member_id"] and report["pid"] == os.getpid()
         retries = doc["retries"]
         assert (retries["due"], retries["in_flight"], retries["waiting"]) == (1, 0, 0)

@@ -209,3 +209,22 @@ async def test_readers_pair_entries_and_count_actions_not_entries(client: aiored
     assert actions[-1].counts == {"n": 1} and actions[1].counts == {"n": 2}
     assert [a.action for a in await read_actions(client, PREFIX, action="t.1")] == ["t.1"]
     assert len(await read_actions(client, PREFIX, limit=3)) == 3
+
+
+async def test_the_audit_log_pages_by_the_started_entry_and_pairs_an_end_newer_than_the_page(
+    client: aioredis.Redis,
+) -> None:
+    # Five actions; the oldest one ends after all the others started (a long redrive), so
+    # its end entry is newer than the page that lists it.
+    long_run = _audit(client, Counter(moved=0), action="t.long")
+    run = await long_run.__aenter__()
+    for n in range(4):
+        async with _audit(client, Counter(moved=n), action=f"t.{n}"):
+            pass
+    await long_run.__aexit__(None, None, None)
+    first = await read_actions(client, PREFIX, limit=2)
+    assert [a.action for a in first] == ["t.3", "t.2"]
+    second = await read_actions(client, PREFIX, limit=2, before=first[-1].entry_id)
+    assert [a.action for a in second] == ["t.1", "t.0"]
+    third = await read_actions(client, PREFIX, limit=2, before=second[-1].entry_id)
+    assert [(a.action, a.state, a.id) for a in third] == [("t.long", "finished", run.id)]

@@ -11,8 +11,9 @@ it in an ``Authorization: Bearer`` header.
 from __future__ import annotations
 
 import logging
+import re
+import time
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -29,7 +30,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from reliable_consumer.console import filters
+from reliable_consumer.console import charts, filters, paging, present
 from reliable_consumer.console.auth import (
     NOT_SIGNED_IN,
     SESSION_COOKIE,
@@ -47,14 +48,14 @@ from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import AuditIncomplete, AuditUnavailable
-from reliable_consumer.ops.retry_admin import RetryFilter
+from reliable_consumer.ops.dead_letters import DeadLetter
+from reliable_consumer.ops.retry_admin import RetryFilter, RetryItem
 from reliable_consumer.ops.target import WrongTarget
 
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-LIST_LIMIT = 200  # rows a list page shows (the newest); the CLI pages further
-AUDIT_LIMIT = 200
+PAGE_SIZE = paging.PAGE_SIZE  # rows a list page shows; "older"/"later" links page on
 READ_ONLY_VIEW = (
     "this console has no token (WORKER_CONSOLE__TOKEN): nobody can sign in, record content "
     "stays redacted"
@@ -71,17 +72,6 @@ SECURITY_HEADERS = {
 Page = Callable[[Request], Awaitable[Response]]
 
 
-def _when(ms: Any) -> str:
-    """Epoch milliseconds as a UTC time a person reads; empty for none."""
-    if ms is None or ms == "":
-        return ""
-    try:
-        when = datetime.fromtimestamp(int(ms) / 1000, UTC)
-    except (TypeError, ValueError, OverflowError, OSError):
-        return str(ms)
-    return when.strftime("%Y-%m-%d %H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"
-
-
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(HERE / "templates"),
@@ -90,7 +80,12 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["when"] = _when
+    # Relative to the moment the page is rendered, the UTC time in its title.
+    env.filters["when"] = lambda value: present.when(value, int(time.time() * 1000))
+    env.filters["times_in"] = lambda text: present.times_in(text, int(time.time() * 1000))
+    env.filters["redrive_sentence"] = present.redrive_sentence
+    env.filters["timeline"] = present.timeline
+    env.globals["sparkline"] = charts.sparkline
     # A long dedupe key as every reader shows it, its digest: the link to its trace and the
     # text stay short (a megabyte key would be a megabyte URL); the trace finds it by that.
     env.filters["written_key"] = lambda key: long_keys.written(key)[0] if key else key
@@ -192,10 +187,14 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
     async def retries(request: Request) -> dict[str, Any]:
         params = dict(request.query_params)
         selection = filters.retry_filter(params)
-        items = await data.retries(selection, LIST_LIMIT)
+        items = await data.retries(selection, None)
+        shown_page = paging.page_of(items, _retry_order, params.get("after"), PAGE_SIZE)
         return {
-            "items": shown([item.to_json() for item in items], sees_values=sees_values(request)),
-            "limit": LIST_LIMIT,
+            "items": shown(
+                [item.to_json() for item in shown_page.items], sees_values=sees_values(request)
+            ),
+            "total": len(items),
+            "page": shown_page,
             "params": filters.kept(params, filters.RETRY_FIELDS),
             "states": filters.RETRY_STATES,
         }
@@ -212,14 +211,16 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         params = dict(request.query_params)
         topic = bound_topic(params)
         selection = filters.dead_letter_filter(params)
-        letters = await data.dead_letters(topic, selection, LIST_LIMIT)
+        letters = await data.dead_letters(topic, selection, None)
+        shown_page = paging.page_of(letters, _newest_first, params.get("after"), PAGE_SIZE)
         return {
             "topic": topic,
             "letters": shown(
-                [letter.to_json() for letter in reversed(letters)],
+                [letter.to_json() for letter in shown_page.items],
                 sees_values=sees_values(request),
             ),
-            "limit": LIST_LIMIT,
+            "total": len(letters),
+            "page": shown_page,
             "params": filters.kept(params, filters.DLQ_FIELDS),
             "qs": _dlq_query(topic, params),
         }
@@ -254,10 +255,19 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         return {"key": key, "trace": shown(found, sees_values=sees_values(request))}
 
     async def audit(request: Request) -> dict[str, Any]:
-        actions = [a.to_json() for a in await data.actions(AUDIT_LIMIT)]
+        before = request.query_params.get("before") or None
+        if before is not None and not _STREAM_ID.fullmatch(before):
+            raise filters.FilterError(f"before: {before!r} is not an audit entry id")
+        found = await data.actions(PAGE_SIZE + 1, before)
+        actions = [a.to_json() for a in found[:PAGE_SIZE]]
         if not sees_values(request):  # the filters may name customers (dedupe keys)
             actions = [{**a, "filters": shown(a["filters"], sees_values=False)} for a in actions]
-        return {"actions": actions}
+        more = len(found) > PAGE_SIZE and bool(actions[-1]["entry_id"])
+        return {
+            "actions": actions,
+            "first": before is None,
+            "next_before": actions[-1]["entry_id"] if more else None,
+        }
 
     async def login(request: Request) -> Response:
         """GET: the sign-in form; POST: the token, checked, then a session cookie."""
@@ -340,6 +350,20 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
         middleware=[Middleware(_Headers)],
         exception_handlers={HTTPException: not_found, Exception: crashed},
     )
+
+
+_STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+_RETRY_STATE_ORDER = {"due": 0, "in_flight": 1, "waiting": 2}
+
+
+def _retry_order(item: RetryItem) -> paging.Key:
+    """The retry list's order: due soonest first, then in flight by lease, waiting last."""
+    at = item.due_at_ms or item.lease_until_ms or item.first_failed_ms or 0
+    return (_RETRY_STATE_ORDER.get(item.state, 3), at, item.id)
+
+
+def _newest_first(letter: DeadLetter) -> paging.Key:
+    return (-(letter.at_ms or letter.timestamp_ms), -letter.partition, -letter.offset)
 
 
 def _local(params: Mapping[str, Any]) -> str:

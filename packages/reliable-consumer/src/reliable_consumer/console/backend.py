@@ -80,7 +80,7 @@ class Backend:
         return found.to_json()
 
     async def retries(
-        self, selection: retry_admin.RetryFilter | None, limit: int
+        self, selection: retry_admin.RetryFilter | None, limit: int | None
     ) -> list[retry_admin.RetryItem]:
         return await self._call(
             "reading the retry queue",
@@ -134,7 +134,7 @@ class Backend:
         )
 
     async def dead_letters(
-        self, topic: str, selection: DeadLetterFilter, limit: int
+        self, topic: str, selection: DeadLetterFilter, limit: int | None
     ) -> list[DeadLetter]:
         return await self._call(
             f"reading the dead letters of {topic}",
@@ -175,11 +175,13 @@ class Backend:
         )
         return found.to_json()
 
-    async def actions(self, limit: int) -> list[Action]:
+    async def actions(self, limit: int, before: str | None = None) -> list[Action]:
         async def read() -> list[Action]:
             client = make_client(self.settings.redis)
             try:
-                return await read_actions(client, self.settings.redis.key_prefix, limit=limit)
+                return await read_actions(
+                    client, self.settings.redis.key_prefix, limit=limit, before=before
+                )
             finally:
                 await client.aclose()
 

@@ -279,6 +279,7 @@ class Action:
     stopped_by: str = ""
     unfinished_steps: int = 0
     started: bool = field(default=True, repr=False)  # False: its started entry was trimmed
+    entry_id: str = ""  # its started entry's stream id: where the next page of a list starts
 
     @property
     def outcome(self) -> str:
@@ -312,6 +313,7 @@ class Action:
             "stopped_by": self.stopped_by,
             "unfinished_steps": self.unfinished_steps,
             "outcome": self.outcome,
+            "entry_id": self.entry_id,
         }
 
 
@@ -319,6 +321,7 @@ class Action:
 class _Pair:
     start: dict[str, str] | None = None
     start_ms: int = 0
+    start_id: str = ""
     end: dict[str, str] | None = None
     end_ms: int = 0
 
@@ -330,12 +333,16 @@ async def read_actions(
     limit: int = 100,
     action: str | None = None,
     actor: str | None = None,
+    before: str | None = None,
 ) -> list[Action]:
-    """The latest ``limit`` actions (newest start first), optionally of one action or actor.
+    """The latest ``limit`` actions (newest start first), optionally of one action or actor,
+    and only those started before the entry id ``before`` (the next page of a list that
+    ended there: ``Action.entry_id``).
 
     Read newest entry first, so an action's end is met before its start; an end whose
     start the cap trimmed is listed last, once the stream's beginning is reached.
     """
+    bound = _entry_order(before) if before else None
     pairs: dict[str, _Pair] = {}
     found: list[str] = []  # action ids whose start (or only entry) matched, newest first
     end = "+"
@@ -355,7 +362,9 @@ async def read_actions(
             if phase is None or phase in END_PHASES:
                 pair.end, pair.end_ms = fields, at_ms
             if phase is None or phase == "started":
-                pair.start, pair.start_ms = fields, at_ms
+                pair.start, pair.start_ms, pair.start_id = fields, at_ms, entry_id
+                if bound is not None and _entry_order(entry_id) >= bound:
+                    continue  # on a page before this one
                 if _wanted(fields, action, actor):
                     found.append(action_id)
                     if len(found) >= limit:
@@ -371,8 +380,18 @@ async def read_actions(
             for i, p in pairs.items()
             if p.start is None and p.end and _wanted(p.end, action, actor)
         ]
-        out += [_action(i, pairs[i]) for i in orphans][: limit - len(out)]
+        if before is None:  # they are listed last: on the first page that reaches them
+            out += [_action(i, pairs[i]) for i in orphans][: limit - len(out)]
     return out
+
+
+def _entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``<ms>-<seq>``) as what it sorts by."""
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        raise ValueError(f"{entry_id!r} is not a stream entry id") from None
 
 
 def _wanted(fields: Mapping[str, str], action: str | None, actor: str | None) -> bool:
@@ -415,4 +434,5 @@ def _action(action_id: str, pair: _Pair) -> Action:
         stopped_by=(end or {}).get("stopped_by", ""),
         unfinished_steps=unfinished,
         started=start is not None,
+        entry_id=pair.start_id,
     )

@@ -29,6 +29,7 @@ from reliable_consumer.engine.kafka.acls import (
     operator_acls,
 )
 from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.observation.history import History, read_history
 from reliable_consumer.engine.observation.member_report import MemberReport, read_member_reports
 from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.delay_queue import RetryQueue
@@ -45,18 +46,29 @@ IDLE_STATES = frozenset({"Empty", "Dead"})
 
 @dataclass(frozen=True)
 class GroupMember:
-    """A member as the group coordinator lists it; ``partitions`` as ``topic[p]``."""
+    """A member as the group coordinator lists it, joined with its own report.
+
+    ``address``: the coordinator's client address (``10.0.0.7``); ``host``: the member's
+    host name as it reports it, else that address; ``name``: its report's name
+    (``<client id>.<pid>@<host>``), else ``<client id>@<address>``; ``partitions`` as
+    ``topic[p]``: the coordinator's assignment, else (none decodable, or mid-rebalance)
+    what the member reports holding.
+    """
 
     member_id: str
     client_id: str
     host: str
     partitions: list[str]
+    address: str = ""
+    name: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "member_id": self.member_id,
             "client_id": self.client_id,
             "host": self.host,
+            "address": self.address,
+            "name": self.name,
             "partitions": self.partitions,
         }
 
@@ -86,7 +98,9 @@ class PartitionStatus:
     ``committed`` is the group's committed offset (None: never committed), ``position`` the
     next offset its owner will fetch as the owner last reported it (None: no member reports
     it), ``lag`` = high watermark - committed (everything, when never committed), ``owner``
-    the member id (else client id) holding it, ``reported_by`` the report's name.
+    the holding member's name (``GroupMember.name``: client id, pid and host, which a
+    person can find), ``owner_member_id`` the coordinator's id for it, ``reported_by`` the
+    name of the report that gave the position.
     """
 
     topic: str
@@ -97,6 +111,7 @@ class PartitionStatus:
     lag: int
     owner: str | None
     reported_by: str | None
+    owner_member_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -107,6 +122,7 @@ class PartitionStatus:
             "high_watermark": self.high_watermark,
             "lag": self.lag,
             "owner": self.owner,
+            "owner_member_id": self.owner_member_id,
             "reported_by": self.reported_by,
         }
 
@@ -177,7 +193,8 @@ class ServiceStatus:
     ``dead_letters``: ``[{"source_topic", "reason", "count"}]``; ``members``: the workers'
     own reports (``MemberReport.to_json()``), scheduler-only processes included;
     ``open_circuits``: the circuits not closed; ``stalled``: every member's stalls (a
-    member that is not in the group's list, e.g. one whose join never completes, too).
+    member that is not in the group's list, e.g. one whose join never completes, too);
+    ``history``: throughput, lag and retry depth per minute of the last hour.
     """
 
     group: GroupView
@@ -187,6 +204,7 @@ class ServiceStatus:
     dead_letters: list[dict[str, Any]]
     circuits: list[CircuitStatus]
     errors: list[str] = field(default_factory=list)  # parts that could not be read
+    history: History | None = None  # the last hour, as the members reported it
 
     @property
     def open_circuits(self) -> list[CircuitStatus]:
@@ -212,6 +230,7 @@ class ServiceStatus:
             "open_circuits": [c.to_json() for c in self.open_circuits],
             "stalled": self.stalled,
             "errors": self.errors,
+            "history": self.history.to_json() if self.history else None,
         }
 
 
@@ -242,6 +261,30 @@ def _member(raw: Any) -> GroupMember:
         except Exception:  # another protocol's assignment: nothing we can name
             partitions = []
     return GroupMember(member_id, client_id, host, partitions)
+
+
+def joined(group: GroupView, reports: list[MemberReport]) -> GroupView:
+    """The coordinator's members with what each says of itself (matched by member id):
+    its host name and report name, and its partitions where the coordinator gave none."""
+    by_id = {r.member_id: r for r in reports if r.member_id}
+    members = []
+    for m in group.members:
+        address = m.host.lstrip("/")
+        report = by_id.get(m.member_id)
+        partitions = m.partitions
+        if not partitions and report is not None:
+            partitions = sorted(f"{p.topic}[{p.partition}]" for p in report.partitions)
+        members.append(
+            GroupMember(
+                member_id=m.member_id,
+                client_id=m.client_id,
+                host=(report.host if report and report.host else address),
+                partitions=partitions,
+                address=address,
+                name=report.name if report else f"{m.client_id}@{address}",
+            )
+        )
+    return GroupView(group.id, group.state, members)
 
 
 async def committed_offsets(
@@ -275,6 +318,7 @@ async def collect_status(
     try:
         reports = await read_member_reports(redis, settings.redis.key_prefix)
         retries = await retry_status(redis, settings.redis)
+        history = await read_history(redis, settings.redis.key_prefix, retries.now_ms)
     finally:
         await redis.aclose()
     # A refusal names the operator's missing ACL (docs/security.md 6.3).
@@ -293,9 +337,8 @@ async def collect_status(
     tps = sorted(highs)
     with naming_refusal(kafka, needed(settings, "Group", group_id, "Read", operator_acls)):
         committed = await committed_offsets(kafka, group_id, tps)
-    owners = {
-        tp_name: member.member_id for member in group.members for tp_name in member.partitions
-    }
+    group = joined(group, reports)
+    owners = {tp_name: member for member in group.members for tp_name in member.partitions}
     positions: dict[TopicPartition, tuple[int | None, str]] = {}
     for report in reports:
         for held in report.partitions:
@@ -304,6 +347,7 @@ async def collect_status(
     for tp in tps:
         position, reporter = positions.get(tp, (None, None))
         done = committed[tp]
+        owner = owners.get(f"{tp.topic}[{tp.partition}]")
         partitions.append(
             PartitionStatus(
                 topic=tp.topic,
@@ -312,8 +356,9 @@ async def collect_status(
                 position=position,
                 high_watermark=highs[tp],
                 lag=max(0, highs[tp] - (done or 0)),
-                owner=owners.get(f"{tp.topic}[{tp.partition}]"),
+                owner=owner.name if owner else None,
                 reported_by=reporter,
+                owner_member_id=owner.member_id if owner else None,
             )
         )
     dead: Counter[tuple[str, str]] = Counter()
@@ -347,6 +392,7 @@ async def collect_status(
         ],
         circuits=circuits,
         errors=errors,
+        history=history,
     )
 
 

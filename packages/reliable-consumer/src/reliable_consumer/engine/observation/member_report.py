@@ -6,9 +6,10 @@ only the member knows. So every worker writes a small JSON document every few se
 (and at once on an assignment change) to ``{prefix}:worker:report:<client id>.<pid>@<host>``
 with a TTL of three intervals: a member that died disappears on its own.
 
-The report is a courtesy, never a duty: it runs as its own task, a Redis error is logged
-at debug level and skipped until the next interval (no retry loop), and nothing on the
-record path waits for it.
+Each report also appends a sample to the last hour's history (``history.py``: the
+console's charts). The report is a courtesy, never a duty: it runs as its own task, a
+Redis error is logged at debug level and skipped until the next interval (no retry
+loop), and nothing on the record path waits for it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 
 from reliable_consumer.engine.kafka.offsets import OffsetTracker
-from reliable_consumer.engine.redis.keys import escape_part
+from reliable_consumer.engine.observation.history import Sample, append_sample
+from reliable_consumer.engine.redis.keys import RedisKeys, escape_part
 from reliable_consumer.engine.until_done import cancellation_swallowed
 
 log = logging.getLogger(__name__)
@@ -148,6 +150,8 @@ class MemberReporter:
         stalls: Callable[[], dict[str, str]] = dict,
     ) -> None:
         self._client = client
+        self._prefix = prefix
+        self._retry_items = RedisKeys(prefix).retry_items
         self._client_id = client_id
         self._tracker = tracker
         self._consumer = consumer
@@ -194,6 +198,27 @@ class MemberReporter:
         report = await self.snapshot()
         ttl_ms = int(self.interval_s * TTL_INTERVALS * 1000)
         await self._client.set(self.key, json.dumps(report.to_json()), px=max(ttl_ms, 1000))
+        await self._append_history(report)
+
+    async def _append_history(self, report: MemberReport) -> None:
+        """This interval's sample for the console's charts (``history.py``)."""
+        consumer = self._consumer()
+        committed: dict[str, int] = {}
+        highs: dict[str, int] = {}
+        for p in report.partitions:
+            # Before its first commit a member knows only its position: with nothing in
+            # flight (a member that found its partitions caught up) that is the same.
+            done = p.committed if p.committed is not None else p.position
+            if done is None:
+                continue
+            name = f"{p.topic}[{p.partition}]"
+            committed[name] = done
+            high = _highwater(consumer, TopicPartition(p.topic, p.partition))
+            if high is not None:
+                highs[name] = high
+        depth = int(await self._client.hlen(self._retry_items))
+        sample = Sample(self.name, committed, highs, depth)
+        await append_sample(self._client, self._prefix, sample, report.reported_at_ms)
 
     async def snapshot(self) -> MemberReport:
         consumer = self._consumer()
@@ -232,6 +257,17 @@ class MemberReporter:
             reported_at_ms=int(time.time() * 1000),
             stalls=self._stalls(),
         )
+
+
+def _highwater(consumer: AIOKafkaConsumer | None, tp: TopicPartition) -> int | None:
+    """The high watermark the consumer last fetched for ``tp`` (None: not yet known)."""
+    if consumer is None:
+        return None
+    try:
+        high = consumer.highwater(tp)
+    except Exception:  # the assignment moved under us
+        return None
+    return None if high is None else int(high)
 
 
 def _position(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:

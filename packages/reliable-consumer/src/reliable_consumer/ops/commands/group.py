@@ -105,11 +105,12 @@ def status_command(as_json: JsonOption = False) -> None:
         )
     out.print(parts)
     members = Table(title="members")
-    for col in ("name", "member id", "partitions", "in flight", "stalled", "reported"):
+    for col in ("name", "host", "member id", "partitions", "in flight", "stalled", "reported"):
         members.add_column(col)
     for m in status.members:
         members.add_row(
             escape(m.name),
+            escape(m.host or "-"),
             escape(_show(m.member_id)),
             escape(", ".join(f"{p.topic}[{p.partition}]" for p in m.partitions) or "-"),
             str(m.in_flight),
