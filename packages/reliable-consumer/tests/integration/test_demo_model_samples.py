@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 # Three handlers of the team's own: a scaffolded one (its key a plain string), one whose
 # key field a pattern constrains (the run's own key values do not fit it), and one whose
 # model holds a type no generator can fill in.
-HANDLERS = '''
+HANDLERS = """
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -73,7 +73,7 @@ async def handle_shipments(event: ShipmentEvent, ctx: Context) -> None:
 @handler("odd", model=OddEvent, dedupe_key="odd_id")
 async def handle_odd(event: OddEvent, ctx: Context) -> None:
     return None
-'''
+"""
 
 
 def own_app(root: Path, name: str) -> App:

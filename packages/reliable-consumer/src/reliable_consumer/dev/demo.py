@@ -9,10 +9,10 @@ declare an ordered pair (a record that fails twice, then one on the same key tha
 apply after it: the ledger must still read them in that order). It runs the worker with a
 live progress view. Then the first handler's dependency goes down for a few seconds: the
 circuit breaker opens and holds the records instead of spending their retries or
-dead-lettering them, and closes once the dependency is back. Prints a summary once everything has settled, then keeps
-running until Ctrl-C. On the way out it stops the servers it started (unless `--keep`) and
-leaves ones that `service dev up` started, saying which and how to stop them: a newcomer
-must not find stray servers later.
+dead-lettering them, and closes once the dependency is back. Prints a summary once
+everything has settled, then keeps running until Ctrl-C. On the way out it stops the
+servers it started (unless `--keep`) and leaves ones that `service dev up` started, saying
+which and how to stop them: a newcomer must not find stray servers later.
 
 When a handler it runs keeps its effects in PostgreSQL, the stack also runs the embedded
 PostgreSQL, the demo migrates it (`service db migrate`) and counts the app's sample's
