@@ -392,7 +392,7 @@ async def _demo(
         return 1
 
     console.print(
-        f"[bold]4/5[/] handler {plan.handler}'s dependency goes down for {OUTAGE_S:g} s under "
+        f"[bold]4/5[/] the dependency of handler {plan.handler} goes down for {OUTAGE_S:g} s under "
         f"{OUTAGE_RECORDS} more records (x-fault: down-until)"
     )
     outage = await _outage(settings, plan, worker, task, console, run_id, grants[plan.handler])
