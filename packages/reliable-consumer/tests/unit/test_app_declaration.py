@@ -392,8 +392,9 @@ def test_the_demo_of_an_app_with_nothing_it_can_run_stops_with_one_line(
     assert done.exit_code == 2, done.output
     assert done.output.startswith(
         "service demo: nothing to run for the app 'billing-worker': handler parcels: no "
-        "samples can be made from its model (Unsupported type: "
+        "samples can be made from its model ("
     ), done.output
+    assert "Opaque" in done.output  # the type it could not make, named
     assert done.output.endswith(
         "; and it declares no samples (App samples=..., service/app.py)\n"
     ), done.output
