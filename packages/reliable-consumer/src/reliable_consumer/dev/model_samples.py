@@ -64,7 +64,7 @@ class ModelRecord:
         return {"permanent": "permanent", "malformed": "malformed"}.get(self.kind)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelSamples:
     """Records for one handler from its payload model (a ``Samples``)."""
 
