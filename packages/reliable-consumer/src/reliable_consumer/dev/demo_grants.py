@@ -1,30 +1,85 @@
 """Where the demo counts the effects it shows: the app's ledger, in the store of the handler
 it runs (its Redis stream, or its PostgreSQL table), so the live view and the summary read
-what the worker wrote.
+what the worker wrote. A handler the app's samples do not cover has no ledger entries the
+demo could know of (its samples are made from its model, dev/model_samples.py): its effects
+are counted from what the engine itself records, a ``succeeded`` outcome event per record
+applied (the second delivery of a record ends ``duplicate``, never ``succeeded`` again).
 
-Which handler runs: the first of the app's samples' handlers that the settings bind
-(``WORKER_TOPICS`` or the app's topics), else the first of them, bound for the demo.
+Which handlers run (``plan_lanes``): every handler the settings bind (``WORKER_TOPICS`` or
+the app's topics). One the app's samples cover runs on them, the first such alone (the
+app's samples win); every other runs on records made from its model, and one whose model
+the generator cannot fill in is named and left out. When none can run, the first of the
+samples' handlers runs, bound for the demo.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from reliable_consumer.dev.servers.process import DevStackError
+from reliable_consumer.engine.declaration.app import App
 from reliable_consumer.engine.declaration.ledger import Ledger
 from reliable_consumer.engine.declaration.samples import Samples
 from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.kafka.outcome_events import decode_all
+from reliable_consumer.engine.records import Outcome
 from reliable_consumer.engine.redis.keys import RedisKeys
-from reliable_consumer.engine.settings import PostgresSettings
+from reliable_consumer.engine.settings import KafkaSettings, PostgresSettings
 from reliable_consumer.ops import audit
+
+# The records of the demo's outage (demo.py): the most a lane's model must make besides its mix.
+OUTAGE_RECORDS = 30
 
 
 def demo_handler(samples: Samples, topics: Mapping[str, str]) -> str:
     """The handler the demo runs: the first of the samples' handlers the settings bind."""
     return next((h for h in samples.handlers if h in topics), samples.handlers[0])
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One handler the demo runs, on its topic, with its records; ``own`` when they are
+    the app's samples (counted in its ledger), else made from the handler's model."""
+
+    handler: str
+    topic: str
+    samples: Samples
+    own: bool
+
+
+def plan_lanes(app: App, topics: Mapping[str, str], records: int) -> tuple[list[Lane], list[str]]:
+    """The handlers the demo runs, and a line for each bound handler it cannot run (its
+    model tried with ``records`` records: the most a lane gets).
+
+    Raises ConfigurationError (from the registry) for a binding to no declared handler.
+    """
+    from reliable_consumer.dev.model_samples import ModelSamples, UnsampleableModel
+
+    lanes: list[Lane] = []
+    skipped: list[str] = []
+    declared = app.samples
+    covered = set(declared.handlers) if declared is not None else set()
+    registry = Registry.from_settings(topics, app)
+    for name, topic in topics.items():
+        if name in covered:
+            if declared is not None and not any(lane.own for lane in lanes):
+                lanes.append(Lane(name, topic, declared, own=True))
+            continue
+        handler = registry.by_name(name)
+        if handler is None:  # pragma: no cover - the registry refuses an unknown binding
+            continue
+        try:
+            samples = ModelSamples.check(handler, max(records, OUTAGE_RECORDS))
+            lanes.append(Lane(name, topic, samples, own=False))
+        except UnsampleableModel as exc:
+            skipped.append(f"handler {name}: no samples can be made from its model ({exc})")
+    if not lanes and declared is not None:
+        name = demo_handler(declared, topics)
+        lanes.append(Lane(name, topics.get(name, name), declared, own=True))
+    return lanes, skipped
 
 
 def uses_postgres(handler: str) -> bool:
@@ -82,6 +137,39 @@ class PostgresGrants:
     async def order(self, keys: Collection[str]) -> list[str]:
         rows = await audit.table_entries(self.postgres_url, self.ledger)
         return [k for k in map(self.ledger.entry_key, rows) if k is not None and k in keys]
+
+
+@dataclass
+class OutcomeGrants:
+    """The ``succeeded`` outcome events of one handler, read on from where the last read
+    ended (the topic grows by a document per finished batch)."""
+
+    kafka: KafkaSettings
+    topic: str
+    handler: str
+    _starts: dict[int, int] = field(default_factory=dict)
+    _applied: list[str] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return (
+            f"the engine's outcome events (topic {self.topic}): a 'succeeded' event per "
+            "record applied (the app's ledger, if any, does not count records made from a model)"
+        )
+
+    async def counts(self) -> Counter[str]:
+        await self._read()
+        return Counter(self._applied)
+
+    async def order(self, keys: Collection[str]) -> list[str]:
+        await self._read()
+        return [k for k in self._applied if k in keys]
+
+    async def _read(self) -> None:
+        records, self._starts = await audit.read_from(self.kafka, self.topic, self._starts)
+        for event in decode_all([r.value for r in records]):
+            if event.get("handler") == self.handler and event.get("event") == Outcome.SUCCEEDED:
+                self._applied.append(str(event.get("dedupe_key")))
 
 
 def grants_for(
