@@ -337,6 +337,17 @@ def test_component_binds_purchases_and_wires_the_url_into_the_worker() -> None:
     assert settings.postgres.url is not None
 
 
+def test_component_scales_on_every_bound_topic() -> None:
+    """KEDA scales on the largest lag of its triggers: with the component, the postgres
+    handlers' topics count too, each trigger the base's with its own topic."""
+    base = k8s_object("ScaledObject")["spec"]["triggers"]
+    patched_triggers = patch_for("ScaledObject")["spec"]["triggers"]
+    assert [t["metadata"]["topic"] for t in patched_triggers] == list(deploy_bindings(ROOT).topics)
+    for trigger in patched_triggers:
+        same = {**trigger, "metadata": {**trigger["metadata"], "topic": "-"}}
+        assert same == {**base[0], "metadata": {**base[0]["metadata"], "topic": "-"}}
+
+
 def test_the_patched_objects_are_the_bases() -> None:
     """A patch naming no base object would be an error in kustomize and nothing here."""
     for patch in component_patches():

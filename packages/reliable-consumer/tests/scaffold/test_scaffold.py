@@ -327,8 +327,13 @@ def test_a_second_topic_reaches_every_deploy_file_and_gets_its_own_keda_trigger(
     assert json.loads(configmap["WORKER_TOPICS"]) == base
     component = yaml_docs(deploy / "k8s" / "postgres" / "configmap-topics.yaml")[0]["data"]
     assert set(json.loads(component["WORKER_TOPICS"]).values()) == set(topics)
+    # KEDA: one trigger per topic the base binds; the postgres component's patch, every topic.
     (scaled,) = yaml_docs(deploy / "k8s" / "keda-scaledobject.yaml")
-    assert [t["metadata"]["topic"] for t in scaled["spec"]["triggers"]] == topics
+    base_topics = list(dict.fromkeys(base.values()))
+    assert [t["metadata"]["topic"] for t in scaled["spec"]["triggers"]] == base_topics
+    assert len(base_topics) == 2  # the example's and refunds'
+    (patch,) = yaml_docs(deploy / "k8s" / "postgres" / "scaledobject-triggers.yaml")
+    assert [t["metadata"]["topic"] for t in patch["spec"]["triggers"]] == topics
     check = runner.invoke(app, ["deploy", "sync", "--check", "--root", str(deployed)])
     assert check.exit_code == 0, check.output
 

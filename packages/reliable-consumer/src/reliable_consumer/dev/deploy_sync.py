@@ -49,15 +49,18 @@ COMPOSE_POSTGRES = Path("deploy/docker-compose.postgres.yml")
 CONFIGMAP = Path("deploy/k8s/configmap.yaml")
 CONFIGMAP_POSTGRES = Path("deploy/k8s/postgres/configmap-topics.yaml")
 SCALED_OBJECT = Path("deploy/k8s/keda-scaledobject.yaml")
+COMPONENT_TRIGGERS = Path("deploy/k8s/postgres/scaledobject-triggers.yaml")
+TRIGGERS_NOTE = "# One trigger per bound topic"
 # A new topic's partitions in compose (a topic already created there keeps its own count),
 # and its dead-letter topic's: the settings' default WORKER_DEAD_LETTER__TOPIC_TEMPLATE.
 PARTITIONS = 6
 DEAD_LETTER_PARTITIONS = 1
 DEAD_LETTER = "{topic}.dlq"
+LINE = 100  # longer WORKER_TOPICS values are written one binding a line (yamllint's limit: 120)
 
 WORKER_TOPICS = re.compile(
     r"^(?P<indent>[ \t]*)(?:# Bindings derived from [^\n]*\n(?P=indent))?"
-    r"WORKER_TOPICS:[ \t]*'(?P<json>[^'\n]*)'[ \t]*$",
+    r"WORKER_TOPICS:[ \t]*'(?P<json>[^']*)'[ \t]*$",
     re.MULTILINE,
 )
 INIT_BEGIN = "# Each bound topic and its dead letters,"
@@ -83,8 +86,13 @@ class Derived:
 
     base: dict[str, str]
     postgres: dict[str, str]
-    topics: tuple[str, ...]
+    topics: tuple[str, ...]  # every bound topic: compose creates them, the component scales
     base_needs_postgres: bool
+
+    @property
+    def base_topics(self) -> tuple[str, ...]:
+        """The topics the base files bind (the base ScaledObject's triggers)."""
+        return tuple(dict.fromkeys(self.base.values()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,14 +181,18 @@ def changes(root: Path) -> list[Change]:
         COMPOSE_POSTGRES: lambda text: _topics(text, derived.postgres),
         CONFIGMAP: lambda text: _topics(text, derived.base),
         CONFIGMAP_POSTGRES: lambda text: _topics(text, derived.postgres),
-        SCALED_OBJECT: lambda text: _triggers(text, derived.topics),
+        SCALED_OBJECT: lambda text: _triggers(text, derived.base_topics),
     }
+    scaled_object = root / SCALED_OBJECT
+    if scaled_object.is_file() and (root / COMPONENT_TRIGGERS).parent.is_dir():
+        base = scaled_object.read_text(encoding="utf-8")
+        rewrites[COMPONENT_TRIGGERS] = lambda text: _component_triggers(base, derived.topics)
     found: list[Change] = []
     for relative, rewrite in rewrites.items():
         path = root / relative
-        if not path.is_file():
+        if not path.is_file() and relative != COMPONENT_TRIGGERS:
             continue
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
         try:
             wanted = rewrite(text)
         except DeploySyncError as exc:
@@ -209,6 +221,8 @@ def _what(relative: Path, derived: Derived) -> str:
         return f"WORKER_TOPICS '{_json(derived.postgres)}'"
     if relative == CONFIGMAP:
         return f"WORKER_TOPICS '{_json(derived.base)}'"
+    if relative == SCALED_OBJECT:
+        return f"one kafka trigger per topic: {', '.join(derived.base_topics)}"
     return f"one kafka trigger per topic: {topics}"
 
 
@@ -223,7 +237,13 @@ def _topics(text: str, bindings: Mapping[str, str]) -> str:
 
     def one(match: re.Match[str]) -> str:
         indent = match["indent"]
-        return f"{indent}# Bindings {NOTE}\n{indent}WORKER_TOPICS: '{_json(bindings)}'"
+        value = _json(bindings)
+        if len(indent) + len(f"WORKER_TOPICS: '{value}'") > LINE:
+            # One binding a line: YAML folds a quoted scalar's line breaks into spaces,
+            # which JSON ignores, so the value is the same object.
+            pairs = [json.dumps({n: t})[1:-1] for n, t in bindings.items()]
+            value = "{" + f",\n{indent}  ".join(pairs) + "}"
+        return f"{indent}# Bindings {NOTE}\n{indent}WORKER_TOPICS: '{value}'"
 
     return WORKER_TOPICS.sub(one, text)
 
@@ -264,8 +284,27 @@ def _init_topics(text: str, topics: tuple[str, ...]) -> str:
     return "".join(lines)
 
 
-def _triggers(text: str, topics: tuple[str, ...]) -> str:
-    """The ScaledObject's ``triggers:`` list: one kafka trigger per topic, in binding order."""
+@dataclass(frozen=True, slots=True)
+class Triggers:
+    """A ScaledObject's text around its ``triggers:`` list, and the list's kafka triggers."""
+
+    head: list[str]  # the lines before ``triggers:``, without an earlier note
+    key: str  # the ``triggers:`` line
+    tail: list[str]  # the lines after the list
+    depth: int  # the indentation of ``triggers:``
+    by_topic: dict[str, str]  # topic -> its trigger's lines, first one first
+
+    def render(self, topics: tuple[str, ...]) -> str:
+        """The list: a topic's own trigger, else a copy of the first with its topic."""
+        first = next(iter(self.by_topic.values()))
+        return "".join(
+            self.by_topic.get(topic)
+            or re.sub(r"^([ \t]*topic:[ \t]*).*$", rf'\g<1>"{topic}"', first, count=1, flags=re.M)
+            for topic in topics
+        )
+
+
+def _parse_triggers(text: str) -> Triggers:
     lines = text.splitlines(keepends=True)
     start = next(
         (i for i, line in enumerate(lines) if re.fullmatch(r"[ \t]*triggers:[ \t]*\n?", line)),
@@ -277,8 +316,7 @@ def _triggers(text: str, topics: tuple[str, ...]) -> str:
     end = start + 1
     while end < len(lines):
         line = lines[end]
-        stripped = line.strip()
-        if stripped and len(line) - len(line.lstrip()) <= depth:
+        if line.strip() and len(line) - len(line.lstrip()) <= depth:
             break
         end += 1
     items: list[list[str]] = []
@@ -294,18 +332,39 @@ def _triggers(text: str, topics: tuple[str, ...]) -> str:
             by_topic.setdefault(found[1], "".join(item))
     if not by_topic:
         raise DeploySyncError("no kafka trigger with a `topic:` to copy")
-    first = next(iter(by_topic.values()))
-    body = [
-        by_topic.get(topic)
-        or re.sub(r"^([ \t]*topic:[ \t]*).*$", rf'\g<1>"{topic}"', first, count=1, flags=re.M)
-        for topic in topics
-    ]
-    # The note sits above `triggers:`, replacing an earlier one.
     head = lines[:start]
-    note = f"{' ' * depth}# One trigger per bound topic, {NOTE}.\n"
-    if head and head[-1].strip().startswith("# One trigger per bound topic"):
+    if head and head[-1].strip().startswith(TRIGGERS_NOTE):
         head = head[:-1]
-    return "".join([*head, note, lines[start], *body, *lines[end:]])
+    return Triggers(head, lines[start], lines[end:], depth, by_topic)
+
+
+def _triggers(text: str, topics: tuple[str, ...]) -> str:
+    """The ScaledObject's ``triggers:`` list: one kafka trigger per topic, in binding order."""
+    parsed = _parse_triggers(text)
+    note = f"{' ' * parsed.depth}{TRIGGERS_NOTE}, {NOTE}.\n"
+    return "".join([*parsed.head, note, parsed.key, parsed.render(topics), *parsed.tail])
+
+
+def _component_triggers(scaled_object: str, topics: tuple[str, ...]) -> str:
+    """The postgres component's patch of the ScaledObject: its triggers for every bound topic
+    (the postgres handlers' too), copied from the base's (a list is replaced, not merged)."""
+    parsed = _parse_triggers(scaled_object)
+    name = re.search(r"^  name:[ \t]*(\S+)", scaled_object, re.M)
+    namespace = re.search(r"^  namespace:[ \t]*(\S+)", scaled_object, re.M)
+    if name is None or namespace is None or parsed.depth != 2:
+        raise DeploySyncError("the ScaledObject has no metadata name and namespace")
+    return (
+        "---\n"
+        "# The worker's KEDA triggers with this component's bindings: one per bound topic,\n"
+        f"# the postgres handlers' too. The whole file is {NOTE}.\n"
+        "apiVersion: keda.sh/v1alpha1\n"
+        "kind: ScaledObject\n"
+        "metadata:\n"
+        f"  name: {name[1]}\n"
+        f"  namespace: {namespace[1]}\n"
+        "spec:\n"
+        f"{parsed.key}{parsed.render(topics)}"
+    )
 
 
 def echo_changes(done: list[Change], verb: str) -> None:
