@@ -23,7 +23,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[bench]'
 	touch $(BENCH_STAMP)
 
-run: $(STAMP)  ## the worker on the embedded broker and Redis, processing sample payments
+run: $(STAMP)  ## the worker on the embedded broker and Redis, on sample records for every bound handler
 	$(BIN)/service demo
 
 # The suite mostly waits (sessions expiring, brokers electing, outages running out), so it

@@ -328,7 +328,6 @@ SITES: tuple[Site, ...] = (
     # The ACL list of docs/security.md (`service acls`) and its example refusal.
     Site(DOCS, r"Topic '(?P<old>payments)(?=(\.dlq)?')", _topic),
     Site(TESTS, r"PAYMENTS_TOPIC = \"(?P<old>payments)\"", _topic),
-    Site(TESTS, r"topics == \{\"(?P<old>payments)\": PAYMENTS_TOPIC\}", _deploy_first_handler),
     # Everything else that names the project: Kubernetes names, labels, compose, Grafana.
     Site(K8S, r"part-of: (?P<old>payments)$", _part_of),
     Site((*DEPLOY, *DOCKERFILE), NAME_ANYWHERE, _slug, required=True),
@@ -344,6 +343,7 @@ def post_generate(project: Path, template: Path, context: Mapping[str, Any]) -> 
     copy_shared(template, project, answers)
     answers = bind_first_topic(project, template, answers)
     apply_answers(project, answers)
+    sync_deploy(project, template)
     build_wheels(template, project, answers)
 
 
@@ -382,15 +382,16 @@ def bind_first_topic(project: Path, template: Path, answers: Answers) -> Answers
     The default answer (``payments``) is bound by the rendered service/app.py. Any
     other topic gets a handler named after it, written by the project's own
     ``service new-handler`` code, so what generation writes and what the scaffold writes
-    can never differ.
+    can never differ; in the answer's store (``effects_store=postgres``: a postgres
+    handler, its table's migration and its real-database test).
     """
-    scaffold = _import_scaffold(template)
+    scaffold = _import_dev_module(template, "scaffold")
     if answers.topic != DEFAULTS.topic:
         name = scaffold.handler_name_for_topic(answers.topic)
         if name == EXAMPLE_HANDLER:  # e.g. `Payments`: the example is the right handler
             scaffold.bind(project, answers.example, answers.topic)
         else:
-            scaffold.new_handler(project, name, answers.topic)
+            scaffold.new_handler(project, name, answers.topic, answers.effects_store)
     bindings: dict[str, str] = scaffold.read_bindings(project)
     first = next(n for n, t in bindings.items() if t == answers.topic)
     model = EXAMPLE_MODEL if first in EXAMPLES.values() else scaffold.model_name(first)
@@ -494,13 +495,23 @@ def _walk(root: Path, top: str, skip: set[str], ignored: list[str]) -> Iterator[
                 yield relative
 
 
-def _import_scaffold(template: Path) -> types.ModuleType:
-    """The library's ``reliable_consumer.dev.scaffold``, from the template checkout, without
-    running the library's ``__init__``.
+def sync_deploy(project: Path, template: Path) -> None:
+    """The deploy files' bindings, topic creation and KEDA triggers, derived from the
+    project's service/app.py as ``service deploy sync`` derives them."""
+    deploy_sync = _import_dev_module(template, "deploy_sync")
+    try:
+        deploy_sync.sync(project)
+    except deploy_sync.DeploySyncError as exc:
+        raise GenerationError(f"deriving the deploy files' bindings: {exc}") from None
+
+
+def _import_dev_module(template: Path, module: str) -> types.ModuleType:
+    """The library's ``reliable_consumer.dev.<module>`` (the scaffold, the deploy sync), from
+    the template checkout, without running the library's ``__init__``.
 
     That package imports pydantic and the rest of the library's dependencies, which the
-    interpreter running cookiecutter does not have; the scaffold and the naming rules it
-    uses need only the standard library.
+    interpreter running cookiecutter does not have; these modules and the naming rules they
+    use need only the standard library.
     """
     name = "reliable_consumer"
     saved = {k: v for k, v in sys.modules.items() if k == name or k.startswith(f"{name}.")}
@@ -510,7 +521,7 @@ def _import_scaffold(template: Path) -> types.ModuleType:
     package.__path__ = [str(template / LIBRARY / "src" / name)]
     sys.modules[name] = package
     try:
-        return importlib.import_module(f"{name}.dev.scaffold")
+        return importlib.import_module(f"{name}.dev.{module}")
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(f"{name}.")]:
             del sys.modules[key]

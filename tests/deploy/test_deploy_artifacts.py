@@ -36,7 +36,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from pydantic import BaseModel
-from reliable_consumer.testing.deploy import Settings, tested_kafka_version
+from reliable_consumer.testing.deploy import Settings, deploy_bindings, tested_kafka_version
 from yamllint import linter as yamllint_linter
 from yamllint.config import YamlLintConfig
 
@@ -586,25 +586,32 @@ def test_keda_scaled_object() -> None:
     assert 1 <= spec["maxReplicaCount"] <= partitions
     assert spec["maxReplicaCount"] == partitions == 6
 
+    # One trigger per bound topic: KEDA scales on the largest lag, so every topic counts.
     triggers = spec["triggers"]
-    assert [t["type"] for t in triggers] == ["kafka"]
-    meta = triggers[0]["metadata"]
-    assert meta["bootstrapServers"] == cm["WORKER_KAFKA__BOOTSTRAP_SERVERS"]
-    assert meta["consumerGroup"] == cm["WORKER_KAFKA__GROUP_ID"]
-    assert meta["topic"] in json.loads(cm["WORKER_TOPICS"]).values()
-    assert int(meta["lagThreshold"]) > 0
-    assert meta.get("allowIdleConsumers", "false") == "false"
-    for key, value in meta.items():
-        assert isinstance(value, str), f"trigger metadata {key} must be a string"
+    assert [t["type"] for t in triggers] == ["kafka"] * len(triggers)
+    # The base files' topics; the postgres component's patch adds the postgres handlers'.
+    assert [t["metadata"]["topic"] for t in triggers] == list(deploy_bindings(ROOT).base_topics)
+    for trigger in triggers:
+        meta = trigger["metadata"]
+        assert meta["bootstrapServers"] == cm["WORKER_KAFKA__BOOTSTRAP_SERVERS"]
+        assert meta["consumerGroup"] == cm["WORKER_KAFKA__GROUP_ID"]
+        assert int(meta["lagThreshold"]) > 0
+        assert meta.get("allowIdleConsumers", "false") == "false"
+        for key, value in meta.items():
+            assert isinstance(value, str), f"trigger metadata {key} must be a string"
 
-    # Security settings mirror the worker's.
-    protocol = cm.get("WORKER_KAFKA__SECURITY_PROTOCOL", "PLAINTEXT")
-    assert (meta.get("tls") == "enable") == protocol.endswith("SSL")
-    sasl = {"PLAIN": "plaintext", "SCRAM-SHA-256": "scram_sha256", "SCRAM-SHA-512": "scram_sha512"}
-    if protocol.startswith("SASL"):
-        assert meta["sasl"] == sasl[cm["WORKER_KAFKA__SASL_MECHANISM"]]
-    else:
-        assert "sasl" not in meta
+        # Security settings mirror the worker's.
+        protocol = cm.get("WORKER_KAFKA__SECURITY_PROTOCOL", "PLAINTEXT")
+        assert (meta.get("tls") == "enable") == protocol.endswith("SSL")
+        sasl = {
+            "PLAIN": "plaintext",
+            "SCRAM-SHA-256": "scram_sha256",
+            "SCRAM-SHA-512": "scram_sha512",
+        }
+        if protocol.startswith("SASL"):
+            assert meta["sasl"] == sasl[cm["WORKER_KAFKA__SASL_MECHANISM"]]
+        else:
+            assert "sasl" not in meta
 
 
 def test_keda_trigger_authentication_points_at_real_credentials() -> None:
@@ -649,7 +656,7 @@ def test_k8s_env_loads_into_worker_settings() -> None:
     assert settings.kafka.bootstrap_servers == cm["WORKER_KAFKA__BOOTSTRAP_SERVERS"]
     assert settings.kafka.security_protocol == "SASL_SSL"
     assert settings.kafka.sasl_password is not None
-    assert settings.topics == {"payments": PAYMENTS_TOPIC}
+    assert settings.topics == deploy_bindings(ROOT).base  # test_deploy_bindings.py: exact
     assert settings.redis.url.get_secret_value().startswith("rediss://")
 
     # Secrets stay out of the ConfigMap; the example Secret holds placeholders only.
@@ -667,7 +674,7 @@ def test_compose_env_loads_into_worker_settings() -> None:
     assert settings.kafka.bootstrap_servers.split(":")[0] == "kafka"
     assert settings.kafka.security_protocol == "PLAINTEXT"
     assert settings.redis.url.get_secret_value().startswith("redis://redis:")
-    assert settings.topics == {"payments": PAYMENTS_TOPIC}
+    assert settings.topics == deploy_bindings(ROOT).base
 
 
 # --------------------------------------------------------------------------- compose
@@ -736,7 +743,7 @@ def test_compose_worker() -> None:
 def test_compose_topic_init_creates_the_contract_topics() -> None:
     settings = load_settings_from(compose_worker_env())
     partitions = compose_partitions()
-    source_topics = set(settings.topics.values())
+    source_topics = set(deploy_bindings(ROOT).topics)  # every bound topic, postgres ones too
     expected = source_topics | {settings.dead_letter_topic(t) for t in source_topics}
     expected.add(settings.outcomes_topic() or "")
     assert set(partitions) == expected

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
-from reliable_consumer.testing.deploy import Registry, Settings
+from reliable_consumer.testing.deploy import Registry, Settings, deploy_bindings
 
 from tests.deploy.test_deploy_artifacts import (
     DEPLOY,
@@ -96,10 +96,10 @@ def registry_of(settings: Settings) -> Registry:
     return Registry.from_settings(settings.topics)
 
 
-def overlay_topics(base_topics: dict[str, str]) -> dict[str, str]:
-    """The postgres overlays' bindings: the base files' with the example on its PostgreSQL
-    twin (``purchases``) in place of its Redis one (``payments``), every other as it is."""
-    return {("purchases" if n == "payments" else n): t for n, t in base_topics.items()}
+def overlay_topics() -> dict[str, str]:
+    """The postgres overlays' bindings, as ``service deploy sync`` derives them: every
+    binding of service/app.py, the example on its PostgreSQL twin (``purchases``)."""
+    return deploy_bindings(ROOT).postgres
 
 
 @functools.cache
@@ -192,13 +192,15 @@ def pod_env_of(container: dict[str, Any], configmap: dict[str, Any]) -> dict[str
 
 def test_the_base_stack_needs_no_postgres() -> None:
     """Without the override the example keeps its effects in Redis: nothing waits for a
-    database that is not there."""
+    database that is not there (unless every binding keeps its effects in PostgreSQL: then
+    `service deploy sync` binds them all, and the override is required)."""
     services = compose()["services"]
     assert "postgres" not in services and "migrate" not in services
     for name in ("worker", "console"):
         settings = load_settings_from(service_env(services[name]))
         assert settings.postgres.url is None
-        assert not registry_of(settings).uses_postgres, name
+        needed = deploy_bindings(ROOT).base_needs_postgres
+        assert registry_of(settings).uses_postgres == needed, name
 
 
 def test_compose_postgres_service_is_durable_and_checked() -> None:
@@ -244,10 +246,8 @@ def test_compose_worker_binds_the_postgres_handler_to_the_compose_database(
     base_topics = load_settings_from(service_env(compose()["services"]["worker"])).topics
     for name in ("worker", "console"):
         settings = load_settings_from(service_env(merged_services()[name], shell))
-        registry = registry_of(settings)
-        assert settings.topics == overlay_topics(base_topics), name
-        assert registry.uses_postgres == ("payments" in base_topics), name
-        assert set(settings.topics.values()) == set(base_topics.values()), name
+        assert settings.topics == overlay_topics(), name
+        assert set(base_topics.values()) <= set(settings.topics.values()), name
         assert settings.postgres.url is not None
         url = urlsplit(settings.postgres.url.get_secret_value())
         assert (url.hostname, url.port or 5432) == ("postgres", 5432)
@@ -330,12 +330,22 @@ def test_component_binds_purchases_and_wires_the_url_into_the_worker() -> None:
     kubernetes_validate.validate(configmap, K8S_VERSION, strict=True)
     settings = load_settings_from(pod_env_of(container, configmap))
     base = load_settings_from(pod_env_of(deployment_container(), k8s_object("ConfigMap")))
-    assert settings.topics == overlay_topics(base.topics)
-    assert registry_of(settings).uses_postgres == ("payments" in base.topics)
-    assert not registry_of(base).uses_postgres
-    # The same topic, so the KEDA trigger and the topic-init lists stay right.
-    assert set(settings.topics.values()) == set(base.topics.values())
+    assert settings.topics == overlay_topics()
+    assert not registry_of(base).uses_postgres or deploy_bindings(ROOT).base_needs_postgres
+    # Every bound topic, each with its KEDA trigger and its topic-init line.
+    assert set(base.topics.values()) <= set(settings.topics.values())
     assert settings.postgres.url is not None
+
+
+def test_component_scales_on_every_bound_topic() -> None:
+    """KEDA scales on the largest lag of its triggers: with the component, the postgres
+    handlers' topics count too, each trigger the base's with its own topic."""
+    base = k8s_object("ScaledObject")["spec"]["triggers"]
+    patched_triggers = patch_for("ScaledObject")["spec"]["triggers"]
+    assert [t["metadata"]["topic"] for t in patched_triggers] == list(deploy_bindings(ROOT).topics)
+    for trigger in patched_triggers:
+        same = {**trigger, "metadata": {**trigger["metadata"], "topic": "-"}}
+        assert same == {**base[0], "metadata": {**base[0]["metadata"], "topic": "-"}}
 
 
 def test_the_patched_objects_are_the_bases() -> None:

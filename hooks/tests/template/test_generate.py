@@ -280,6 +280,22 @@ def test_postgres_answer_without_the_example_topic(orders_project: Path) -> None
     assert 'store="postgres"' in readme and "service db migrate" in readme
 
 
+def test_the_postgres_answer_gives_a_postgres_first_handler(orders_project: Path) -> None:
+    """effects_store=postgres and a first topic of its own: its scaffolded handler keeps its
+    effects in PostgreSQL (its table's migration, a real-database test), and the deploy files
+    agree with the bindings (all postgres here: the base files bind it too)."""
+    handler = (orders_project / "service/handlers/orders_created.py").read_text()
+    assert 'store="postgres"' in handler and "ctx.db.execute" in handler
+    migration = orders_project / "service/migrations/0002_orders_created.sql"
+    assert 'CREATE TABLE "orders_created"' in migration.read_text()
+    test = (orders_project / "tests/handlers/test_handler_orders_created.py").read_text()
+    assert "postgres_url: str" in test
+    check = project_python(
+        orders_project, "-m", "reliable_consumer", "deploy", "sync", "--check", "--root", "."
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_postgres_answer_changes_only_the_binding(default_project: Path, tmp_path: Path) -> None:
     """Default answers but effects_store=postgres: service/app.py binds the example as
     "purchases", and only the files naming the project's default bindings differ from the
@@ -302,7 +318,12 @@ def test_postgres_answer_changes_only_the_binding(default_project: Path, tmp_pat
     # make run needs no override here: service/app.py binds the example.
     assert run_recipe(project) == run_recipe(default_project) == ["\t$(BIN)/service demo"]
     assert "Redis and PostgreSQL" in (project / "README.md").read_text()
-    assert "PostgreSQL" not in (default_project / "README.md").read_text()
+    default_readme = (default_project / "README.md").read_text()
+    assert "Redis and PostgreSQL" not in default_readme  # its quick start needs no database
+    # Adding a handler shows both stores, whatever the answer.
+    for readme in (default_readme, (project / "README.md").read_text()):
+        assert "service new-handler refunds --topic payments.refunds\n" in readme
+        assert "--store postgres" in readme and "service deploy sync" in readme
 
 
 def test_k8s_and_yaml_quoting(refunds_project: Path) -> None:
@@ -389,7 +410,9 @@ def test_scaffolded_handler_passes_in_a_generated_project(
     ]
     result = run_project_tests(project, *tests)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "8 passed" in result.stdout
+    # The scaffold's Redis test (4 cases, chargebacks) and, the answers keeping effects in
+    # PostgreSQL, the first handler's postgres test (3 cases, orders_created).
+    assert "7 passed" in result.stdout
     bound = project_python(
         project,
         "-c",
@@ -423,6 +446,17 @@ def test_whole_suite_after_scaffolding_a_topic_per_store(
             "--store", store,
         )  # fmt: skip
         assert scaffold.returncode == 0, scaffold.stderr
+        assert "updated deploy/k8s/keda-scaledobject.yaml" in scaffold.stdout or store == "postgres"
+    # The scaffold brought deploy/ in line: a KEDA trigger for each topic the base binds
+    # (billing.invoices-paid is a postgres handler's: the component's patch scales on it).
+    keda = (project / "deploy/k8s/keda-scaledobject.yaml").read_text()
+    assert re.findall(r'topic: "([^"]+)"', keda) == ["billing.refunds"]
+    patch = (project / "deploy/k8s/postgres/scaledobject-triggers.yaml").read_text()
+    assert re.findall(r'topic: "([^"]+)"', patch) == [
+        "billing.invoices-paid",
+        "billing.refunds",
+        "billing.chargebacks",
+    ]
     result = run_project_tests(project, "-rf")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     collected = run_project_tests(project, "--collect-only", "-q").stdout

@@ -181,8 +181,12 @@ def test_the_teams_work_moves_and_the_suite_passes(old_and_new: tuple[Path, Path
     # them now: the first topic's handler (NEW's generation has it) and the ledger's.
     unedited = "the old scaffold's, unedited: written as the scaffold writes it now"
     for line in (
-        f"same     service/handlers/{FIRST}.py  (NEW has it already; OLD's was the old "
-        "scaffold's, unedited)",
+        # NEW's generation (effects_store=postgres) scaffolded a postgres first handler; OLD's
+        # (a Redis one, as the old template wrote it) replaces it, and its unused table goes.
+        f"replace  service/handlers/{FIRST}.py  (NEW held the scaffold's placeholder)"
+        f"  ({unedited})",
+        f"remove   service/migrations/0002_{FIRST}.sql  (NEW's placeholder table; OLD's handler "
+        "replaces it)",
         f"carry    service/handlers/ledger.py  ({unedited})",
         f"carry    service/migrations/{LEDGER_MIGRATION}",
         "carry    tests/integration/test_handler_ledger.py -> tests/handlers/test_handler_ledger.py"
@@ -198,7 +202,9 @@ def test_the_teams_work_moves_and_the_suite_passes(old_and_new: tuple[Path, Path
     )
     assert long_line in lines, result.stdout
     assert "review   Dockerfile  (differs from NEW's)" in lines, result.stdout
-    assert lines[-1].startswith("done: 6 file(s) written, 2 binding(s) added"), result.stdout
+    assert lines[-1].startswith("done: 9 file(s) written, 2 binding(s) added"), result.stdout
+    # The carried bindings reached deploy/.
+    assert "derive   deploy/docker-compose.postgres.yml: WORKER_TOPICS" in result.stdout
 
     handler = (new / "service" / "handlers" / "refunds.py").read_text(encoding="utf-8")
     assert "from reliable_consumer.engine.errors import PermanentError" in handler

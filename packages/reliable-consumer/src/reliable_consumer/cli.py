@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from reliable_consumer.dev.deploy_sync import deploy_sync_command
 from reliable_consumer.dev.from_copy import migrate_from_copy_command
 from reliable_consumer.dev.scaffold import new_handler_command
 from reliable_consumer.engine import runtime
@@ -50,8 +51,11 @@ dev_app = typer.Typer(
     help="The embedded broker and Redis (and PostgreSQL, if needed) for development.",
 )
 dlq_app = typer.Typer(no_args_is_help=True, help="Dead-letter topic tools.")
+deploy_app = typer.Typer(no_args_is_help=True, help="The deploy files under deploy/.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(dlq_app, name="dlq")
+app.add_typer(deploy_app, name="deploy")
+deploy_app.command("sync")(deploy_sync_command)  # reliable_consumer/dev/deploy_sync.py
 app.command("new-handler")(new_handler_command)  # scaffold: reliable_consumer/dev/scaffold.py
 app.command("migrate-from-copy")(migrate_from_copy_command)  # reliable_consumer/dev/from_copy.py
 app.command("status")(status_command)  # reliable_consumer/ops/commands/group.py

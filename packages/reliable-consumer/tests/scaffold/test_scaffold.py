@@ -8,14 +8,17 @@ project itself.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from reliable_consumer.cli import app
 from reliable_consumer.dev import scaffold
 from reliable_consumer.engine.declaration.location import current_app
@@ -126,11 +129,16 @@ def test_generated_code_is_lint_clean(project: Path) -> None:
     scaffold.new_handler(project, long_name, "t" * 249)
     pg_name = "p" + "_x" * 31
     scaffold.new_handler(project, pg_name, "u" * 249, store="postgres")
+    names = [long_name, pg_name]
+    # Ordinary names, 2 to 30 characters, on either store (its own topic each).
+    for length in range(2, 31):
+        for store in ("redis", "postgres"):
+            name = (f"{store[0]}{length}_" + "ledger_events" * 3)[:length].rstrip("_")
+            scaffold.new_handler(project, name, f"{name}.events.v1", store=store)
+            names.append(name)
     files = [
-        f"service/handlers/{long_name}.py",
-        f"tests/handlers/test_handler_{long_name}.py",
-        f"service/handlers/{pg_name}.py",
-        f"tests/handlers/test_handler_{pg_name}.py",
+        *(f"service/handlers/{name}.py" for name in names),
+        *(f"tests/handlers/test_handler_{name}.py" for name in names),
         "service/app.py",
     ]
     ruff = Path(sys.executable).with_name("ruff")
@@ -274,3 +282,78 @@ def test_generated_tests_use_only_the_librarys_public_testing_surface(project: P
         }
         ours = {m for m in imported if m and m.split(".")[0] == "reliable_consumer"}
         assert ours == {"reliable_consumer.testing"}, (store, imported)
+
+
+@pytest.fixture
+def deployed(project: Path) -> Path:
+    """The project copy with this project's deploy files too."""
+    shutil.copytree(PROJECT / "deploy", project / "deploy")
+    return project
+
+
+def yaml_docs(path: Path) -> list[Any]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
+
+
+def test_a_second_topic_reaches_every_deploy_file_and_gets_its_own_keda_trigger(
+    deployed: Path,
+) -> None:
+    """`service new-handler`, one topic per store: both topics are created (each with its
+    dead-letter topic) and scaled on; the base files bind the Redis handler, the postgres
+    overlays both. Nothing is left to edit by hand."""
+    runner = CliRunner()
+    for name, topic, store in (
+        ("refunds", "billing.refunds", "redis"),
+        ("ledger_rows", "ledger.rows", "postgres"),
+    ):
+        args = ["new-handler", name, "--topic", topic, "--store", store, "--root", str(deployed)]
+        done = runner.invoke(app, args)
+        assert done.exit_code == 0, done.output
+    bound = scaffold.read_bindings(deployed)
+    topics = list(bound.values())
+    deploy = deployed / "deploy"
+    compose = yaml_docs(deploy / "docker-compose.yml")[0]
+    base = json.loads(compose["x-worker-env"]["WORKER_TOPICS"])
+    assert base["refunds"] == "billing.refunds" and "ledger_rows" not in base
+    script = "\n".join(compose["services"]["kafka-init"]["entrypoint"])
+    created = set(re.findall(r"^\s*create\s+(\S+)\s+\d+\s*$", script, re.M))
+    assert {*topics, *(f"{t}.dlq" for t in topics)} <= created
+    overlay = yaml_docs(deploy / "docker-compose.postgres.yml")[0]["services"]
+    for service_name in ("worker", "console"):
+        bindings = json.loads(overlay[service_name]["environment"]["WORKER_TOPICS"])
+        assert bindings["ledger_rows"] == "ledger.rows", service_name
+        assert bindings["refunds"] == "billing.refunds", service_name
+    configmap = yaml_docs(deploy / "k8s" / "configmap.yaml")[0]["data"]
+    assert json.loads(configmap["WORKER_TOPICS"]) == base
+    component = yaml_docs(deploy / "k8s" / "postgres" / "configmap-topics.yaml")[0]["data"]
+    assert set(json.loads(component["WORKER_TOPICS"]).values()) == set(topics)
+    # KEDA: one trigger per topic the base binds; the postgres component's patch, every topic.
+    (scaled,) = yaml_docs(deploy / "k8s" / "keda-scaledobject.yaml")
+    base_topics = list(dict.fromkeys(base.values()))
+    assert [t["metadata"]["topic"] for t in scaled["spec"]["triggers"]] == base_topics
+    assert len(base_topics) == 2  # the example's and refunds'
+    (patch,) = yaml_docs(deploy / "k8s" / "postgres" / "scaledobject-triggers.yaml")
+    assert [t["metadata"]["topic"] for t in patch["spec"]["triggers"]] == topics
+    check = runner.invoke(app, ["deploy", "sync", "--check", "--root", str(deployed)])
+    assert check.exit_code == 0, check.output
+
+
+def test_deploy_sync_check_names_the_file_that_disagrees_and_changes_nothing(
+    deployed: Path,
+) -> None:
+    compose = deployed / "deploy" / "docker-compose.yml"
+    text = compose.read_text(encoding="utf-8")
+    assert text.count("WORKER_TOPICS: '") == 1
+    edited = re.sub(r"WORKER_TOPICS: '[^']*'", """WORKER_TOPICS: '{"x": "y"}'""", text)
+    compose.write_text(edited, encoding="utf-8")
+    before = snapshot(deployed)
+    runner = CliRunner()
+    check = runner.invoke(app, ["deploy", "sync", "--check", "--root", str(deployed)])
+    assert check.exit_code == 1, check.output
+    assert "deploy/docker-compose.yml disagrees with service/app.py" in check.output
+    assert f"WORKER_TOPICS '{json.dumps(TOPICS)}'" in check.output
+    assert "keda" not in check.output  # only the file that disagrees
+    assert snapshot(deployed) == before
+    fixed = runner.invoke(app, ["deploy", "sync", "--root", str(deployed)])
+    assert fixed.exit_code == 0 and "updated deploy/docker-compose.yml" in fixed.output
+    assert compose.read_text(encoding="utf-8") == text

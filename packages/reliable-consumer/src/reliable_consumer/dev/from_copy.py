@@ -45,7 +45,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -53,7 +53,7 @@ from typing import Annotated
 
 import typer
 
-from reliable_consumer.dev import scaffold
+from reliable_consumer.dev import deploy_sync, scaffold
 
 # What the copied engine put in a project's service/ next to the team's code: never carried.
 ENGINE_PARTS = frozenset(
@@ -185,8 +185,9 @@ class NotACopy(ValueError):
 class Step:
     """One line of the report, and what it writes in NEW (nothing for a report-only line).
 
-    ``verb``: carry, replace (a scaffold placeholder of NEW), bind, same, keep (NEW's
-    copy of a template file), review (for a person), conflict.
+    ``verb``: carry, replace (a scaffold placeholder of NEW), remove (the table migration of
+    a postgres placeholder OLD's handler replaces), bind, same, keep (NEW's copy of a
+    template file), review (for a person), conflict.
     """
 
     verb: str
@@ -333,6 +334,9 @@ def apply(new: Path, steps: list[Step], force: bool) -> list[Path]:
     for step in steps:
         if step.binding is not None and step.verb == "bind":
             scaffold.bind(new, *step.binding)
+        if step.verb == "remove" and step.path is not None:
+            (new / step.path).unlink(missing_ok=True)
+            written.append(step.path)
         wanted = step.verb in ("carry", "replace") or (
             step.verb == "conflict" and force and step.forcible
         )
@@ -416,7 +420,7 @@ def _carry(
     dest: Path,
     data: bytes,
     how: str,
-    placeholder: str | None = None,
+    placeholders: Collection[str] = (),
 ) -> Step:
     """The step that puts ``data`` at ``dest`` in NEW: carry, same, replace or conflict."""
     shown = str(dest) if source == dest else f"{source} -> {dest}"
@@ -427,7 +431,7 @@ def _carry(
     if existing == data:
         unedited = "; OLD's was the old scaffold's, unedited" if how == RENDERED else ""
         return Step("same", f"{shown}  (NEW has it already{unedited})")
-    if placeholder is not None and existing == placeholder.encode():
+    if any(existing == p.encode() for p in placeholders):
         return Step("replace", f"{shown}  (NEW held the scaffold's placeholder){how}", dest, data)
     what = f"{shown}: NEW holds a different file (--force takes OLD's)"
     return Step("conflict", what, dest, data)
@@ -439,7 +443,7 @@ def _carry_python(
     dest: Path,
     original: str,
     made: tuple[str, str],
-    placeholder: str | None = None,
+    placeholders: Collection[str] = (),
 ) -> Iterator[Step]:
     """The step for one Python file (``made``: its text and how), then what needs a person."""
     text, how = made
@@ -448,7 +452,7 @@ def _carry_python(
         if ordered is None:
             yield Step("review", f"{dest}: imports left unsorted (no ruff here to sort them)")
         text = text if ordered is None else ordered
-    yield _carry(new, source, dest, text.encode(), how, placeholder)
+    yield _carry(new, source, dest, text.encode(), how, placeholders)
     if how == REWRITTEN:
         yield from _checks(new, dest, original, text)
 
@@ -498,6 +502,19 @@ def _render(kind: str, name: str, topic: str, migration: str) -> str:
     return scaffold.render_test(name, topic)
 
 
+def _placeholder_tables(old: Path, new: Path, name: str, tables: list[str]) -> Iterator[Step]:
+    """NEW's scaffolded table migrations of handler ``name`` that OLD lacks, as scaffolded."""
+    placeholder = scaffold.POSTGRES_MIGRATION.substitute(name=name).encode()
+    for table in tables:
+        relative = scaffold.MIGRATIONS_DIR / table
+        if not (old / relative).exists() and _read(new / relative) == placeholder:
+            yield Step(
+                "remove",
+                f"{relative}  (NEW's placeholder table; OLD's handler replaces it)",
+                relative,
+            )
+
+
 def _own_migrations(old: Path, name: str) -> list[str]:
     """OLD's migrations the scaffold would have written for handler ``name``."""
     folder = old / scaffold.MIGRATIONS_DIR
@@ -541,10 +558,18 @@ def _handler_modules(
             topic,
             _own_migrations(old, name),
         )
-        # NEW's generation scaffolded its first topic's handler: a placeholder the team's
-        # version of it replaces.
-        placeholder = scaffold.render_handler(name)
-        steps += _carry_python(new, relative, relative, original, made, placeholder)
+        # NEW's generation scaffolded its first topic's handler (in the effects_store
+        # answer's store): a placeholder the team's version of it replaces, with the table
+        # migration of a postgres placeholder, which nothing then uses.
+        new_tables = _own_migrations(new, name)
+        placeholders = (
+            scaffold.render_handler(name),
+            *(scaffold.render_postgres_handler(name, m) for m in new_tables),
+        )
+        carried = list(_carry_python(new, relative, relative, original, made, placeholders))
+        steps += carried
+        if carried and carried[0].verb == "replace":
+            steps += _placeholder_tables(old, new, name, new_tables)
     return handlers, steps
 
 
@@ -643,8 +668,15 @@ def _handler_tests(
             )
             dest = scaffold.TESTS_DIR / path.name
             topic = new_topics.get(handler.name, handler.topic)
-            placeholder = scaffold.render_test(handler.name, topic) if topic else None
-            yield from _carry_python(new, path.relative_to(old), dest, original, made, placeholder)
+            placeholders = (
+                (
+                    scaffold.render_test(handler.name, topic),
+                    scaffold.render_postgres_test(handler.name, topic),
+                )
+                if topic
+                else ()
+            )
+            yield from _carry_python(new, path.relative_to(old), dest, original, made, placeholders)
     names = {h.name for h in handlers}
     for path in _files(old / "tests"):
         if path.suffix == ".py" and path not in carried:
@@ -815,6 +847,13 @@ def migrate_from_copy_command(
     written = apply(new, steps, force)
     bindings = sum(s.verb == "bind" for s in steps)
     reviews = sum(s.verb == "review" for s in steps)
+    # The bindings carried reach deploy/ as `service new-handler`'s do.
+    try:
+        for change in deploy_sync.sync(new):
+            typer.echo(f"derive   {change.path}: {change.what}")
+    except deploy_sync.DeploySyncError as exc:
+        reviews += 1
+        typer.echo(f"review   {exc}; then run `{deploy_sync.COMMAND}`")
     typer.echo(
         f"done: {len(written)} file(s) written, {bindings} binding(s) added, {reviews} line(s) "
         "to review; next: make test"

@@ -523,10 +523,23 @@ def new_handler_command(
     if done.migration is not None:
         typer.echo(f"created {done.migration}  (its table; `service db migrate` applies it)")
     typer.echo(f"bound   {name} -> {topic} in {done.app_file} (the WORKER_TOPICS default)")
+    # The deploy files' bindings, topic creation and KEDA triggers follow the binding.
+    from reliable_consumer.dev import deploy_sync  # it imports this module
+
+    try:
+        synced = deploy_sync.sync(root)
+    except deploy_sync.DeploySyncError as exc:
+        typer.echo(
+            f"error: the handler is written, but {exc}; fix it, then run `{deploy_sync.COMMAND}`",
+            err=True,
+        )
+        raise typer.Exit(1) from None
+    deploy_sync.echo_changes(synced, "updated")
     typer.echo(
         "\nnext:\n"
         f"  1. fill in {model} and the effect in {done.handler_module}\n"
         f"  2. make test\n"
-        f"  3. where WORKER_TOPICS is set explicitly (deploy/, your environments), add\n"
-        f'     "{name}": "{topic}", and create the topic {topic} and its dead-letter topic'
+        f"  (deploy/ follows service/app.py: after editing its topics by hand, run "
+        f"`{deploy_sync.COMMAND}`;\n"
+        f'   where WORKER_TOPICS is set outside deploy/, add "{name}": "{topic}" there)'
     )

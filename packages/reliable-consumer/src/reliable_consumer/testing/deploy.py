@@ -10,8 +10,10 @@ releases.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from reliable_consumer.dev.deploy_sync import Derived, derive
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.settings import Settings
@@ -19,7 +21,21 @@ from reliable_consumer.engine.settings import Settings
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-__all__ = ["Metrics", "Registry", "Settings", "create_console_app", "tested_kafka_version"]
+__all__ = [
+    "Derived",
+    "Metrics",
+    "Registry",
+    "Settings",
+    "create_console_app",
+    "deploy_bindings",
+    "tested_kafka_version",
+]
+
+
+def deploy_bindings(root: Path) -> Derived:
+    """What ``service deploy sync`` derives from the project's service/app.py: the base
+    files' bindings, the postgres overlays', the topics to create and scale on."""
+    return derive(root)
 
 
 def create_console_app(settings: Settings, registry: Registry) -> Starlette:
