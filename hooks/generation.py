@@ -327,6 +327,8 @@ SITES: tuple[Site, ...] = (
     Site(DEPLOY, r"--topic (?P<old>payments)(?![\w.-])", _topic),
     # The ACL list of docs/security.md (`service acls`) and its example refusal.
     Site(DOCS, r"Topic '(?P<old>payments)(?=(\.dlq)?')", _topic),
+    Site(DOCS, r"User:(?P<old>payments-worker)(?=(-operator)?[: ])", _group),
+    Site(DOCS, r"Group (prefix )?'(?P<old>payments-worker)(?=(\.redrive)?')", _group),
     Site(TESTS, r"PAYMENTS_TOPIC = \"(?P<old>payments)\"", _topic),
     # Everything else that names the project: Kubernetes names, labels, compose, Grafana.
     Site(K8S, r"part-of: (?P<old>payments)$", _part_of),

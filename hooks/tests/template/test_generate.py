@@ -259,22 +259,21 @@ def run_recipe(project: Path) -> list[str]:
 
 
 def test_postgres_answer_without_the_example_topic(orders_project: Path) -> None:
-    """effects_store=postgres, first topic its own: the example stays unbound, and
-    `make run` binds its postgres twin for the demo, which then starts PostgreSQL."""
+    """effects_store=postgres, first topic its own: the example stays unbound, and `make run`
+    shows the team's own postgres handler (records made from its model), so the demo starts
+    PostgreSQL. The recipe rebound the example before, hiding the team's handler."""
     (recipe,) = run_recipe(orders_project)
-    binding = re.fullmatch(r"\tWORKER_TOPICS='(\{.*\})' \$\(BIN\)/service demo", recipe)
-    assert binding, recipe
+    assert recipe == "\t$(BIN)/service demo", recipe
     chosen = project_python(
         orders_project,
         "-c",
-        "import json, sys; "
-        "from reliable_consumer.dev.demo_grants import demo_handler, uses_postgres; "
+        "from reliable_consumer.dev.demo_grants import plan_lanes, uses_postgres; "
         "from service.app import app; "
-        "e = demo_handler(app.samples, json.loads(sys.argv[1])); print(e, uses_postgres(e))",
-        binding[1],
+        "lanes, skipped = plan_lanes(app, dict(app.topics), 20); "
+        "print(*[f'{x.handler}:{x.own}:{uses_postgres(x.handler)}' for x in lanes], *skipped)",
     )
     assert chosen.returncode == 0, chosen.stderr
-    assert chosen.stdout.split() == ["purchases", "True"]
+    assert chosen.stdout.split() == ["orders_created:False:True"]
     readme = (orders_project / "README.md").read_text()
     assert "embedded broker, Redis and PostgreSQL" in readme
     assert 'store="postgres"' in readme and "service db migrate" in readme

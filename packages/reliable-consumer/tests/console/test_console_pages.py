@@ -26,15 +26,18 @@ from reliable_consumer.ops.retry_admin import RetryFilter, RetryItem
 from reliable_consumer.ops.status import GroupMember, GroupView, RetryStatus, ServiceStatus
 
 TOPIC = "orders"
+# For the pure helpers, which take the time as an argument. The backend's documents are
+# dated from when each test builds them (FixedBackend): the app reads the real clock, and
+# a test may run many minutes after this module was imported (xdist collects first).
 NOW_MS = int(time.time() * 1000)
 
 
-def _letter(n: int, reason: str = "permanent") -> DeadLetter:
+def _letter(n: int, now: int, reason: str = "permanent") -> DeadLetter:
     return DeadLetter(
         topic=f"{TOPIC}.dlq",
         partition=n % 2,
         offset=n // 2,
-        timestamp_ms=NOW_MS - 3_600_000 + n * 1000,
+        timestamp_ms=now - 3_600_000 + n * 1000,
         key=None,
         value=b"{}",
         headers=(),
@@ -46,12 +49,12 @@ def _letter(n: int, reason: str = "permanent") -> DeadLetter:
         source_partition=0,
         source_offset=n,
         attempts=1,
-        at_ms=NOW_MS - 3_600_000 + n * 1000,
+        at_ms=now - 3_600_000 + n * 1000,
         redrive_of=None,
     )
 
 
-def _item(n: int) -> RetryItem:
+def _item(n: int, now: int) -> RetryItem:
     return RetryItem(
         id=f"{TOPIC}/0/{n}",
         topic=TOPIC,
@@ -62,24 +65,24 @@ def _item(n: int) -> RetryItem:
         reason="TimeoutError",
         last_error="timed out",
         attempt=2,
-        first_failed_ms=NOW_MS - 60_000,
+        first_failed_ms=now - 60_000,
         state="due",
-        due_at_ms=NOW_MS + n * 1000,
+        due_at_ms=now + n * 1000,
         lease_until_ms=None,
         chain="",
     )
 
 
-def _action(n: int) -> Action:
+def _action(n: int, now: int) -> Action:
     return Action(
         id=f"a{n}",
-        at_ms=NOW_MS - n * 60_000,
+        at_ms=now - n * 60_000,
         actor="Ada",
         action="dlq.redrive",
         filters={},
         counts={"redriven": n},
         source="console",
-        entry_id=f"{NOW_MS - n * 60_000}-0",
+        entry_id=f"{now - n * 60_000}-0",
     )
 
 
@@ -88,9 +91,10 @@ class FixedBackend(Backend):
 
     def __init__(self, settings: Settings, registry: Registry) -> None:
         super().__init__(settings, registry)
-        self.letters = [_letter(n) for n in range(120)]
-        self.items = [_item(n) for n in range(70)]
-        self.all_actions = [_action(n) for n in range(60)]
+        self.now = int(time.time() * 1000)
+        self.letters = [_letter(n, self.now) for n in range(120)]
+        self.items = [_item(n, self.now) for n in range(70)]
+        self.all_actions = [_action(n, self.now) for n in range(60)]
         self.redrive_report: dict[str, Any] = {}
         self.trace_doc: dict[str, Any] = {}
         self.status_doc: dict[str, Any] = {}
@@ -200,7 +204,7 @@ def test_the_dead_letter_list_pages_newest_first_with_a_cursor_that_new_arrivals
     assert re.search(r'<time datetime="[^"]+" title="[^"]+ UTC">5\d min ago</time>', rows[-1])
     second_link = _next(first)
     # Two dead letters arrive between the clicks: the second page is still 69 down to 20.
-    backend.letters += [_letter(n) for n in (120, 121)]
+    backend.letters += [_letter(n, backend.now) for n in (120, 121)]
     _, second = get(app, second_link)
     rows = _rows(second, "dead-letters")
     assert "order-69" in rows[0] and "order-20" in rows[-1] and len(rows) == PAGE_SIZE
@@ -259,7 +263,7 @@ def test_the_trace_page_tells_a_keys_life_as_a_timeline(
     console: tuple[Any, FixedBackend],
 ) -> None:
     app, backend = console
-    t0 = NOW_MS - 600_000
+    t0 = backend.now - 600_000
     event = {"topic": TOPIC, "partition": 1, "offset": 7, "record_ts": t0, "handler": "orders"}
     backend.trace_doc = {
         "dedupe_key": "order-7",
@@ -348,7 +352,7 @@ def test_the_overview_draws_the_last_hours_throughput_lag_and_retry_depth(
     console: tuple[Any, FixedBackend],
 ) -> None:
     app, backend = console
-    now = NOW_MS
+    now = backend.now
     samples = [
         (
             now - (5 - i) * BUCKET_MS,

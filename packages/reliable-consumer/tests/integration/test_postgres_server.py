@@ -15,8 +15,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from reliable_consumer.dev.servers import process
 from reliable_consumer.dev.servers.postgres_server import PostgresServer
-from reliable_consumer.dev.servers.process import LOOPBACK, DevStackError, process
+from reliable_consumer.dev.servers.process import LOOPBACK, DevStackError
 
 pytestmark = pytest.mark.integration
 
