@@ -20,6 +20,9 @@ records per PostgreSQL transaction. Syscall and CPU counts come from ``perf stat
 to the servers (left out when perf cannot attach).
 
     python -m bench.bench_effects --records 100000 --partitions 6 --rounds 5
+
+Rows A and B also run as a group of ``python -m bench`` (``--rows effects``, on the bench's
+broker), with the row "postgres store vs redis store": B's rate over A's, round by round.
 """
 
 from __future__ import annotations
@@ -55,7 +58,11 @@ from reliable_consumer.engine.worker import Worker
 from rich.console import Console
 from rich.table import Table
 
+from bench.__main__ import Options
 from bench.bench_worker import Measured, finished
+from bench.report import Progress, Target
+from bench.report import Row as BenchRow
+from bench.stack import BenchStack
 from service import sample
 
 # What each server's perf counters count: CPU time, and the calls that make writes durable.
@@ -249,6 +256,7 @@ def settings_for(
         max_concurrent_handlers=5000,
         log_format="console",
         log_level="WARNING",
+        topic_durability="off",  # one broker: its warning would repeat on every run
     )
 
 
@@ -323,6 +331,81 @@ def servers(tmp: Path) -> Iterator[tuple[str, RedisServer, PostgresServer]]:
         for server in (redis_server, broker):
             if server is not None:
                 server.stop()
+
+
+GROUP_TOPIC = "effects-bench"
+GROUP_RECORDS = 20_000
+QUICK_GROUP_RECORDS = 2_000
+POSTGRES_SHARE = 0.5  # the postgres store's rate against the Redis store's, at least
+
+
+class EffectsGroup:
+    """Rows A and B in ``python -m bench`` (``--rows effects``), and their ratio."""
+
+    def __init__(self, options: Options) -> None:
+        self.records = QUICK_GROUP_RECORDS if options.quick else GROUP_RECORDS
+        units = {"redis_us": "µs/rec", "pg_us": "µs/rec", "per_tx": "rec/tx"}
+        self._rows = {
+            "payments": BenchRow(
+                "effects A. payments, grants in the Redis store", "rec/s", units=units
+            ),
+            "purchases": BenchRow(
+                "effects B. purchases, grants in the postgres store", "rec/s", units=units
+            ),
+        }
+        self._ratio = BenchRow(
+            "postgres store vs redis store",
+            "x redis",
+            targets=[Target("x_redis", POSTGRES_SHARE, at_least=True, text=">= 0.5 x redis")],
+        )
+        self._prefix = f"eff-{os.getpid()}"
+
+    def prepare(self, stack: BenchStack, progress: Progress) -> None:
+        pg = stack.postgres
+        asyncio.run(migrated(pg.url))
+        stack.create_topics({GROUP_TOPIC: 6})
+        progress(f"effects: producing {self.records:,} payments to 6 partitions")
+        payments = sample.generate(
+            self.records, sample.Mix(transient=0, permanent=0, malformed=0), prefix=self._prefix
+        )
+        asyncio.run(produce(stack.bootstrap, GROUP_TOPIC, payments))
+
+    def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
+        servers = (stack.bootstrap, stack.redis, stack.postgres)
+        names = ["payments", "purchases"][n % 2 :] + ["payments", "purchases"][: n % 2]
+        rates: dict[str, float] = {}
+        for name in names:
+            group = f"{self._prefix}-{name}-{n}"
+            run = runtime.run(worker_run(servers, GROUP_TOPIC, self.records, name, group))
+            figures = {
+                "rate": run.measured.rate,
+                "cpu_us": run.measured.cpu_us,
+                **{
+                    key: value
+                    for key in ("redis_us", "pg_us", "per_tx")
+                    if (value := _value(run, key)) is not None
+                },
+            }
+            self._rows[name].add(**figures)
+            rates[name] = run.measured.rate
+            progress(
+                f"  effects {name}: {run.measured.rate:,.0f}/s, worker "
+                f"{run.measured.cpu_us:.0f} µs/rec"
+            )
+        self._ratio.add(x_redis=rates["purchases"] / rates["payments"])
+
+    def rows(self) -> list[BenchRow]:
+        return [*self._rows.values(), self._ratio]
+
+    def summary(self) -> list[str]:
+        return [
+            "effects rows: the worker in-process, the example's payments handler (A: effects in "
+            "Redis) and purchases handler (B: a transaction per wave of at most 64 records, a "
+            "savepoint and an inbox row per record, in the embedded PostgreSQL, fsync on); "
+            "cpu_us is the worker's CPU per record, redis_us and pg_us the servers' (perf), "
+            "per_tx the records per PostgreSQL commit. 'postgres store vs redis store' is B's "
+            "rate over A's in the same round.",
+        ]
 
 
 def main(records: int, partitions: int, rounds: int, per_record: int) -> None:

@@ -3,7 +3,9 @@
 The broker is real Apache Kafka by default (the broker users run; a JVM that takes its
 share of the 2 cores, as it would on a shared host), or Tansu (`--broker tansu`, the
 embedded broker of earlier figures). Redis runs with AOF ``appendfsync always``, as the
-worker's durability needs. Both live in a temporary directory removed at the end.
+worker's durability needs. Both live in a temporary directory removed at the end. A group
+that needs PostgreSQL (the postgres store's rows) asks for ``postgres``: the embedded server
+(fsync and ``synchronous_commit`` on), started on first use and stopped with the others.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import redis
 from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.dev.servers.broker import create_topics
+from reliable_consumer.dev.servers.postgres_server import PostgresServer
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.dev.servers.tansu import TansuBroker
 
@@ -39,6 +42,7 @@ class BenchStack:
         else:
             self.broker = TansuBroker(root / "kafka")
         self.redis = RedisServer(root / "redis")
+        self._postgres: PostgresServer | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -59,6 +63,15 @@ class BenchStack:
                 for n in self.broker.nodes
             ]
         return [pid for pid in pids if pid is not None]
+
+    @property
+    def postgres(self) -> PostgresServer:
+        """The embedded PostgreSQL, started the first time a group asks for it."""
+        if self._postgres is None:
+            server = PostgresServer(Path(self._tmp.name) / "postgres")
+            server.start()
+            self._postgres = server
+        return self._postgres
 
     @property
     def redis_pid(self) -> int | None:
@@ -88,12 +101,16 @@ class BenchStack:
 
     def close(self) -> None:
         try:
-            self.redis.stop()
+            if self._postgres is not None:
+                self._postgres.close()  # and its cluster
         finally:
             try:
-                self.broker.stop()
+                self.redis.stop()
             finally:
-                self._tmp.cleanup()
+                try:
+                    self.broker.stop()
+                finally:
+                    self._tmp.cleanup()
 
     def create_topics(self, topics: dict[str, int]) -> None:
         asyncio.run(create_topics(self.bootstrap, topics))
