@@ -4,10 +4,17 @@ Called by processing.py in place of the runner's Redis path for handlers declare
 ``store="postgres"``; the transaction itself is ``inbox.py``'s, and each call's context,
 deadline, leases, latency and what its circuit breaker hears are the runner's (runner.py).
 First the inbox rows of the whole wave in one INSERT (an existing row: a duplicate, or a
-conflict). Then per record, in offset order on the wave's one connection: stretch its
-leases, open its savepoint, run the handler on ``ctx.db`` under its timeout, release the
-savepoint (or roll back to it and delete its inbox row on failure: the record's decision is
-made as for any handler, its wave-mates unharmed).
+conflict). Then per record, in offset order on the wave's one connection, in psycopg's
+pipeline mode (nothing sent waits for its result: the wave waits for PostgreSQL a few
+times, not once or twice per record): stretch its leases, queue its savepoint, run the
+handler on ``ctx.db`` under its timeout. The pipeline syncs after the last record, or at
+once after a handler that raised; what it finds decides each record in order
+(``_settle``): its statements ran (it joins the transaction), or it failed (rolled back to
+its savepoint, its inbox row deleted, its decision made as for any handler). An error
+aborts every statement queued after it, so the records after a failed one run again: their
+handlers are called a second time, their SQL runs once. A statement the worker adds to
+every record's savepoint (an outbox row, say) is queued with the savepoint, in
+``WaveTransaction.enter``, and its probe judged with the savepoint's (``Entered.step``).
 Then one commit. Only a committed record goes on to FINISH as succeeded (or duplicate);
 when the connection or the commit fails, every record still waiting on it is a retryable
 failure (counted by its circuit breaker, so an outage opens the circuit and holds records
@@ -34,6 +41,8 @@ import logging
 import os
 import signal
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.batch.jobs import Job, log_fields
@@ -50,9 +59,12 @@ from reliable_consumer.engine.handlers.stuck_calls import (
 )
 from reliable_consumer.engine.postgres.inbox import (
     STALL,
+    Entered,
     HandlerBrokeTransaction,
+    HandlerLeftTransactionAborted,
     InboxRow,
     InboxStore,
+    Step,
     StoreUnavailable,
     Verdict,
     WaveTransaction,
@@ -100,13 +112,15 @@ class PostgresWaves:
                 try:
                     rows = {id(job): _row(job) for job in jobs}
                     verdicts = await tx.insert_rows(list(rows.values()))
+                    pending: deque[tuple[Job, InboxRow]] = deque()
                     for job in jobs:
-                        if tx.broken is not None:
-                            break
                         row = rows[id(job)]
                         verdict, stored = verdicts[(row.handler, row.dedupe_key)]
-                        if await self._one(tx, job, row, verdict, stored):
-                            waiting.append(job)
+                        if self._decided(job, verdict, stored):
+                            waiting += [job] if job.inbox_duplicate else []
+                        else:
+                            pending.append((job, row))
+                    await self._run_records(tx, pending, waiting)
                     if tx.broken is not None:
                         raise tx.broken
                     if waiting:
@@ -141,19 +155,11 @@ class PostgresWaves:
         for job in waiting:
             job.committed = True
 
-    async def _one(
-        self, tx: WaveTransaction, job: Job, row: InboxRow, verdict: Verdict, stored: str
-    ) -> bool:
-        """One record in its savepoint; True when its work (or its duplicate) awaits commit.
-
-        Raises ``HandlerBrokeTransaction`` when this record's handler, or the last one's
-        (found as this record's savepoint opens), broke the wave's transaction.
-        """
-        assert job.handler is not None and job.payload is not None
-        limit_s = self._runner.timeout_of(job)
+    def _decided(self, job: Job, verdict: Verdict, stored: str) -> bool:
+        """A duplicate or a conflict, decided by its inbox row alone: its handler never runs."""
         if verdict is Verdict.DUPLICATE:
-            job.inbox_duplicate = True
-            return True  # FINISH still marks the key done and drops a retry item
+            job.inbox_duplicate = True  # FINISH still marks the key done, drops a retry item
+            return True
         if verdict is Verdict.CONFLICT:
             # Its key's Redis marker must keep the committed payload's fingerprint (a claim
             # found Redis empty, e.g. after a restart): the original's redelivery stays a
@@ -164,26 +170,55 @@ class PostgresWaves:
                 f"dedupe key {job.dedupe_key!r} was already committed in PostgreSQL for a "
                 f"different payload (inbox fingerprint {stored[:16]}…)",
             )
-            return False
+            return True
+        return False
+
+    async def _run_records(
+        self, tx: WaveTransaction, pending: deque[tuple[Job, InboxRow]], waiting: list[Job]
+    ) -> None:
+        """The records' handlers in offset order, their statements pipelined: a sync after
+        the last one, or at once after a handler that raised (to roll it back). What the sync
+        finds decides each record (``_settle``); the ones after a record whose statements
+        failed never ran in PostgreSQL, and run again.
+
+        Raises ``HandlerBrokeTransaction`` when a handler broke the wave's transaction.
+        """
+        while pending and tx.broken is None:
+            ran: list[Ran] = []
+            while pending and tx.broken is None:
+                job, row = pending.popleft()
+                one = await self._run_one(tx, job, row)
+                if one is not None:
+                    ran.append(one)
+                    if one.error is not None:
+                        break  # its rollback needs to know what ran before it
+            if tx.broken is not None:  # the connection failed, or was closed under a handler
+                return
+            again = await self._settle(tx, ran, waiting)
+            pending.extendleft(reversed([(r.job, r.entered.row) for r in again]))
+
+    async def _run_one(self, tx: WaveTransaction, job: Job, row: InboxRow) -> Ran | None:
+        """One record's handler in its savepoint (queued: no round trip); None when it did
+        not run (parked: its lease was lost, or the connection failed)."""
+        assert job.handler is not None and job.payload is not None
+        limit_s = self._runner.timeout_of(job)
         try:
             if (job.holds_claim or job.delivery.is_retry) and not await self._runner.renew_leases(
                 job, limit_s
             ):
-                await tx.forget(row)  # parked: its claim or retry lease was lost meanwhile
-                return False
-            await tx.enter()
-        except HandlerBrokeTransaction:
-            raise
+                tx.forget(row)  # parked: its claim or retry lease was lost meanwhile
+                return None
+            entered = await tx.enter(row)
         except Exception as exc:
             tx.broken = exc
-            return False
+            return None
         ctx = self._runner.context(job)
         ctx.db = tx.conn
         started = time.perf_counter()
         job.ran = True
         error: BaseException | None = None
         try:
-            with tx.handler_running():
+            with tx.handler_running(row):
                 await self._bounded(tx, job, ctx, limit_s)
         except Exception as exc:
             error = exc
@@ -192,22 +227,62 @@ class PostgresWaves:
         if isinstance(error, CallAbandoned):  # its connection is closed: the wave is over
             self._runner.failed(job, error, str(error))
             tx.broken = error
-            return False
+            return None
         if error is None:
-            try:
-                tx.release(row)
+            tx.release(row)  # its RELEASE goes with the next record's SAVEPOINT
+        return Ran(job, entered, error, limit_s)
+
+    async def _settle(self, tx: WaveTransaction, ran: list[Ran], waiting: list[Job]) -> list[Ran]:
+        """Sync the pipeline and decide the records run since the last sync, in order: the
+        ones whose statements ran are counted as succeeded (and wait for the COMMIT); the
+        first whose handler raised, or whose statements failed, is rolled back and failed;
+        the ones after it are returned, to run again (nothing of them ran in PostgreSQL).
+
+        Raises ``HandlerBrokeTransaction`` when a handler broke the wave's transaction: its
+        savepoint found gone or replaced, the transaction ended under the next statement.
+        """
+        if not ran:
+            await tx.leave_pipeline()
+            return []
+        tail = await tx.tail()
+        sql_error = await tx.leave_pipeline()
+        first, seen_by = tx.first_error()
+        for i, one in enumerate(ran):
+            failed = one.entered.step()
+            if failed is not None:  # the last record's savepoint is gone: it broke the rule
+                if failed.status is Step.FAILED:
+                    tx.judge_entry(one.entered, failed)
+                tx.broken = failed.error or sql_error or StoreUnavailable("the pipeline failed")
+                return []
+            after = ran[i + 1].entered.probes[0] if i + 1 < len(ran) else tail
+            if one.error is None and after.status is not Step.NOT_RUN:
                 # Counted now, as its wave-mates' failures are: counting successes only at
                 # COMMIT would show the breaker a wave's failures alone (a commit that fails
                 # later counts every record of the wave as failed, _fail_all).
-                self._runner.succeeded(job)
-                return True
-            except HandlerBrokeTransaction:
-                raise
-            except Exception as exc:  # e.g. the handler swallowed an SQL error: aborted
-                error = exc
+                self._runner.succeeded(one.job)
+                waiting.append(one.job)
+                continue
+            if after.status is Step.NOT_RUN:  # its own statements failed
+                one.error = _sql_failed(one, first, seen_by, sql_error)
+            await self._roll_back(tx, one)
+            return ran[i + 1 :]
+        if tail.status is Step.FAILED:  # the last handler ended the wave's transaction
+            tx.judge_tail(tail, ran[-1].entered.row)
+            tx.broken = tail.error
+        elif tail.status is None:
+            tx.broken = sql_error or StoreUnavailable("the pipeline failed")
+        else:
+            tx.check_session(ran[-1].entered.row)
+        return []
+
+    async def _roll_back(self, tx: WaveTransaction, one: Ran) -> None:
+        """A record that failed: its savepoint rolled back, its failure decided as for any
+        handler (retry or dead letter), its wave-mates unharmed."""
+        error = one.error
+        assert error is not None
         error = transaction_control_refused(error) or error
         try:
-            await tx.rollback(row)
+            await tx.rollback(one.entered.row, one.entered.mark_before)
         except HandlerBrokeTransaction:
             raise
         except Exception as exc:
@@ -217,10 +292,9 @@ class PostgresWaves:
             # Not the record's doing: retryable whatever the handler declares.
             error = RetryableError(f"PostgreSQL failed: {describe_error(error)}")
         if isinstance(error, TimeoutError):
-            self._runner.failed(job, error, f"handler timed out after {limit_s:g} s")
+            self._runner.failed(one.job, error, f"handler timed out after {one.limit_s:g} s")
         else:
-            self._runner.failed(job, error)
-        return False
+            self._runner.failed(one.job, error)
 
     async def _abandon(
         self, tx: WaveTransaction, broken: HandlerBrokeTransaction, jobs: list[Job]
@@ -289,6 +363,35 @@ class PostgresWaves:
             if job.fate is None:
                 job.inbox_duplicate = False
                 self._runner.failed(job, error)
+
+
+@dataclass(slots=True)
+class Ran:
+    """A record whose handler ran in the pipeline, awaiting what the sync finds."""
+
+    job: Job
+    entered: Entered  # its savepoint's statements, queued before its handler
+    error: BaseException | None  # what its handler raised (or its statements, once synced)
+    limit_s: float  # its handler's timeout
+
+
+def _sql_failed(
+    one: Ran, first: BaseException | None, seen_by: object | None, synced: BaseException | None
+) -> BaseException:
+    """The error of a record whose own statements failed. Pipelined, a statement's error
+    reaches its handler only if the handler reads a result after it: a handler that raised
+    fails with what it raised; one that returned fails with its statement's error when that
+    never reached it (as if raised at its ``execute``), and as having swallowed it when it
+    did (the transaction is aborted, its work cannot be kept)."""
+    if one.error is not None:
+        return one.error
+    if first is not None and seen_by is not one.entered.row:
+        return first
+    detail = f" ({describe_error(first or synced)})" if (first or synced) else ""
+    return HandlerLeftTransactionAborted(
+        f"the handler returned after an SQL error it caught{detail}: the transaction was "
+        "aborted, so its work cannot be kept (let the error propagate)"
+    )
 
 
 def _row(job: Job) -> InboxRow:

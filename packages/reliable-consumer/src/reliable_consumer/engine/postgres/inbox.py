@@ -36,9 +36,10 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from reliable_consumer.engine.errors import ConfigurationError, PermanentError
@@ -63,6 +64,8 @@ LEFT_WAVE = "KI001"  # the session is in another transaction than the wave's
 REPLACED_SAVEPOINT = "KI002"  # the record's marker outlived the rollback to its savepoint
 NOT_THE_WORKERS_COMMIT = "KI003"  # a COMMIT the worker did not send: refused
 NO_SAVEPOINT = "3B001"  # invalid_savepoint_specification
+NO_TRANSACTION = "25P01"  # no_active_sql_transaction: a savepoint statement outside one
+ABORTED = "25P02"  # in_failed_sql_transaction: an earlier statement failed
 
 _INSERT_MANY = (
     f"INSERT INTO {INBOX} (handler, dedupe_key, fingerprint, topic, partition, record_offset, "
@@ -75,6 +78,10 @@ _EXISTING_MANY = (
     "JOIN unnest(%s::text[], %s::text[]) AS w(handler, dedupe_key) USING (handler, dedupe_key)"
 )
 _DELETE = f"DELETE FROM {INBOX} WHERE handler = %s AND dedupe_key = %s"
+_DELETE_MANY = (
+    f"DELETE FROM {INBOX} WHERE (handler, dedupe_key) IN "
+    "(SELECT * FROM unnest(%s::text[], %s::text[]))"
+)
 _COLUMNS = "handler, dedupe_key, fingerprint, topic, partition, record_offset, attempt"
 _KEEP = (
     f"INSERT INTO {INBOX} ({_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) "
@@ -108,8 +115,60 @@ def _connection_class() -> Any:
     if _WAVE_CONNECTION is None:
         psycopg, _ = _driver()
 
+        async def leave_pipeline(conn: Any) -> None:
+            """What pipeline mode cannot carry runs after the queued statements: a
+            parameterless query (it may hold several statements, sent as one simple
+            query), COPY, ``stream()``, a server-side cursor."""
+            if conn.wave_pipeline is not None:
+                await conn.wave_pipeline()
+
+        class WaveCursor(psycopg.AsyncCursor):  # type: ignore[misc,name-defined]
+            def _check_results(self, results: list[Any]) -> None:
+                try:
+                    super()._check_results(results)
+                except psycopg.Error as exc:
+                    self._conn.saw_error(exc)
+                    raise
+
+            async def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                if params is None:
+                    await leave_pipeline(self._conn)
+                return await super().execute(query, params, **kwargs)
+
+            @asynccontextmanager
+            async def copy(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                await leave_pipeline(self._conn)
+                async with super().copy(*args, **kwargs) as copy:
+                    yield copy
+
+            async def stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                await leave_pipeline(self._conn)
+                async for row in super().stream(*args, **kwargs):
+                    yield row
+
+        class WaveServerCursor(psycopg.AsyncServerCursor):  # type: ignore[misc,name-defined]
+            async def execute(self, *args: Any, **kwargs: Any) -> Any:
+                await leave_pipeline(self._conn)
+                return await super().execute(*args, **kwargs)
+
         class WaveConnection(psycopg.AsyncConnection):  # type: ignore[misc,name-defined]
             handler_running = False
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.cursor_factory = WaveCursor
+                self.server_cursor_factory = WaveServerCursor
+                # Set while the wave's records run in pipeline mode: syncs and leaves it.
+                self.wave_pipeline: Callable[[], Awaitable[None]] | None = None
+                # The first error of a handler's statement since the last sync, and the
+                # record whose handler it was raised to (None: found by the worker's sync).
+                self.first_error: BaseException | None = None
+                self.first_error_seen_by: object | None = None
+                self.running: object | None = None  # the record whose handler runs
+
+            def saw_error(self, exc: BaseException) -> None:
+                if self.first_error is None and not isinstance(exc, aborted_errors()):
+                    self.first_error, self.first_error_seen_by = exc, self.running
 
             def _refuse(self, call: str) -> None:
                 if self.handler_running:
@@ -168,6 +227,12 @@ _REFUSED = (
     "ctx.db.{}() is the worker's: " + RULE + " (it runs inside the wave's transaction; use "
     "`async with ctx.db.transaction():` for a savepoint of your own)"
 )
+
+
+def aborted_errors() -> tuple[type[BaseException], ...]:
+    """Errors that only say an earlier statement failed (not a statement's own)."""
+    psycopg, _ = _driver()
+    return (psycopg.errors.PipelineAborted, psycopg.errors.InFailedSqlTransaction)
 
 
 def transaction_control_refused(exc: BaseException) -> TransactionControlRefused | None:
@@ -269,19 +334,78 @@ class InboxRow:
         )
 
 
+class Probe:
+    """What became of one statement the worker queued in the wave's pipeline.
+
+    psycopg hands each pipelined statement's results to the object queued with it, as it
+    does to a cursor (``_check_results``, then ``_set_results``); raising here is how psycopg
+    learns of an error, as from a cursor.
+    """
+
+    __slots__ = ("error", "status")
+
+    def __init__(self) -> None:
+        self.status: Step | None = None  # None: no result yet (the connection failed)
+        self.error: BaseException | None = None
+
+    def _check_results(self, results: list[Any]) -> None:
+        psycopg, _ = _driver()
+        pq = psycopg.pq.ExecStatus
+        status = results[-1].status if results else pq.FATAL_ERROR
+        if status in (pq.COMMAND_OK, pq.TUPLES_OK):
+            self.status = Step.OK
+            return
+        if status == pq.PIPELINE_ABORTED:
+            self.status = Step.NOT_RUN
+            raise psycopg.errors.PipelineAborted("pipeline aborted")
+        self.error = psycopg.errors.error_from_result(results[-1], encoding="utf-8")
+        aborted = getattr(self.error, "sqlstate", None) == ABORTED
+        self.status = Step.NOT_RUN if aborted else Step.FAILED
+        raise self.error
+
+    def _set_results(self, results: list[Any]) -> None:
+        """Nothing to keep: the statement's status is all the worker reads."""
+
+
+class Step(enum.Enum):
+    """A queued statement of the worker's, once the pipeline synced."""
+
+    OK = "ok"
+    NOT_RUN = "not run"  # a statement before it failed: the transaction was aborted
+    FAILED = "failed"  # it failed itself (its error is the probe's)
+
+
+@dataclass(slots=True)
+class Entered:
+    """One record's entry into its savepoint, queued in the wave's pipeline."""
+
+    row: InboxRow
+    probes: list[Probe]  # the last record's RELEASE (when pending), SAVEPOINT, the marker
+    returned: InboxRow | None  # the record whose savepoint that RELEASE releases
+    mark_before: str  # the marker's value before this record's savepoint
+    sent: list[Probe] = field(default_factory=list)  # what the worker queued after it
+
+    def step(self) -> Probe | None:
+        """The first of its statements that did not succeed, or None."""
+        return next((p for p in self.probes if p.status is not Step.OK), None)
+
+
 class WaveTransaction:
     """The open transaction of one wave's postgres records, on one pooled connection.
 
-    Round trips per record are what a wave costs (psycopg's CPU per ``execute`` dominates,
-    docs/performance.md), so: one statement to begin (the statement timeout, the wave's row
-    in ``kafka_inbox_wave``, its txid), one INSERT of every inbox row of the wave
-    (``insert_rows``), then per record one simple query before its handler (``enter``: the
-    last record's RELEASE, its own SAVEPOINT and the marker set inside it), and the
-    proof-then-COMMIT string (``commit``). A record that fails is rolled back to its
-    savepoint, proven, released and its inbox row deleted in one more (``rollback``).
-    Python-side checks (the session still in a transaction, autocommit off) cost no round
-    trip, and everything sent is in plain SQL: no statement is planned per record beyond
-    what the savepoints were already.
+    Round trips per record are what a wave costs (psycopg's CPU per ``execute`` and the
+    server's per statement it waits for, docs/performance.md), so the records run in
+    psycopg's pipeline mode: nothing the worker or a handler sends waits for its result.
+    One statement begins the wave (the statement timeout, its row in ``kafka_inbox_wave``,
+    its txid) and one INSERT writes every inbox row of the wave (``insert_rows``); then per
+    record the last record's RELEASE, its own SAVEPOINT and the marker set inside it are
+    queued (``enter``, no round trip) and go out with the handler's first statement. The
+    pipeline syncs once, after the last record (``settle``: a proof that the session is still
+    in the wave's transaction, then every result in order), unless a handler raises: then
+    at once, to roll it back. A record whose statements failed is rolled back to its
+    savepoint, proven, released and its inbox row deleted in one more round trip
+    (``rollback``); the records after it, whose statements never ran (an error aborts the
+    rest of a pipeline), run again. Then the proof-then-COMMIT string (``commit``).
     """
 
     def __init__(self, conn: AsyncConnection[Any]) -> None:
@@ -299,6 +423,11 @@ class WaveTransaction:
         self._entered = 0
         self._mark = "0"
         self._mark_before = "0"
+        # The pipeline the records run in (``enter`` opens it, ``leave_pipeline`` syncs and
+        # closes it), and the first error psycopg raised as it synced.
+        self._pipeline: AsyncExitStack | None = None
+        self._queue: Any = None
+        self.forgotten: list[InboxRow] = []  # rows to delete before the COMMIT (``forget``)
 
     async def start(self, statement_timeout_ms: int) -> None:
         """Begin the wave: a hung query ends; its row in ``kafka_inbox_wave`` (only the
@@ -336,32 +465,98 @@ class WaveTransaction:
                 verdicts[(r.handler, r.dedupe_key)] = (verdict, fp)
         return verdicts
 
-    async def enter(self) -> None:
-        """Release the last record's savepoint (proving it is still there), open this
-        record's and set the marker inside it: one round trip.
-
-        Raises ``HandlerBrokeTransaction`` when the last record's handler left its savepoint
-        gone: released it, or ended the wave's transaction (a new one has no savepoint).
+    async def enter(self, row: InboxRow) -> Entered:
+        """Queue the last record's RELEASE (proving its savepoint still there), this
+        record's SAVEPOINT and the marker set inside it: sent with the handler's first
+        statement (or the next sync), no round trip of their own. ``settle`` judges them.
         """
+        await self._open_pipeline()
         self._entered += 1
-        statements = [_RELEASE] if self._release_pending else []
-        statements += [f"SAVEPOINT {SAVEPOINT}", f"SET LOCAL {MARK} = '{self._entered}'"]
-        try:
-            await self.conn.execute("; ".join(statements))
-        except Exception as exc:
-            self._judge_returned(exc, gone=GONE, left=None)
-            raise
+        probes = [self._send(_RELEASE)] if self._release_pending else []
+        probes.append(self._send(f"SAVEPOINT {SAVEPOINT}"))
+        probes.append(self._send(f"SET LOCAL {MARK} = '{self._entered}'"))
+        entered = Entered(row, probes, self._returned, self._mark)
         self._release_pending, self._returned = False, None
         self._mark_before, self._mark = self._mark, str(self._entered)
+        return entered
+
+    async def tail(self) -> Probe:
+        """Queue the proof that the session is still in the wave's transaction: after the
+        last record, it tells whether that record's statements ran (an error before it
+        aborts it) and whether its handler left the transaction (KI001)."""
+        await self._open_pipeline()
+        return self._send(f"SELECT {_proof(self.wave_xid)}")
+
+    async def leave_pipeline(self) -> BaseException | None:
+        """Sync: every queued statement has run or was aborted, each probe says which.
+        Returns the first error psycopg raised for them (None: all ran)."""
+        psycopg, _ = _driver()
+        stack, self._pipeline, self._queue = self._pipeline, None, None
+        self.conn.wave_pipeline = None  # type: ignore[attr-defined]
+        if stack is None:
+            return None
+        try:
+            await stack.aclose()
+        except psycopg.Error as exc:
+            if self.conn.closed:
+                raise
+            return exc
+        return None
+
+    async def _open_pipeline(self) -> None:
+        if self._pipeline is not None:
+            return
+        stack = AsyncExitStack()
+        self._queue = await stack.enter_async_context(self.conn.pipeline())
+        self._pipeline = stack
+
+        async def leave() -> None:  # a handler's statement that pipeline mode cannot carry
+            await self.leave_pipeline()
+
+        self.conn.wave_pipeline = leave  # type: ignore[attr-defined]
+
+    def _send(self, statement: str) -> Probe:
+        """Queue one statement of the worker's in the pipeline, with its probe."""
+        probe = Probe()
+        self._queue.command_queue.append(
+            partial(self.conn.pgconn.send_query_params, statement.encode(), None)
+        )
+        self._queue.result_queue.append((probe, None))
+        return probe
+
+    def judge_entry(self, entered: Entered, probe: Probe) -> None:
+        """A record's entry failed: raise ``HandlerBrokeTransaction`` when the last record's
+        handler broke the rule (its savepoint gone, or the transaction ended under it)."""
+        if entered.returned is not None:
+            if getattr(probe.error, "sqlstate", None) == NO_TRANSACTION:
+                raise HandlerBrokeTransaction(entered.returned, ENDED, left=True) from probe.error
+            assert probe.error is not None
+            self._judge(probe.error, entered.returned, gone=GONE, left=None)
+
+    def judge_tail(self, probe: Probe, last: InboxRow) -> None:
+        """The proof after the last record failed: raise ``HandlerBrokeTransaction`` when
+        that record's handler ended the wave's transaction."""
+        assert probe.error is not None
+        self._judge(probe.error, last, gone=GONE, left=None)
 
     @contextmanager
-    def handler_running(self) -> Iterator[None]:
+    def handler_running(self, row: InboxRow) -> Iterator[None]:
         """While the handler runs, the calls that end the transaction are refused."""
         self.conn.handler_running = True  # type: ignore[attr-defined]
+        self.conn.running = row  # type: ignore[attr-defined]
         try:
             yield
         finally:
             self.conn.handler_running = False  # type: ignore[attr-defined]
+            self.conn.running = None  # type: ignore[attr-defined]
+
+    def first_error(self) -> tuple[BaseException | None, object | None]:
+        """The first error of a handler's statement since the last call, and the record whose
+        handler it was raised to (None: it reached no handler)."""
+        conn: Any = self.conn
+        found = conn.first_error, conn.first_error_seen_by
+        conn.first_error = conn.first_error_seen_by = None
+        return found
 
     async def close_now(self) -> None:
         """Close the wave's connection at once, the handler still running: the call was
@@ -373,33 +568,29 @@ class WaveTransaction:
         await self.conn.close()
 
     def release(self, row: InboxRow) -> None:
-        """The record's handler returned: its savepoint's work joins the transaction with
-        the next statement (its RELEASE goes with the next SAVEPOINT, or with COMMIT).
-
-        Checks what the connection itself tells (no round trip). Raises
-        ``HandlerLeftTransactionAborted`` when the handler left the transaction aborted (it
-        caught an SQL error and returned): then its work cannot be kept, and it is rolled
-        back like a failure.
-        """
-        self._check_session(row)
-        psycopg, _ = _driver()
-        if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
-            raise HandlerLeftTransactionAborted(
-                "the handler returned after an SQL error it caught: the transaction was "
-                "aborted, so its work cannot be kept (let the error propagate)"
-            )
+        """The record's handler returned and its statements ran: its savepoint's work joins
+        the transaction with the next statement (its RELEASE goes with the next record's
+        SAVEPOINT, or with COMMIT)."""
         self._release_pending, self._returned = True, row
 
-    async def rollback(self, row: InboxRow) -> None:
+    def check_session(self, row: InboxRow) -> None:
+        """What the connection itself tells once synced (no round trip), judged against the
+        last record that ran: closed, autocommit on, or no transaction left."""
+        self._check_session(row)
+
+    async def rollback(self, row: InboxRow, mark_before: str) -> None:
         """Undo the record's work and delete its inbox row; its wave-mates' stay. One round
-        trip: the rollback to its savepoint, the proof that this undid the marker set inside
-        it (so the savepoint was the worker's: the handler did not release and replace it,
+        trip, out of the pipeline: the rollback to its savepoint, the proof that this undid
+        the marker set inside it (``mark_before`` is the marker's value before its savepoint:
+        so the savepoint was the worker's, the handler did not release and replace it,
         leaving its earlier work out of reach), the release, the DELETE.
 
         Raises ``HandlerBrokeTransaction`` when the handler broke the rule on its way out.
         """
         psycopg, _ = _driver()
         self._check_session(row)
+        self._release_pending, self._returned = False, None
+        self._mark_before = self._mark = mark_before
         x = self.wave_xid
         statements: list[str] = []
         left: bool | None = None  # whether a savepoint found gone means the session left
@@ -410,20 +601,20 @@ class WaveTransaction:
             left = False
         statements += [
             _ROLLBACK_TO,
-            f"SELECT {_proof(x, self._mark_before)}",
+            f"SELECT {_proof(x, mark_before)}",
             _RELEASE,
             _DELETE,
         ]
-        self._mark = self._mark_before
         try:
             await self._cursor.execute("; ".join(statements), (row.handler, row.dedupe_key))
         except Exception as exc:
             self._judge(exc, row, gone=GONE, left=left)
             raise
 
-    async def forget(self, row: InboxRow) -> None:
-        """Delete a row this transaction inserted for a record that will not run now."""
-        await self.conn.execute(_DELETE, (row.handler, row.dedupe_key))
+    def forget(self, row: InboxRow) -> None:
+        """A row this transaction inserted for a record that will not run now: deleted just
+        before the COMMIT, outside every record's savepoint (``commit``)."""
+        self.forgotten.append(row)
 
     async def commit(self) -> None:
         """COMMIT, behind the proof that the session is in the transaction the wave began;
@@ -431,6 +622,11 @@ class WaveTransaction:
         pass) and removes the row. The last record's savepoint is released after the proof,
         so a savepoint found gone then was released inside the wave's transaction."""
         x = self.wave_xid
+        if self.forgotten:
+            await self.conn.execute(
+                _DELETE_MANY,
+                ([r.handler for r in self.forgotten], [r.dedupe_key for r in self.forgotten]),
+            )
         statements = [
             f"SELECT CASE WHEN txid_current() = {x} THEN set_config('{AUTHORIZE}', '{x}', true) "
             f"ELSE {GUARD}({x}, NULL) END",
@@ -579,6 +775,8 @@ class InboxStore:
             # may still hold its lock: the server rolled it back as it closed, and waiting for
             # that lock could last forever.
             try:
+                if not conn.closed:
+                    await tx.leave_pipeline()
                 status = conn.info.transaction_status
                 if not conn.closed and status != psycopg.pq.TransactionStatus.IDLE:
                     await conn.rollback()
