@@ -32,6 +32,7 @@ class Options:
     rounds: int
     quick: bool
     memory_records: int | None = None  # the memory row's backlog, when not its default
+    baseline: str | None = None  # a git revision whose engine the effects rows measure too
 
 
 class Group(Protocol):
@@ -84,6 +85,12 @@ def main(argv: list[str]) -> int:
         metavar="N",
         help="the backlog the memory row drains (default 1,000,000; 50,000 with --quick)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="the effects rows also run the postgres store with the engine of git revision "
+        "REV, in a child process, in the same rounds (before and after a change, one run)",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in GROUPS]
@@ -92,7 +99,12 @@ def main(argv: list[str]) -> int:
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
     out = console()
-    options = Options(rounds=args.rounds, quick=args.quick, memory_records=args.memory_records)
+    options = Options(
+        rounds=args.rounds,
+        quick=args.quick,
+        memory_records=args.memory_records,
+        baseline=args.baseline,
+    )
     groups = {name: load(name, options) for name in names}
     started = time.time()
 

@@ -23,6 +23,9 @@ to the servers (left out when perf cannot attach).
 
 Rows A and B also run as a group of ``python -m bench`` (``--rows effects``, on the bench's
 broker), with the row "postgres store vs redis store": B's rate over A's, round by round.
+With ``--baseline REV`` row B also runs with the engine of git revision REV (exported, and
+imported first by a child process), in the same rounds: before and after a change, under
+the same load.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -41,6 +45,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import redis.asyncio as aioredis
@@ -344,6 +349,7 @@ class EffectsGroup:
 
     def __init__(self, options: Options) -> None:
         self.records = QUICK_GROUP_RECORDS if options.quick else GROUP_RECORDS
+        self._rounds = options.rounds
         units = {"redis_us": "µs/rec", "pg_us": "µs/rec", "per_tx": "rec/tx"}
         self._rows = {
             "payments": BenchRow(
@@ -359,8 +365,19 @@ class EffectsGroup:
             targets=[Target("x_redis", POSTGRES_SHARE, at_least=True, text=">= 0.5 x redis")],
         )
         self._prefix = f"eff-{os.getpid()}"
+        self._baseline = options.baseline
+        self._baseline_src: tempfile.TemporaryDirectory[str] | None = None
+        if self._baseline is not None:
+            self._rows["baseline"] = BenchRow(
+                f"effects B0. row B with the engine of {self._baseline}", "rec/s", units=units
+            )
+            self._baseline_ratio = BenchRow(
+                f"postgres store vs redis store, engine of {self._baseline}", "x redis"
+            )
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
+        if self._baseline is not None:
+            self._baseline_src = export_engine(self._baseline)
         pg = stack.postgres
         asyncio.run(migrated(pg.url))
         stack.create_topics({GROUP_TOPIC: 6})
@@ -372,11 +389,16 @@ class EffectsGroup:
 
     def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
         servers = (stack.bootstrap, stack.redis, stack.postgres)
-        names = ["payments", "purchases"][n % 2 :] + ["payments", "purchases"][: n % 2]
+        names = ["payments", "purchases"] + (["baseline"] if self._baseline_src else [])
+        names = names[n % len(names) :] + names[: n % len(names)]
         rates: dict[str, float] = {}
         for name in names:
             group = f"{self._prefix}-{name}-{n}"
-            run = runtime.run(worker_run(servers, GROUP_TOPIC, self.records, name, group))
+            if name == "baseline":
+                assert self._baseline_src is not None
+                run = baseline_run(self._baseline_src.name, servers, self.records, group)
+            else:
+                run = runtime.run(worker_run(servers, GROUP_TOPIC, self.records, name, group))
             figures = {
                 "rate": run.measured.rate,
                 "cpu_us": run.measured.cpu_us,
@@ -393,9 +415,14 @@ class EffectsGroup:
                 f"{run.measured.cpu_us:.0f} µs/rec"
             )
         self._ratio.add(x_redis=rates["purchases"] / rates["payments"])
+        if "baseline" in rates:
+            self._baseline_ratio.add(x_redis=rates["baseline"] / rates["payments"])
+            if n == self._rounds - 1 and self._baseline_src is not None:
+                self._baseline_src.cleanup()
 
     def rows(self) -> list[BenchRow]:
-        return [*self._rows.values(), self._ratio]
+        extra = [self._baseline_ratio] if self._baseline is not None else []
+        return [*self._rows.values(), self._ratio, *extra]
 
     def summary(self) -> list[str]:
         return [
@@ -406,6 +433,68 @@ class EffectsGroup:
             "per_tx the records per PostgreSQL commit. 'postgres store vs redis store' is B's "
             "rate over A's in the same round.",
         ]
+
+
+def export_engine(rev: str) -> tempfile.TemporaryDirectory[str]:
+    """The engine's source at git revision ``rev``, in a temporary directory."""
+    out = tempfile.TemporaryDirectory(prefix="bench-engine-")
+    archive = subprocess.run(
+        ["git", "archive", rev, "packages/reliable-consumer/src"],
+        capture_output=True,
+        check=True,
+    )
+    subprocess.run(["tar", "-x", "-C", out.name], input=archive.stdout, check=True)
+    return out
+
+
+def baseline_run(
+    exported: str, servers: tuple[str, RedisServer, PostgresServer], n: int, group: str
+) -> Run:
+    """Row B in a child process that imports the exported engine before this one."""
+    bootstrap, redis_server, pg = servers
+    src = str(Path(exported, "packages/reliable-consumer/src"))
+    args = {
+        "bootstrap": bootstrap,
+        "redis": [redis_server.url, redis_server.pid],
+        "postgres": [pg.url, pg.pid],
+        "records": n,
+        "group": group,
+    }
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run(
+        [sys.executable, "-m", "bench.bench_effects", "--child", json.dumps(args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if child.returncode != 0:
+        raise RuntimeError(f"the baseline run failed:\n{child.stderr[-3000:]}")
+    doc = json.loads(child.stdout.strip().splitlines()[-1])
+    return Run(Measured(**doc["measured"]), n, doc["redis"], doc["postgres"], doc["wal"], doc["tx"])
+
+
+@dataclass(frozen=True)
+class _Server:
+    """What ``worker_run`` reads of a server the parent process started."""
+
+    url: str
+    pid: int | None
+
+
+def child(raw: str) -> None:
+    """One run of row B for ``baseline_run``, its figures as one JSON line on stdout."""
+    args = json.loads(raw)
+    servers: Any = (args["bootstrap"], _Server(*args["redis"]), _Server(*args["postgres"]))
+    run = runtime.run(worker_run(servers, GROUP_TOPIC, args["records"], "purchases", args["group"]))
+    doc = {
+        "measured": {"rate": run.measured.rate, "cpu_us": run.measured.cpu_us},
+        "redis": run.redis,
+        "postgres": run.postgres,
+        "wal": run.wal,
+        "tx": run.transactions,
+    }
+    print(json.dumps(doc))
 
 
 def main(records: int, partitions: int, rounds: int, per_record: int) -> None:
@@ -488,6 +577,9 @@ def main(records: int, partitions: int, rounds: int, per_record: int) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2])
+        raise SystemExit(0)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--partitions", type=int, default=6)
