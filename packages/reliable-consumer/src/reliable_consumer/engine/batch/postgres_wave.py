@@ -387,7 +387,8 @@ def _sql_failed(
         return one.error
     if first is not None and seen_by is not one.entered.row:
         return first
-    detail = f" ({describe_error(first or synced)})" if (first or synced) else ""
+    known = first or synced
+    detail = f" ({describe_error(known)})" if known is not None else ""
     return HandlerLeftTransactionAborted(
         f"the handler returned after an SQL error it caught{detail}: the transaction was "
         "aborted, so its work cannot be kept (let the error propagate)"

@@ -500,7 +500,8 @@ class WaveTransaction:
         except psycopg.Error as exc:
             if self.conn.closed:
                 raise
-            return exc
+            found: BaseException = exc
+            return found
         return None
 
     async def _open_pipeline(self) -> None:
