@@ -427,6 +427,7 @@ class WaveTransaction:
         # closes it), and the first error psycopg raised as it synced.
         self._pipeline: AsyncExitStack | None = None
         self._queue: Any = None
+        self.first_error()  # forget what the connection saw in an earlier wave
         self.forgotten: list[InboxRow] = []  # rows to delete before the COMMIT (``forget``)
 
     async def start(self, statement_timeout_ms: int) -> None:
