@@ -48,6 +48,7 @@ ROOMS = (
     "kafka",
     "postgres",
     "observation",
+    "outbox",
 )
 # Where each may import from, besides itself: a room, "lifecycle", "shared", or one module of
 # the root by name ("errors"). The arrows of the engine's tree point down this table's rows.
@@ -62,6 +63,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "redis.lua": frozenset(),
     "shared": frozenset({"shared", "declaration", "handlers", "redis", "kafka", "observation"}),
     "declaration": frozenset({"errors"}),
+    "outbox": frozenset({"shared", "handlers", "redis", "kafka", "postgres", "observation"}),
 }
 
 

@@ -30,6 +30,7 @@ from reliable_consumer.engine.batch.parts import Parts
 from reliable_consumer.engine.handlers import faults
 from reliable_consumer.engine.handlers.breaker import BreakerState, Failure
 from reliable_consumer.engine.handlers.context import Context, Effects
+from reliable_consumer.engine.handlers.emissions import Emissions
 from reliable_consumer.engine.handlers.pool import HandlerPool, Slot
 from reliable_consumer.engine.handlers.redaction import describe_error
 from reliable_consumer.engine.handlers.stuck_calls import CallAbandoned, fence
@@ -168,7 +169,7 @@ class HandlerRunner:
         effects = job.effects = Effects([], self._key_prefix, job.handler.namespaces)
         if job.handler.store == "postgres":
             effects.refusal = POSTGRES_EFFECTS_REFUSAL
-        return Context(  # positional: this runs once per record
+        ctx = Context(  # positional: this runs once per record
             d.topic,
             d.partition,
             d.offset,
@@ -181,6 +182,11 @@ class HandlerRunner:
             self._parts.redis,
             self._key_prefix,
         )
+        if job.handler.emits:
+            ctx.emissions = job.emissions = Emissions(
+                job.handler.name, job.handler.emits, job.dedupe_key or ""
+            )
+        return ctx
 
     def timeout_of(self, job: Job) -> float:
         """The call's deadline: its handler's own timeout, else the settings'."""

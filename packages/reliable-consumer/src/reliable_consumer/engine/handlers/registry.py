@@ -30,6 +30,7 @@ from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.declaration.naming import check_handler_name
 from reliable_consumer.engine.errors import ConfigurationError, PermanentError, RetryableError
 from reliable_consumer.engine.handlers.context import Context
+from reliable_consumer.engine.handlers.emissions import check_emits
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.redis.keys import ENGINE_NAMESPACES
 
@@ -99,6 +100,8 @@ class Handler(Generic[M]):
     # lets it overtake. None follows WORKER_ORDERING ("none" there means "none").
     ordering: Literal["key", "none"] | None = None
     store: Store = "redis"
+    # The topics its ``ctx.emit`` may publish to, through the outbox (handlers/emissions.py).
+    emits: frozenset[str] = frozenset()
     # Its name and ``writes``: the only ``{prefix}:<namespace>`` its effects may touch.
     namespaces: frozenset[str] = field(init=False, default=frozenset())
 
@@ -106,6 +109,7 @@ class Handler(Generic[M]):
         """Refuse names and namespaces that would reach into the engine's keys."""
         object.__setattr__(self, "writes", tuple(self.writes))
         object.__setattr__(self, "namespaces", _check_namespaces(self.name, self.writes))
+        object.__setattr__(self, "emits", check_emits(self.name, self.emits))
 
     def key_of(self, payload: M) -> str:
         """The dedupe key: the idempotency identity of the business event."""
@@ -152,6 +156,7 @@ def handler(
     dependency: str | None = None,
     ordering: Literal["key", "none"] | None = None,
     store: Store = "redis",
+    emits: Iterable[str] = (),
 ) -> Callable[[HandlerFunc[M]], Handler[M]]:
     """Declare a handler; the decorated function becomes a :class:`Handler`.
 
@@ -177,8 +182,14 @@ def handler(
     savepoint of its own) and does its own SQL there; the worker writes its inbox row in
     the same transaction, so the effects and "this record is done" commit together
     (docs/postgres.md). Its ``ctx.effects`` refuses every command.
+
+    ``emits`` names the topics the handler publishes to with ``ctx.emit(topic, value,
+    key=..., headers=...)``: those records are written to the outbox with its effects, only
+    when they apply, and published by the relay, each with an ``event-id`` header that is
+    the same on every copy (docs/outbox.md).
     """
     writes = tuple(writes)
+    emitted_topics = check_emits(name, emits)
     _check_namespaces(name, writes)  # at declaration, before the function is even wrapped
 
     if retry is not None and not isinstance(retry, RetryPolicy):
@@ -227,6 +238,7 @@ def handler(
             dependency=dependency,
             ordering=ordering,
             store=store,
+            emits=emitted_topics,
         )
 
     return wrap

@@ -36,6 +36,7 @@ ENGINE_NAMESPACES = frozenset(
         "ticket",
         "tickets",
         "ops",
+        "outbox",
     }
 )
 
