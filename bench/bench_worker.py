@@ -121,21 +121,27 @@ async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> Measured:
 # --- row 2: service run, payments, defaults ------------------------------------------------
 
 
-def service_run(stack: BenchStack, topic: str, n: int, name: str) -> dict[str, float]:
+def service_run(
+    stack: BenchStack, topic: str, n: int, name: str, processes: int = 1
+) -> dict[str, float]:
     """``service run`` drains the topic; its rate and the CPU per record of each process.
 
-    Counted from the first grant to the ``n``-th, so start-up is not in the figures.
+    Counted from the first grant to the ``n``-th, so start-up is not in the figures. With
+    ``processes`` > 1 it is ``service run --processes N``: the CPU is the supervisor's and
+    its workers' together.
     """
     client = redis.Redis.from_url(stack.redis_url)
     empty_redis(client)
     memory = client.info("memory")
-    run = ServiceRun(stack.bootstrap, stack.redis_url, topic, group=name, prefix=name)
+    args = ("--processes", str(processes)) if processes > 1 else ()
+    run = ServiceRun(stack.bootstrap, stack.redis_url, topic, group=name, prefix=name, args=args)
     ledger = ledger_key(name)
     try:
         with run:
             assert run.process is not None
-            meter = CpuMeter({"worker": run.process, **server_processes(stack)})
             first = _wait_for_grants(run, client, ledger, 1)
+            workers = run.workers()
+            meter = CpuMeter({**workers, **server_processes(stack)})
             meter.start()
             started = time.perf_counter()
             _wait_for_grants(run, client, ledger, n)
@@ -151,9 +157,10 @@ def service_run(stack: BenchStack, topic: str, n: int, name: str) -> dict[str, f
         for process in ("broker", "redis")
         if f"{process}_cores" in cores
     }
+    worker_cores = sum(cores[f"{process}_cores"] for process in workers)
     return {
         "rate": rate,
-        "cpu_us": cores["worker_cores"] / rate * 1e6,
+        "cpu_us": worker_cores / rate * 1e6,
         **per_record,
         "rss_mb": rss / MB,
         "redis_mb": float(memory["used_memory"]) / MB,
@@ -288,6 +295,11 @@ class ThroughputGroup:
                 "x_faststream_ack": "x peer",
             },
         )
+        self.swarm = Row(
+            "2p. payments handler, 2 worker processes (service run --processes 2)",
+            "rec/s",
+            units={"x_one": "x 1 process", "rss_mb": "MB"},
+        )
         self.trivial = Row("2t. trivial handler, in-process (polls of 5,000)", "rec/s")
         self.sleepy = Row("3. 10 ms async handler, 200 at once", "rec/s")
         self.peer = load_peer()
@@ -317,6 +329,12 @@ class ThroughputGroup:
             f"throughput: payments {figures['rate']:,.0f}/s, worker {figures['cpu_us']:.1f} µs/rec"
             f", redis {figures.get('redis_us', 0):.1f} µs/rec"
         )
+        pod = service_run(stack, TOPIC, self.records, f"tp-payments-2p-{n}", processes=2)
+        self.swarm.add(
+            rate=pod["rate"], cpu_us=pod["cpu_us"], rss_mb=pod["rss_mb"],
+            x_one=pod["rate"] / figures["rate"],
+        )  # fmt: skip
+        progress(f"throughput: payments, 2 processes {pod['rate']:,.0f}/s")
         settings = in_process_settings(stack, TOPIC, "trivial", f"tp-trivial-{n}")
         self.trivial.add_run(runtime.run(worker_run(settings, self.records)))
         settings = in_process_settings(stack, TOPIC, "sleepy", f"tp-sleepy-{n}")
@@ -364,7 +382,11 @@ class ThroughputGroup:
         self.sleepy.bound_by = (
             "the worker's thread: ~45-50 µs per record for pool, coroutine, timer"
         )
-        rows = [*self.raw.values(), self.payments, self.trivial, self.sleepy]
+        self.swarm.bound_by = (
+            "the machine's cores: each worker is one thread, and Redis and the broker share "
+            "the same 2 cores (x_one: this round's rate over the one-process row's)"
+        )
+        rows = [*self.raw.values(), self.payments, self.swarm, self.trivial, self.sleepy]
         if self.peer is None:
             self.payments.notes.append(
                 "no FastStream rows: the bench extra is not installed (pip install -e '.[bench]')"

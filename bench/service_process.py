@@ -109,6 +109,7 @@ class ServiceRun:
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
         command: str = "run",
+        args: tuple[str, ...] = (),
     ) -> None:
         self.redis_url = redis_url
         self.topic = topic
@@ -126,6 +127,7 @@ class ServiceRun:
         }
         self.log_path = log_path
         self.command = command  # `service <command>`: run, or retry-scheduler
+        self.args = args  # after the command, e.g. ("--processes", "2")
         self._log: IO[bytes] | None = None
         self.popen: subprocess.Popen[bytes] | None = None
         self.process: psutil.Process | None = None
@@ -148,7 +150,7 @@ class ServiceRun:
         if self.log_path is not None:
             self._log = out = self.log_path.open("ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "reliable_consumer", self.command],
+            [sys.executable, "-m", "reliable_consumer", self.command, *self.args],
             env=self.env,
             stdout=out,
             stderr=out,
@@ -182,8 +184,16 @@ class ServiceRun:
         return float(times.user + times.system)
 
     def rss_bytes(self) -> int:
+        """The process's RSS, with its workers' under `--processes N`."""
         assert self.process is not None
-        return int(self.process.memory_info().rss)
+        family = [self.process, *self.process.children()]
+        return sum(int(p.memory_info().rss) for p in family)
+
+    def workers(self) -> dict[str, psutil.Process]:
+        """The process, and each worker it supervises under `--processes N`, by name."""
+        assert self.process is not None
+        children = self.process.children()
+        return {"worker": self.process, **{f"worker{i}": p for i, p in enumerate(children)}}
 
     def granted(self) -> int:
         return granted(self.redis_url, self.prefix)

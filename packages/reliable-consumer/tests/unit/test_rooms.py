@@ -49,6 +49,7 @@ ROOMS = (
     "postgres",
     "observation",
     "outbox",
+    "swarm",
 )
 # Where each may import from, besides itself: a room, "lifecycle", "shared", or one module of
 # the root by name ("errors"). The arrows of the engine's tree point down this table's rows.
@@ -64,6 +65,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "shared": frozenset({"shared", "declaration", "handlers", "redis", "kafka", "observation"}),
     "declaration": frozenset({"errors"}),
     "outbox": frozenset({"shared", "handlers", "redis", "kafka", "postgres", "observation"}),
+    "swarm": frozenset({"shared", "observation"}),
 }
 
 

@@ -262,6 +262,10 @@ class HttpSettings(BaseModel):
     max_connections: int = Field(default=64, ge=1, le=10_000)
     # Threads answering complete requests (a connection gets one only once its head is in).
     threads: int = Field(default=4, ge=1, le=64)
+    # A listening socket handed over by the process that started this one (the supervisor
+    # of `service run --processes N` gives each worker one on loopback): serve it instead
+    # of opening host:port, so no port is chosen in one process and bound in another.
+    fd: int | None = Field(default=None, ge=0)
 
     @field_validator("host")
     @classmethod
@@ -277,6 +281,33 @@ class HttpSettings(BaseModel):
                 f"{value!r}: use an IP address to listen on (127.0.0.1 loopback only, "
                 "0.0.0.0 or :: every interface) or localhost"
             ) from None
+        return value
+
+
+class SwarmSettings(BaseModel):
+    """`service run --processes N`: N workers in one container, each a member of the group.
+
+    One Python process uses one core; a pod given more runs more workers under one
+    supervisor, which restarts a worker that dies or stops answering its liveness probe,
+    and serves the pod's one health and metrics endpoint (engine/swarm/).
+    """
+
+    # How many workers: a number, or "auto" for the cores this container may use (its CPU
+    # affinity, bounded by its cgroup CPU quota: a pod's CPU limit).
+    processes: int | Literal["auto"] = 1
+    # A worker that died is started again after 1 s, doubling while it keeps dying, to this.
+    restart_backoff_max_s: float = Field(default=30.0, ge=1, le=3600)
+    # A worker that died this long ago or more without staying up, or whose liveness probe
+    # has failed this long, makes the pod's liveness fail (the kubelet restarts the pod).
+    unhealthy_after_s: float = Field(default=120.0, ge=5, le=86_400)
+    # A worker whose liveness probe has failed this long is stopped and started again.
+    restart_unlive_after_s: float = Field(default=30.0, ge=1, le=86_400)
+
+    @field_validator("processes")
+    @classmethod
+    def _bounded(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 64:
+            raise ValueError(f"{value}: between 1 and 64 worker processes, or auto")
         return value
 
 
@@ -391,6 +422,7 @@ class Settings(BaseSettings):
     outcomes: OutcomeSettings = OutcomeSettings()
     dead_letter: DeadLetterSettings = DeadLetterSettings()
     http: HttpSettings = HttpSettings()
+    swarm: SwarmSettings = SwarmSettings()
     console: ConsoleSettings = ConsoleSettings()
     postgres: PostgresSettings = PostgresSettings()
 

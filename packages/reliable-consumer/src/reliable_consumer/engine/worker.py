@@ -38,7 +38,7 @@ from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, check
 from reliable_consumer.engine.kafka.offsets import OffsetTracker
 from reliable_consumer.engine.kafka.topic_check import check_topic_access, check_topic_durability
 from reliable_consumer.engine.memory_limit import memory_limit_bytes
-from reliable_consumer.engine.observation.http import HealthState, HttpServer
+from reliable_consumer.engine.observation.http import HealthState, HttpServer, make_app
 from reliable_consumer.engine.observation.member_report import INTERVAL_S, MemberReporter
 from reliable_consumer.engine.observation.membership import MembershipWatch, read_group_progress
 from reliable_consumer.engine.observation.metrics import Metrics
@@ -165,10 +165,10 @@ class Worker:
         s = self.settings
         if s.http.enabled:
             self._http = HttpServer(
-                self.health,
-                self.metrics,
+                make_app(self.health, self.metrics),
                 s.http.host,
                 s.http.port,
+                fd=s.http.fd,
                 read_timeout_s=s.http.read_timeout_s,
                 max_connections=s.http.max_connections,
                 threads=s.http.threads,
