@@ -36,6 +36,7 @@ from reliable_consumer.engine.redis.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
+    DeadStatus,
     FinishRequest,
     FinishStatus,
     RedriveTicket,
@@ -368,7 +369,10 @@ class Decisions:
         # Only now, with every dead letter acknowledged, may Redis forget the records.
         # A key is marked dead when we hold its claim, or, for an effects-only delivery
         # (never claimed), when no other delivery has claimed or completed it; a partial
-        # apply's marker is settled, so later deliveries are duplicates.
+        # apply's marker is settled, so later deliveries are duplicates. A retry's item is
+        # dropped only while its lease is still ours: an ack slower than the lease leaves
+        # the item to the run that took it over, which settles the key.
+        marking = [j for j in jobs if _marks_key(j) or j.delivery.is_retry]
         marks = [
             DeadRequest(
                 key=j.idem_key if marks_key else "",
@@ -376,13 +380,20 @@ class Decisions:
                 fingerprint=j.fingerprint if marks_key else "",
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
                 chain=j.delivery.chain if j.delivery.is_retry else "",
+                retry_lease=j.delivery.retry_lease,
             )
-            for j in jobs
-            for marks_key in [j.holds_claim or j.optimistic or j.reason == "effects_partial"]
-            if marks_key or j.delivery.is_retry
+            for j in marking
+            for marks_key in [_marks_key(j)]
         ]
         if marks:
-            await self._idem.mark_dead_many(marks)
+            statuses = await self._idem.mark_dead_many(marks)
+            for job, status in zip(marking, statuses, strict=True):
+                if status is DeadStatus.LOST_LEASE:
+                    log.warning(
+                        "retry lease expired before its dead letter was marked; the run that "
+                        "took the retry over settles it",
+                        extra=log_fields(job),
+                    )
         for job in jobs:
             job.outcome = Outcome.DEAD_LETTERED
             self._metrics.dead_letters.labels(job.name, job.reason or "").inc()
@@ -428,6 +439,11 @@ _PARTIAL_EARLIER = (
 
 def _conflict(job: Job) -> str:
     return f"dedupe key {job.dedupe_key!r} was already used for a different payload"
+
+
+def _marks_key(job: Job) -> bool:
+    """Whether MARK_DEAD may mark the dead-lettered record's key (see ``dead_letter``)."""
+    return job.holds_claim or job.optimistic or job.reason == "effects_partial"
 
 
 def _is_redrive(d: Delivery) -> bool:

@@ -59,6 +59,15 @@ class FinishStatus(StrEnum):
     BLOCKED = "blocked"  # nothing applied: an earlier record of its Kafka key still waits
 
 
+class DeadStatus(StrEnum):
+    MARKED = "marked"  # the key is dead-marked (or the record has none); its item dropped
+    SETTLED = "settled"  # a partial apply's done-marker settled: later deliveries duplicates
+    KEPT = "kept"  # another delivery completed or holds the key: it is left as it is
+    # The retry's lease ran out before MARK_DEAD: its item is another run's, which settles
+    # the key; the key was marked or kept as above.
+    LOST_LEASE = "lost_lease"
+
+
 @dataclass(slots=True, frozen=True)
 class RedriveTicket:
     """The ticket a redriven record must find to claim over its own dead-letter marker."""
@@ -113,6 +122,16 @@ class DeadRequest:
     fingerprint: str
     retry_id: str
     chain: str = ""  # the retry's chain: dropping it releases the chain's next record
+    # The retry's fencing deadline (its delivery's ``retry_lease``): the item is dropped only
+    # while it is still in flight under it. None when the record is no retry.
+    retry_lease: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.retry_id and self.retry_lease is None:
+            raise ValueError(
+                f"MARK_DEAD of retry {self.retry_id!r} needs its lease (retry_lease): without "
+                "it the item could be another run's"
+            )
 
 
 def fingerprint(payload: BaseModel) -> str:
@@ -170,8 +189,8 @@ class Idempotency:
     async def finish(self, request: FinishRequest) -> tuple[FinishStatus, str | None]:
         return (await self.finish_many([request]))[0]
 
-    async def mark_dead(self, request: DeadRequest) -> None:
-        await self.mark_dead_many([request])
+    async def mark_dead(self, request: DeadRequest) -> DeadStatus:
+        return (await self.mark_dead_many([request]))[0]
 
     async def release(self, key: str, token: str) -> None:
         await self.release_many([(key, token)])
@@ -196,9 +215,8 @@ class Idempotency:
     ) -> list[tuple[FinishStatus, str | None]]:
         return [s for chunk in self._chunks(requests) for s in await self._finish_chunk(chunk)]
 
-    async def mark_dead_many(self, requests: Sequence[DeadRequest]) -> None:
-        for chunk in self._chunks(requests):
-            await self._dead_chunk(chunk)
+    async def mark_dead_many(self, requests: Sequence[DeadRequest]) -> list[DeadStatus]:
+        return [s for chunk in self._chunks(requests) for s in await self._dead_chunk(chunk)]
 
     async def extend_many(
         self, requests: Sequence[ExtendRequest]
@@ -280,11 +298,20 @@ class Idempotency:
 
         return await self._ops.call(finish, durable=True)
 
-    async def _dead_chunk(self, batch: Sequence[DeadRequest]) -> None:
-        records = [(r.key, r.token, r.fingerprint, r.retry_id, r.chain) for r in batch]
+    async def _dead_chunk(self, batch: Sequence[DeadRequest]) -> list[DeadStatus]:
+        records = [dead_record(r) for r in batch]
         args: list[EffectArg] = [self._ttl_arg, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
-        await self._ops.call(lambda: self._dead_script(keys=keys, args=args), durable=True)
+        replies = await self._ops.call(
+            lambda: self._dead_script(keys=keys, args=args), durable=True
+        )
+        return [DeadStatus(reply_text(r)) for r in replies]
+
+
+def dead_record(r: DeadRequest) -> tuple[str, str, str, str, str, str]:
+    """One record of MARK_DEAD's batch (redis/lua/claims.py), as the script reads it."""
+    lease = "" if r.retry_lease is None else str(r.retry_lease)
+    return (r.key, r.token, r.fingerprint, r.retry_id, r.chain, lease)
 
 
 def _command(command: tuple[EffectArg, ...]) -> list[str]:
