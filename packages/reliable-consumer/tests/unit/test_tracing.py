@@ -119,7 +119,7 @@ def test_a_record_span_carries_the_messaging_attributes_and_only_a_digest_of_the
     assert "customer-7" not in json.dumps(attrs)
 
 
-# --------------------------------------------------------------------------- through the record path
+# ------------------------------------------------------------------------- through the record path
 
 
 async def test_a_record_span_continues_its_producers_trace(

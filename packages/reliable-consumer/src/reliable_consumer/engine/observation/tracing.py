@@ -32,6 +32,7 @@ import datetime
 import functools
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -280,12 +281,17 @@ class _ReceiveSpans:
 
     @classmethod
     def on(cls, provider: TracerProvider) -> _ReceiveSpans | None:
+        """The provider's one listener (made on first use), or None for a provider that
+        is not the SDK's (nothing to listen with)."""
         add = getattr(provider, "add_span_processor", None)
-        if add is None:  # not the SDK's provider: nothing to listen with
+        if add is None:
             return None
+        known = _LISTENING.get(provider)
+        if known is not None:
+            return known
         from opentelemetry.sdk.trace import SpanProcessor
 
-        receives = cls()
+        receives = _LISTENING[provider] = cls()
 
         class Listener(SpanProcessor):
             def on_end(self, span: ReadableSpan) -> None:
@@ -310,6 +316,10 @@ class _ReceiveSpans:
 
     def pop(self, delivery: Delivery) -> SpanContext | None:
         return self._spans.pop((delivery.topic, delivery.partition, delivery.offset), None)
+
+
+# Each provider's listener: one per provider, however many record paths start on it.
+_LISTENING: weakref.WeakKeyDictionary[TracerProvider, _ReceiveSpans] = weakref.WeakKeyDictionary()
 
 
 def tracing_disabled() -> bool:
