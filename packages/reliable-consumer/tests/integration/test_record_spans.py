@@ -7,6 +7,7 @@ from the delay queue; another is dead-lettered, redriven, and dead-lettered agai
 attempt is one ``process`` span (never two per record), child of the producer's send span,
 in one trace; the fresh attempt links the instrumentation's receive span; the handler's own
 call is a child of its attempt's span; no span names a parent that was never exported.
+And a postgres handler's calls, in its wave's own task, are children of its record's span.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.observation import tracing
 from reliable_consumer.ops.redrive import redrive
+from reliable_consumer.testing import HandlerTestKit
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, running_worker
 
@@ -49,6 +51,12 @@ class Parcel(BaseModel):
 async def ship(parcel: Parcel, ctx: Context) -> None:
     with trace.get_tracer("carrier", tracer_provider=PROVIDER).start_as_current_span("call"):
         pass
+
+
+@handler("parcels", model=Parcel, dedupe_key="parcel_id", store="postgres")
+async def ship_recorded(parcel: Parcel, ctx: Context) -> None:
+    with trace.get_tracer("carrier", tracer_provider=PROVIDER).start_as_current_span("call"):
+        await ctx.db.execute("SELECT 1")
 
 
 @pytest.fixture
@@ -168,3 +176,17 @@ async def test_each_attempt_is_one_process_span_of_the_producers_trace_beside_th
     exported = {span_id(s) for s in spans}
     orphans = [s.name for s in spans if s.parent is not None and s.parent.span_id not in exported]
     assert orphans == []
+
+
+async def test_a_postgres_handlers_calls_are_children_of_its_records_span(
+    postgres_url: str, traced: InMemorySpanExporter
+) -> None:
+    """A postgres handler runs in its wave's transaction, in a task of its own: the task
+    starts with the record's span as its context."""
+    async with HandlerTestKit(ship_recorded, postgres_url=postgres_url) as kit:
+        kit.processor.tracer = tracing.RecordTracer(PROVIDER, "g")
+        assert (await kit.send({"parcel_id": "p1"})).granted
+    spans = traced.get_finished_spans()
+    (record,) = named(spans, "parcels process")
+    (call,) = named(spans, "call")
+    assert call.parent is not None and call.parent.span_id == span_id(record)

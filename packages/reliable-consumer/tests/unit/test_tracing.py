@@ -52,6 +52,14 @@ async def handle_order(order: Order, ctx: Context) -> None:
             raise RetryableError("dependency busy")
 
 
+def handle_inline(order: Order, ctx: Context) -> None:
+    with trace.get_tracer("handler", tracer_provider=PROVIDER).start_as_current_span("call"):
+        pass
+
+
+# The same handler run inline (a sync def).
+inline_order = handler("orders", model=Order, dedupe_key="order_id")(handle_inline)
+
 EXPORTER = InMemorySpanExporter()
 PROVIDER = TracerProvider()
 PROVIDER.add_span_processor(SimpleSpanProcessor(EXPORTER))
@@ -144,6 +152,23 @@ async def test_the_handlers_own_calls_are_children_of_its_records_span(
     kit: HandlerTestKit, spans: InMemorySpanExporter
 ) -> None:
     await kit.send({"order_id": "o1"})
+    (record,) = process_spans(spans)
+    (call,) = [s for s in spans.get_finished_spans() if s.name == "call"]
+    assert call.parent is not None and record.context is not None
+    assert call.parent.span_id == record.context.span_id
+
+
+async def test_a_sync_handlers_calls_are_children_of_its_records_span(
+    spans: InMemorySpanExporter,
+) -> None:
+    """A sync handler runs inline, on the batch's own task."""
+    await children_of_the_record_span(HandlerTestKit(inline_order), spans)
+
+
+async def children_of_the_record_span(kit: HandlerTestKit, spans: InMemorySpanExporter) -> None:
+    async with kit:
+        kit.processor.tracer = tracing.RecordTracer(PROVIDER, GROUP)
+        assert (await kit.send({"order_id": "o1"})).granted
     (record,) = process_spans(spans)
     (call,) = [s for s in spans.get_finished_spans() if s.name == "call"]
     assert call.parent is not None and record.context is not None
