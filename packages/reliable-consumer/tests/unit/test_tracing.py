@@ -265,6 +265,10 @@ async def test_tracing_off_builds_no_span(
     assert tracing.record_tracer(GROUP) is None, "no provider configured: off"
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert tracing.record_tracer(GROUP, PROVIDER) is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # disabled wins: nothing configured
+    assert tracing.record_tracer(GROUP) is None
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER")
     monkeypatch.delenv("OTEL_SDK_DISABLED")
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # the extra not installed
     assert tracing.record_tracer(GROUP, PROVIDER) is None
@@ -275,7 +279,7 @@ async def test_tracing_off_builds_no_span(
     assert started == [] and process_spans(spans) == []
 
 
-def configured_child(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def configured_child(env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
     """A fresh process that asks for the record tracer, as the worker does, and ends one span."""
     script = (
         "from reliable_consumer.engine.observation import tracing\n"
@@ -295,7 +299,7 @@ def configured_child(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
-        check=True,
+        check=check,
     )
 
 
@@ -308,6 +312,10 @@ def test_the_sdk_configures_itself_from_the_otel_environment() -> None:
     assert span["resource"]["attributes"]["service.name"] == "orders-svc"
     assert [e["name"] for e in span["events"]] == ["succeeded"]
 
-    assert configured_child({}).stdout == "off\n", "no exporter named: off"
-    disabled = {"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}
-    assert configured_child(disabled).stdout == "off\n"
+
+def test_an_exporter_the_sdk_cannot_load_is_a_configuration_error_naming_it() -> None:
+    missing = configured_child({"OTEL_TRACES_EXPORTER": "zipkin_json"}, check=False)
+    assert missing.returncode != 0
+    last = missing.stderr.strip().splitlines()[-1]
+    assert last.startswith("reliable_consumer.engine.errors.ConfigurationError: "), last
+    assert "OTEL_TRACES_EXPORTER='zipkin_json'" in last and "zipkin_json" in last

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.redis import long_keys
 
@@ -356,7 +357,9 @@ def configure_from_environment() -> None:
 
     Only when ``OTEL_TRACES_EXPORTER`` names an exporter (the SDK's default, OTLP, would
     otherwise turn tracing on wherever the extra is installed) and no provider was set
-    before (``opentelemetry-instrument``, or the service's own start-up code, wins).
+    before (``opentelemetry-instrument``, or the service's own start-up code, wins). An
+    exporter the SDK cannot load stops the worker at start (``ConfigurationError``, exit 2)
+    rather than running it untraced while the operator believes otherwise.
     """
     global _configured
     if _configured:
@@ -373,7 +376,13 @@ def configure_from_environment() -> None:
     # (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES), processors, all from the environment.
     from opentelemetry.sdk._configuration import _OTelSDKConfigurator
 
-    _OTelSDKConfigurator().configure()  # type: ignore[no-untyped-call]
+    try:
+        _OTelSDKConfigurator().configure()  # type: ignore[no-untyped-call]
+    except Exception as exc:  # e.g. an exporter whose package is not installed
+        raise ConfigurationError(
+            f"OTEL_TRACES_EXPORTER={exporters!r}: the OpenTelemetry SDK could not be "
+            f"configured from the OTEL_* variables: {exc} (docs/tracing.md)"
+        ) from exc
     log.info("tracing on: OpenTelemetry SDK configured from OTEL_* (exporters %s)", exporters)
 
 
