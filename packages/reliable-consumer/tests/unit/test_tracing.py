@@ -260,23 +260,25 @@ def test_a_record_held_by_an_open_circuit_says_so(spans: InMemorySpanExporter) -
 async def test_tracing_off_builds_no_span(
     monkeypatch: pytest.MonkeyPatch, spans: InMemorySpanExporter
 ) -> None:
+    assert tracing.record_tracer(GROUP) is None, "no provider configured: off"
+    with monkeypatch.context() as env:
+        env.setenv("OTEL_SDK_DISABLED", "true")
+        assert tracing.record_tracer(GROUP, PROVIDER) is None
+        env.setenv("OTEL_TRACES_EXPORTER", "console")  # disabled wins: nothing configured
+        assert tracing.record_tracer(GROUP) is None
+        assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    with monkeypatch.context() as modules:
+        modules.setitem(sys.modules, "opentelemetry", None)  # the extra not installed
+        assert tracing.record_tracer(GROUP, PROVIDER) is None
+
     started: list[Any] = []
     monkeypatch.setattr(tracing.RecordTracer, "start", lambda *a: started.append(a))
-    assert tracing.record_tracer(GROUP) is None, "no provider configured: off"
-    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
-    assert tracing.record_tracer(GROUP, PROVIDER) is None
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # disabled wins: nothing configured
-    assert tracing.record_tracer(GROUP) is None
-    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
-    monkeypatch.delenv("OTEL_TRACES_EXPORTER")
-    monkeypatch.delenv("OTEL_SDK_DISABLED")
-    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # the extra not installed
-    assert tracing.record_tracer(GROUP, PROVIDER) is None
-    monkeypatch.undo()
     async with HandlerTestKit(handle_order) as kit:
         assert kit.processor.tracer is None
         assert (await kit.send({"order_id": "o8"})).granted
-    assert started == [] and process_spans(spans) == []
+    assert started == [], "no record span is ever started"
+    (call,) = [s for s in spans.get_finished_spans() if s.name == "call"]
+    assert call.parent is None, "the handler ran with no record span current"
 
 
 def configured_child(env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess[str]:
