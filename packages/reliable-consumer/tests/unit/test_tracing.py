@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import fakeredis
 import pytest
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -25,10 +26,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from pydantic import BaseModel
+from reliable_consumer.engine.batch.gate import Gate, GaveUp
 from reliable_consumer.engine.batch.jobs import Fate, Job
 from reliable_consumer.engine.batch.traces import decided, held
+from reliable_consumer.engine.handlers.breaker import Breakers, Failure
+from reliable_consumer.engine.handlers.policies import BreakerPolicy
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.observation import tracing
 from reliable_consumer.engine.records import Delivery
+from reliable_consumer.engine.redis.client import RedisOps
+from reliable_consumer.engine.redis.idempotency import Idempotency
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.settings import RedisSettings
 from reliable_consumer.testing import HandlerTestKit
 
 from service import Context, PermanentError, RetryableError, handler
@@ -252,6 +261,31 @@ def test_a_record_held_by_an_open_circuit_says_so(spans: InMemorySpanExporter) -
     assert events(by_offset[1]) == ["held"]
     assert events(by_offset[2]) == ["held"]
     assert by_offset[2].status.status_code is StatusCode.UNSET, "no attempt was spent"
+
+
+async def test_a_fresh_record_waiting_at_an_open_circuit_says_so_once(
+    spans: InMemorySpanExporter,
+) -> None:
+    """The gate keeps a fresh record waiting, uncommitted, while its circuit is open."""
+    policy = BreakerPolicy(min_calls=1, failure_ratio=1.0, cool_down_s=60)
+    breakers = Breakers(Registry([handle_order], {"orders": "orders"}), policy)
+    ops = RedisOps(fakeredis.FakeAsyncRedis(), RedisSettings(url="redis://fake"))
+    gate = Gate(breakers, Idempotency(ops, RedisKeys("t"), ttl_s=None, lease_ms=5_000), 50)
+    breaker = breakers.for_handler("orders")
+    assert breaker is not None
+    breaker.record_failure(Failure("down", "ConnectionError", "o-1", first_attempt=True))
+    job = Job(Delivery("orders", 0, 3, None, b"{}", (), 0), handler=handle_order)
+    job.span = tracing.RecordTracer(PROVIDER, GROUP).start(job.delivery, "orders", "o9")
+    looks = iter([False, False, True])  # the gate looks twice, then the worker stops
+    with pytest.raises(GaveUp):
+        await gate.admit([job], lambda: next(looks))
+    job.span.abandon(GaveUp())
+    (span,) = process_spans(spans)
+    assert events(span) == ["held", "abandoned"]
+    assert span.events[0].attributes is not None
+    assert span.events[0].attributes["reliable_consumer.reason"] == (
+        "waiting: circuit orders is open"
+    )
 
 
 # --------------------------------------------------------------------------- off, and configured

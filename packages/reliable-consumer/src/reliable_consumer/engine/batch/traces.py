@@ -2,7 +2,8 @@
 
 The batch's side of ``observation/tracing.py``: processing.py opens ``traced`` around a
 batch once its records are decoded (a span each), tells ``held`` the records whose run
-found their circuit open, and ``decided`` every fate before it is made durable; the spans
+found their circuit open, and ``decided`` every fate before it is made durable (gate.py
+says on the span when a fresh record waits for an open circuit); the spans
 end when the batch does (every fate durable), or are abandoned with it. Nothing here runs
 when tracing is off: processing.py holds no ``RecordTracer`` then.
 """

@@ -136,11 +136,12 @@ def _carrier() -> tuple[Getter[Headers], Setter[list[tuple[str, bytes]]]]:
 class RecordSpan:
     """One record's processing span: its fate as events, ended when the fate is durable."""
 
-    __slots__ = ("_ended", "span")
+    __slots__ = ("_ended", "_waited", "span")
 
     def __init__(self, span: Span) -> None:
         self.span = span
         self._ended = False
+        self._waited = False
 
     @contextlib.contextmanager
     def current(self) -> Iterator[None]:
@@ -194,6 +195,16 @@ class RecordSpan:
     def held(self, error: str | None) -> None:
         """Its run failed while its handler's circuit was open: held until a probe succeeds."""
         self.event("held", **{"reliable_consumer.reason": error})
+
+    def waits_for_circuit(self, circuit: str, state: str) -> None:
+        """A fresh record the open circuit does not let run yet: it waits, uncommitted.
+        Said once, however many times the gate looks again."""
+        if not self._waited:
+            self._waited = True
+            self.event(
+                "held",
+                **{"reliable_consumer.reason": f"waiting: circuit {circuit} is {state}"},
+            )
 
     def end(self) -> None:
         if not self._ended:
