@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from reliable_consumer.engine.handlers.context import Effects
 from reliable_consumer.engine.handlers.emissions import Emissions
 from reliable_consumer.engine.handlers.registry import Handler
+from reliable_consumer.engine.observation.tracing import RecordSpan
 from reliable_consumer.engine.records import Delivery, Outcome
 from reliable_consumer.engine.redis import long_keys
 
@@ -67,6 +68,8 @@ class Job:
     # whether that row was an earlier delivery's (a duplicate) rather than this one's.
     committed: bool = False
     inbox_duplicate: bool = False
+    # Its processing span while tracing is on (observation/tracing.py, batch/traces.py).
+    span: RecordSpan | None = None
 
     @property
     def name(self) -> str:

@@ -254,7 +254,11 @@ class PostgresWaves:
         ``CallAbandoned`` raised. It still holds ``ctx.db``, so the wave's connection is
         closed at once: nothing it sends reaches any transaction, and it is never reused.
         """
-        call = asyncio.ensure_future(self._call(job, ctx))
+        if job.span is None:
+            call = asyncio.ensure_future(self._call(job, ctx))
+        else:  # the task starts with the record's span as its current context
+            with job.span.current():
+                call = asyncio.ensure_future(self._call(job, ctx))
         try:
             ended = await within(call, limit_s, self._grace_s)
         finally:

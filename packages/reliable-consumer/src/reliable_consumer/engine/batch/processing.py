@@ -28,10 +28,12 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
 
+from reliable_consumer.engine.batch import traces
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.batch.gate import Gate, GaveUp
 from reliable_consumer.engine.batch.jobs import Fate, Job, key_waves, log_fields
@@ -46,6 +48,7 @@ from reliable_consumer.engine.handlers.stuck_calls import StuckCalls
 from reliable_consumer.engine.kafka.clients import make_producer
 from reliable_consumer.engine.kafka.publisher import Publisher, document_bytes_for
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.observation.tracing import RecordTracer, record_tracer
 from reliable_consumer.engine.postgres.checks import until_checked
 from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.records import Delivery, Outcome
@@ -57,6 +60,9 @@ from reliable_consumer.engine.redis.persistence_check import check_persistence
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.stalls import Stalls
 from reliable_consumer.engine.until_done import until_done
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +88,7 @@ class Processor:
         breakers: Breakers | None = None,
         inbox: InboxStore | None = None,
         stalls: Stalls | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.parts = Parts(
             settings,
@@ -107,6 +114,8 @@ class Processor:
         self._sql: PostgresWaves | None = None
         if inbox is not None:
             self._sql = PostgresWaves(inbox, self.parts, self.decisions, self._runner)
+        # A span per record when tracing is on (observation/tracing.py); None costs nothing.
+        self.tracer: RecordTracer | None = record_tracer(settings.kafka.group_id, tracer_provider)
 
     @classmethod
     def build(
@@ -121,13 +130,15 @@ class Processor:
         breakers: Breakers | None = None,
         inbox: InboxStore | None = None,
         outcomes_max_message_bytes: int | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> Processor:
         """The record path over an open Redis client and a started producer.
 
         ``stalls`` hears of what holds progress back outside the records (the worker's,
         so readiness and ``worker_stalled`` see it), e.g. a dead-letter topic that is missing.
         ``outcomes_max_message_bytes``: the outcomes topic's limit, when the start-up check
-        read it; outcome documents are cut to fit it.
+        read it; outcome documents are cut to fit it. ``tracer_provider``: where the record
+        spans go (tests); by default the process's, when tracing is on.
         """
         keys = RedisKeys(settings.redis.key_prefix)
         idempotency = Idempotency(
@@ -156,6 +167,7 @@ class Processor:
             breakers,
             inbox,
             stalls,
+            tracer_provider,
         )
 
     async def process(self, delivery: Delivery) -> Outcome:
@@ -251,6 +263,17 @@ class Processor:
         """
         deliveries = await self.decisions.vet_redrives(deliveries)
         jobs = [self.decisions.prepare(d) for d in deliveries]
+        if self.tracer is None:
+            await self._decide(jobs, ordered, give_up)
+        else:
+            with traces.traced(self.tracer, jobs):  # a span per record, ended with the batch
+                await self._decide(jobs, ordered, give_up)
+        return [j.outcome or Outcome.DEAD_LETTERED for j in jobs]
+
+    async def _decide(
+        self, jobs: list[Job], ordered: bool, give_up: Callable[[], bool] | None
+    ) -> None:
+        """The batch's stages, every record to a durable fate."""
         live = [j for j in jobs if j.fate is None]
         ordering = self._settings.ordering if ordered else "none"
         if ordering == "partition":
@@ -280,12 +303,15 @@ class Processor:
                     await self._postgres(sql)
                 await self.decisions.claim_failed(admitted)
                 await self.decisions.finish(admitted)
+                if self.tracer is not None:
+                    traces.held(admitted)
                 pending += await self._gate.held(admitted)
             parking.update(j.chain for j in wave if j.chain and j.fate is Fate.PARK)
+        if self.tracer is not None:
+            traces.decided(jobs)
         await self.decisions.park([j for j in jobs if j.fate is Fate.PARK])
         await self.decisions.dead_letter([j for j in jobs if j.fate is Fate.DEAD_LETTER])
         await self.decisions.emit(jobs)
-        return [j.outcome or Outcome.DEAD_LETTERED for j in jobs]
 
     async def _postgres(self, jobs: list[Job]) -> None:
         if self._sql is None:

@@ -87,7 +87,11 @@ class HandlerRunner:
                     continue
                 inline[handler.name] += 1
                 job.ran = True
-                handler.run_sync(payload, ctx)
+                if job.span is None:
+                    handler.run_sync(payload, ctx)
+                else:  # its calls become children of the record's span
+                    with job.span.current():
+                        handler.run_sync(payload, ctx)
                 untold[handler.name, job.delivery.attempt == 1] += 1
             except Exception as exc:
                 job.ran = True
@@ -125,6 +129,7 @@ class HandlerRunner:
         started = time.perf_counter()
         job.ran = True
         abandon = functools.partial(self._abandoned, job, ctx, limit_s, started)
+        traced = job.span.attach() if job.span is not None else None  # this runner's context
         try:
             with slot.deadline(limit_s, job.handler.name, abandon):
                 if hang:
@@ -140,6 +145,8 @@ class HandlerRunner:
         except Exception as exc:
             self.failed(job, exc)
         finally:
+            if traced is not None:
+                traced.detach()
             if not slot.abandoned:  # else measured when it was abandoned
                 self.observe(job.name, time.perf_counter() - started)
 
