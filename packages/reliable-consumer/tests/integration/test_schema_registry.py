@@ -98,7 +98,9 @@ def _settings(broker: Broker, redis_url: str, name: str, registry: str) -> Setti
     )
 
 
-def _serialize(registry: str, topic: str, schema: dict[str, Any], rows: list[dict[str, Any]]) -> list[bytes]:
+def _serialize(
+    registry: str, topic: str, schema: dict[str, Any], rows: list[dict[str, Any]]
+) -> list[bytes]:
     """Values as the registry's own serializer writes them (registering the schema)."""
     serializer = AvroSerializer(SchemaRegistryClient({"url": registry}), json.dumps(schema))
     where = SerializationContext(topic, MessageField.VALUE)
@@ -133,7 +135,9 @@ async def test_registry_avro_records_reach_the_handler_typed_and_bad_ones_are_de
     await prepare_topics(settings, partitions=3)
     old_rows = [{"order_id": f"old-{i}", "amount_cents": i} for i in range(30)]
     new_rows = [{"order_id": f"new-{i}", "amount_cents": i, "currency": "USD"} for i in range(30)]
-    old = await asyncio.to_thread(_serialize, schema_registry.url, unique_name, OLD_WRITER, old_rows)
+    old = await asyncio.to_thread(
+        _serialize, schema_registry.url, unique_name, OLD_WRITER, old_rows
+    )
     new = await asyncio.to_thread(_serialize, schema_registry.url, unique_name, READER, new_rows)
     old_id = schema_id_of(old[0])
     assert old_id is not None and old_id != schema_id_of(new[0])
@@ -153,7 +157,9 @@ async def test_registry_avro_records_reach_the_handler_typed_and_bad_ones_are_de
     assert (_looked_up(worker, "found"), _looked_up(worker, "unknown")) == (2, 1)
     dead = await audit.read_all(settings.kafka, settings.dead_letter_topic(unique_name))
     assert sorted(r.value for r in dead) == sorted(bad)  # the original bytes, redrivable
-    reasons = {r.value: (audit.header(r, "x-dlq-reason"), audit.header(r, "x-dlq-error")) for r in dead}
+    reasons = {
+        r.value: (audit.header(r, "x-dlq-reason"), audit.header(r, "x-dlq-error")) for r in dead
+    }
     assert reasons[unknown][0] == "malformed" and "no schema id 987654" in str(reasons[unknown][1])
     assert reasons[garbage][0] == "malformed" and f"schema id {old_id}" in str(reasons[garbage][1])
     assert reasons[unframed][0] == "malformed" and "magic byte" in str(reasons[unframed][1])
