@@ -31,6 +31,7 @@ from reliable_consumer.engine.schemas.wire import frame, schema_id_of
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
 from reliable_consumer.ops import audit
+from reliable_consumer.ops.redrive import redrive
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, prepare_topics, running_worker
 
@@ -60,11 +61,22 @@ class OrderPlaced(BaseModel):
     currency: str
 
 
+# A reader that cannot resolve the older writer: its currency has no default.
+STRICT = {
+    **OLD_WRITER,
+    "fields": [*OLD_WRITER["fields"], {"name": "currency", "type": "string"}],  # type: ignore[list-item]
+}
 SEEN: list[OrderPlaced] = []
 
 
 @handler("orders", model=OrderPlaced, dedupe_key="order_id", value_format=RegistryAvro(READER))
 def orders(order: OrderPlaced, ctx: Context) -> None:
+    del ctx
+    SEEN.append(order)
+
+
+@handler("orders", model=OrderPlaced, dedupe_key="order_id", value_format=RegistryAvro(STRICT))
+def strict_orders(order: OrderPlaced, ctx: Context) -> None:
     del ctx
     SEEN.append(order)
 
@@ -194,3 +206,32 @@ async def test_a_registry_that_does_not_answer_holds_records_uncommitted_and_sta
         os.kill(pid, signal.SIGCONT)
     assert sorted(o.order_id for o in SEEN) == sorted(r["order_id"] for r in rows)
     assert await audit.read_all(settings.kafka, settings.dead_letter_topic(unique_name)) == []
+
+
+async def test_a_dead_lettered_registry_record_keeps_its_bytes_and_decodes_again_when_redriven(
+    kafka_broker: Broker, redis_url: str, unique_name: str, schema_registry: SchemaRegistryServer
+) -> None:
+    """Dead-lettered because the handler's reader schema could not resolve the writer's; the
+    handler fixed (a default for the new field), a redrive sends the same bytes back and
+    they decode."""
+    settings = _settings(kafka_broker, redis_url, unique_name, schema_registry.url)
+    await prepare_topics(settings, partitions=1)
+    rows = [{"order_id": f"redriven-{i}", "amount_cents": i} for i in range(3)]
+    values = await asyncio.to_thread(_serialize, schema_registry.url, unique_name, OLD_WRITER, rows)
+    await _produce(settings, values)
+    dead_letters = settings.dead_letter_topic(unique_name)
+
+    async with running_worker(settings, registry=Registry([strict_orders], settings.topics)):
+        await await_until(lambda: _settled(settings), 60, interval=0.2, message="not settled")
+    dead = await audit.read_all(settings.kafka, dead_letters)
+    assert sorted(r.value for r in dead) == sorted(values) and SEEN == []
+    assert {audit.header(r, "x-dlq-reason") for r in dead} == {"malformed"}
+    assert all("SchemaResolutionError" in str(audit.header(r, "x-dlq-error")) for r in dead)
+
+    async with running_worker(settings, registry=Registry([orders], settings.topics)):
+        done = await redrive(settings, unique_name)
+        assert done.redriven == 3, done
+        await await_until(lambda: len(SEEN) == 3, 60, message="redriven records not handled")
+        await await_until(lambda: _settled(settings), 60, interval=0.2, message="not settled")
+    assert sorted(o.order_id for o in SEEN) == sorted(r["order_id"] for r in rows)
+    assert len(await audit.read_all(settings.kafka, dead_letters)) == 3  # none dead again
