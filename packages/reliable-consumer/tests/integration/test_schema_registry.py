@@ -189,16 +189,20 @@ async def test_a_registry_that_does_not_answer_holds_records_uncommitted_and_sta
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)  # accepts connections, never answers: every look-up times out
     try:
+        # A worker stopped during the outage stops on time and commits nothing past the records.
         async with running_worker(settings, registry=Registry([orders], settings.topics)) as worker:
             await await_until(
                 lambda: "schema_registry" in worker.stalls.active(), 30, message="no stall"
             )
             await await_until(lambda: _looked_up(worker, "timeout") >= 2, 30, message="no retry")
-            offsets = await audit.group_offsets(
-                settings.kafka, settings.kafka.group_id, unique_name
+        offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, unique_name)
+        assert [p.committed for p in offsets] in ([None], [0]), offsets
+        assert SEEN == []
+        # The next worker waits too, then goes on once the registry answers.
+        async with running_worker(settings, registry=Registry([orders], settings.topics)) as worker:
+            await await_until(
+                lambda: "schema_registry" in worker.stalls.active(), 30, message="no stall"
             )
-            assert [p.committed for p in offsets] in ([None], [0]), offsets
-            assert SEEN == []
             os.kill(pid, signal.SIGCONT)
             await await_until(lambda: _settled(settings), 60, interval=0.2, message="not settled")
             assert "schema_registry" not in worker.stalls.active()
