@@ -86,6 +86,8 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "worker_circuit_held_records": ("gauge", frozenset({"circuit"})),
     "worker_postgres_transactions_total": ("counter", frozenset({"result"})),
     "worker_postgres_commit_seconds": ("histogram", frozenset()),
+    "worker_schema_registry_requests_total": ("counter", frozenset({"result"})),
+    "worker_schema_registry_seconds": ("histogram", frozenset()),
     "worker_memory_limit_bytes": ("gauge", frozenset()),
     # prometheus-client's process collector, in the worker's registry beside its own.
     "process_resident_memory_bytes": ("gauge", frozenset()),

@@ -17,6 +17,7 @@ from reliable_consumer.engine.errors import PermanentError, RetryableError
 from reliable_consumer.engine.handlers.context import Context, Effects
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.handlers.registry import Handler, handler
+from reliable_consumer.engine.schemas.avro import RegistryAvro
 
 try:
     __version__ = version("reliable-consumer")
@@ -31,6 +32,7 @@ __all__ = [
     "Handler",
     "Ledger",
     "PermanentError",
+    "RegistryAvro",
     "RetryPolicy",
     "RetryableError",
     "SampleRecord",

@@ -396,6 +396,38 @@ class PostgresSettings(BaseModel):
         return self
 
 
+class SchemaRegistrySettings(BaseModel):
+    """The schema registry of handlers reading registry-framed values (``RegistryAvro``).
+
+    Unset (no URL) unless a bound handler declares ``value_format=RegistryAvro(...)``; the
+    worker refuses to start such a handler without it. Needs the ``avro`` extra.
+    """
+
+    # The Confluent-compatible API's base URL, e.g. http://registry:8081 (Confluent) or
+    # http://registry:8080/apis/ccompat/v7 (Apicurio).
+    url: str | None = None
+    username: str | None = None
+    password: SecretStr | None = None
+    # One look-up's bound: a registry slower than this counts as not answering (retried,
+    # counted in worker_schema_registry_requests{result="timeout"}).
+    timeout_s: float = Field(default=5.0, gt=0, le=120)
+    # How long an id the registry does not know stays known as unknown (its records are
+    # dead-lettered ``malformed``) before it is asked again.
+    unknown_id_ttl_s: float = Field(default=60.0, ge=0, le=86_400)
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("url")
+    @classmethod
+    def _url_usable(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
+
 class Settings(BaseSettings):
     """The worker's whole configuration."""
 
@@ -425,6 +457,7 @@ class Settings(BaseSettings):
     swarm: SwarmSettings = SwarmSettings()
     console: ConsoleSettings = ConsoleSettings()
     postgres: PostgresSettings = PostgresSettings()
+    schema_registry: SchemaRegistrySettings = SchemaRegistrySettings()
 
     # Handler name -> the topic it consumes; the default is the app declaration's topics
     # (service/app.py), where `service new-handler` binds new handlers.

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -42,6 +42,7 @@ from reliable_consumer.engine.redis.idempotency import (
     RedriveTicket,
     fingerprint,
 )
+from reliable_consumer.engine.schemas.wire import schema_id_of
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Decisions:
         self._publisher = parts.publisher
         self._metrics = parts.metrics
         self._keys = parts.keys
+        self._schemas = parts.schemas
         default = settings.retry.policy()
         self._policies: dict[str, RetryPolicy] = {
             h.name: h.retry or default for _, h in registry.items()
@@ -101,6 +103,29 @@ class Decisions:
         key = self._keys.redrive_ticket(of)
         return RedriveTicket(key, redrive_ticket_value(d.topic, d.value))
 
+    # --- stage 1: fetch the writers' schemas the batch names (only ids not yet known) ---
+
+    async def fetch_writer_schemas(
+        self, deliveries: Sequence[Delivery], give_up: Callable[[], bool]
+    ) -> None:
+        """Make every writer's schema the batch's registry-framed values name known.
+
+        Decoding then never waits on the network. While the registry does not answer this
+        waits (the batch uncommitted, the ``schema_registry`` stall reported).
+        """
+        if self._schemas is None:
+            return
+        ids: set[int] = set()
+        for d in deliveries:
+            handler = self._registry.for_topic(d.topic)
+            if handler is None or handler.value_format is None or d.value is None:
+                continue
+            schema_id = schema_id_of(d.value)
+            if schema_id is not None:
+                ids.add(schema_id)
+        if ids:
+            await self._schemas.ensure(ids, give_up)
+
     # --- stage 1: route and decode (no I/O) ---
 
     def prepare(self, d: Delivery) -> Job:
@@ -110,7 +135,7 @@ class Decisions:
             job.dead_letter("unroutable", f"no handler for topic {d.topic!r}")
             return job
         job.handler = handler
-        payload = decode(handler, d, self._settings.max_record_bytes)
+        payload = decode(handler, d, self._settings.max_record_bytes, self._schemas)
         if isinstance(payload, DecodeFailure):
             job.dead_letter(payload.reason, payload.detail)
             return job

@@ -57,6 +57,8 @@ from reliable_consumer.engine.redis.delay_queue import RetryQueue
 from reliable_consumer.engine.redis.idempotency import Idempotency
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.persistence_check import check_persistence
+from reliable_consumer.engine.schemas.registry_client import RegistryClient
+from reliable_consumer.engine.schemas.writer_schemas import WaitAbandoned, WriterSchemas
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.stalls import Stalls
 from reliable_consumer.engine.until_done import until_done
@@ -89,7 +91,10 @@ class Processor:
         inbox: InboxStore | None = None,
         stalls: Stalls | None = None,
         tracer_provider: TracerProvider | None = None,
+        schemas: WriterSchemas | None = None,
     ) -> None:
+        if schemas is None and registry.uses_schema_registry:
+            schemas = writer_schemas(settings, metrics, stalls)
         self.parts = Parts(
             settings,
             registry,
@@ -103,6 +108,7 @@ class Processor:
             stuck=StuckCalls(metrics, stalls),
             stalls=stalls,
             keys=RedisKeys(settings.redis.key_prefix),
+            schemas=schemas,
         )
         self._settings = settings
         self.decisions = Decisions(self.parts)
@@ -262,6 +268,10 @@ class Processor:
         ``GaveUp``) on shutdown or when the partition is revoked.
         """
         deliveries = await self.decisions.vet_redrives(deliveries)
+        try:
+            await self.decisions.fetch_writer_schemas(deliveries, give_up or _never)
+        except WaitAbandoned:
+            raise GaveUp from None  # left uncommitted, like a record held at an open circuit
         jobs = [self.decisions.prepare(d) for d in deliveries]
         if self.tracer is None:
             await self._decide(jobs, ordered, give_up)
@@ -324,12 +334,17 @@ class Processor:
         await self._sql.run(jobs)
 
     def stop_retrying(self) -> None:
-        """Kafka writes give up after their current try (shutdown, past its grace)."""
+        """Kafka writes and schema look-ups give up after their current try (shutdown, past
+        its grace)."""
         self.parts.publisher.stopping = True
+        if self.parts.schemas is not None:
+            self.parts.schemas.stopping = True
 
     async def aclose(self) -> None:
         """Stop the handler runners (after the batches using them have ended)."""
         await self._runner.aclose()
+        if self.parts.schemas is not None:
+            await self.parts.schemas.aclose()
         if self.stuck:
             # asyncio cancels them once more at exit and waits for them: said, not hidden.
             log.error(
@@ -337,6 +352,35 @@ class Processor:
                 "they end, or when it is killed",
                 len(self.stuck),
             )
+
+
+def _never() -> bool:
+    return False
+
+
+def writer_schemas(settings: Settings, metrics: Metrics, stalls: Stalls | None) -> WriterSchemas:
+    """The cache of writers' schemas over a client of the configured registry."""
+    config = settings.schema_registry
+    if config.url is None:
+        from reliable_consumer.engine.errors import ConfigurationError
+
+        raise ConfigurationError(
+            "a bound handler reads schema-registry values (value_format=RegistryAvro): "
+            "set WORKER_SCHEMA_REGISTRY__URL"
+        )
+    client = RegistryClient(
+        config.url,
+        timeout_s=config.timeout_s,
+        metrics=metrics,
+        username=config.username,
+        password=config.password.get_secret_value() if config.password else None,
+    )
+    return WriterSchemas(
+        client,
+        stalls=stalls,
+        unknown_ttl_s=config.unknown_id_ttl_s,
+        outage_summary_interval_s=settings.outage_summary_interval_s,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -33,6 +33,7 @@ from reliable_consumer.engine.handlers.context import Context
 from reliable_consumer.engine.handlers.emissions import check_emits
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.redis.keys import ENGINE_NAMESPACES
+from reliable_consumer.engine.schemas.avro import RegistryAvro
 
 M = TypeVar("M", bound=BaseModel)
 # A handler is ``async def`` when it awaits I/O, or plain ``def`` when it only decides and
@@ -102,6 +103,9 @@ class Handler(Generic[M]):
     store: Store = "redis"
     # The topics its ``ctx.emit`` may publish to, through the outbox (handlers/emissions.py).
     emits: frozenset[str] = frozenset()
+    # How the record value is written: None is JSON; ``RegistryAvro`` is Avro in the schema
+    # registry's wire format, read with the declared reader schema (engine/schemas/).
+    value_format: RegistryAvro | None = None
     # Its name and ``writes``: the only ``{prefix}:<namespace>`` its effects may touch.
     namespaces: frozenset[str] = field(init=False, default=frozenset())
 
@@ -157,6 +161,7 @@ def handler(
     ordering: Literal["key", "none"] | None = None,
     store: Store = "redis",
     emits: Iterable[str] = (),
+    value_format: RegistryAvro | None = None,
 ) -> Callable[[HandlerFunc[M]], Handler[M]]:
     """Declare a handler; the decorated function becomes a :class:`Handler`.
 
@@ -187,6 +192,11 @@ def handler(
     key=..., headers=...)``: those records are written to the outbox with its effects, only
     when they apply, and published by the relay, each with an ``event-id`` header that is
     the same on every copy (docs/outbox.md).
+
+    ``value_format=RegistryAvro(reader_schema)`` reads values a schema registry's serializer
+    wrote (magic byte, schema id, Avro): each is decoded with its writer's schema, fetched
+    from ``WORKER_SCHEMA_REGISTRY__URL`` once per id, resolved to ``reader_schema``, then
+    validated into ``model`` (docs/schemas.md). Without it a value is JSON.
     """
     writes = tuple(writes)
     emitted_topics = check_emits(name, emits)
@@ -217,6 +227,11 @@ def handler(
             f"handler {name!r}: dedupe_key {dedupe_key!r} is not a field of {model.__name__}"
         )
 
+    if value_format is not None:
+        if not isinstance(value_format, RegistryAvro):
+            raise ConfigurationError(f"handler {name!r}: value_format= takes a RegistryAvro")
+        value_format.check_model(name, model.model_fields)
+
     def wrap(func: HandlerFunc[M]) -> Handler[M]:
         if store == "postgres" and not inspect.iscoroutinefunction(func):
             raise ConfigurationError(
@@ -239,6 +254,7 @@ def handler(
             ordering=ordering,
             store=store,
             emits=emitted_topics,
+            value_format=value_format,
         )
 
     return wrap
@@ -313,6 +329,11 @@ class Registry:
     def uses_postgres(self) -> bool:
         """Whether a bound handler keeps its effects in PostgreSQL (the worker needs it)."""
         return any(h.store == "postgres" for h in self._by_topic.values())
+
+    @property
+    def uses_schema_registry(self) -> bool:
+        """Whether a bound handler reads registry-framed values (the worker needs the URL)."""
+        return any(h.value_format is not None for h in self._by_topic.values())
 
     def check_stores(self, postgres_url_set: bool) -> None:
         """Refuse, before anything connects, a postgres handler bound without a database."""

@@ -50,6 +50,19 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
             registry=r,
         )
+        self.schema_registry_requests = Counter(
+            "worker_schema_registry_requests",
+            "Writer-schema look-ups sent to the schema registry, by result "
+            "(found, unknown, timeout, error)",
+            ["result"],
+            registry=r,
+        )
+        self.schema_registry_seconds = Histogram(
+            "worker_schema_registry_seconds",
+            "How long the schema registry took to answer a writer-schema look-up",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
         labels = ["topic", "partition"]
         self.committed_offset = Gauge(
             "worker_partition_committed_offset", "Last committed offset", labels, registry=r
