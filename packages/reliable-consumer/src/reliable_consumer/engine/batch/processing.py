@@ -297,6 +297,10 @@ class Processor:
             )
         await self._sql.run(jobs)
 
+    def on_emitted(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` whenever FINISH appended emitted records to the Redis outbox."""
+        self.parts.idempotency.on_emitted = wake
+
     def stop_retrying(self) -> None:
         """Kafka writes give up after their current try (shutdown, past its grace)."""
         self.parts.publisher.stopping = True
