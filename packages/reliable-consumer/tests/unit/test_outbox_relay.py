@@ -25,6 +25,7 @@ from reliable_consumer.engine.redis.idempotency import FinishRequest, Idempotenc
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import OutboxSettings, RedisSettings
 from reliable_consumer.engine.stalls import Stalls
+from reliable_consumer.ops.trace import emitted_for
 from tests.helpers import await_until
 
 PREFIX = "rl"
@@ -192,3 +193,21 @@ async def test_a_relay_failing_past_the_threshold_stalls_until_a_round_succeeds(
 def test_a_lease_shorter_than_two_polls_is_refused_naming_the_settings() -> None:
     with pytest.raises(ValidationError, match="WORKER_OUTBOX__LEASE_MS"):
         OutboxSettings(lease_ms=1000, poll_interval_ms=600)
+
+
+async def test_trace_shows_a_keys_emitted_records_pending_and_published(env: Env) -> None:
+    first, second = await env.grant("g1"), await env.grant("g2")
+    relay = env.relay(Producer(), batch_size=3)
+    await relay.publish_round(env.store)  # g1's two and g2's first
+    g1 = await emitted_for(env.redis, env.keys, "grants", "g1")
+    assert [(e["event_id"], e["state"], e["offset"]) for e in g1] == [
+        (first[0], "published", 0),
+        (first[1], "published", 1),
+    ]
+    g2 = await emitted_for(env.redis, env.keys, "grants", "g2")
+    assert [(e["event_id"], e["state"]) for e in g2] == [
+        (second[1], "pending"),
+        (second[0], "published"),
+    ]
+    assert g2[0]["topic"] == TOPIC and g2[1]["partition"] == 0
+    assert await emitted_for(env.redis, env.keys, "grants", "g3") == []
