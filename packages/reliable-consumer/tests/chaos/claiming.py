@@ -4,7 +4,8 @@ The payments example is ``effects_only``: it never claims, so chaos runs of it a
 put the claim script, its lease, BUSY parking or a claim left by a dead worker under a
 fault. This handler grants the same payments (same model, same ledger) but is a plain
 ``async def`` handler that claims: the worker must never run two deliveries of one key at
-the same time.
+the same time. It also announces each grant (two events through the outbox, docs/outbox.md),
+so the relay is under the same faults.
 
 It checks that itself, outside the worker's bookkeeping: while it runs, it holds a run
 marker ``{prefix}:chaos:running:{payment_id}`` (SET NX with a PX shorter than the claim
@@ -51,7 +52,19 @@ def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-@handler(NAME, model=PaymentSucceeded, dedupe_key="payment_id", writes=("ledger",))
+# The topic its grants are announced on: the run's own (tests/chaos/runs.py sets it for the
+# workers); two events per grant, keyed by payment, so each key has an order to keep.
+EMIT_TOPIC = os.environ.get("CHAOS_EMIT_TOPIC", "chaos.granted")
+EMITTED_STEPS = ("granted", "recorded")
+
+
+@handler(
+    NAME,
+    model=PaymentSucceeded,
+    dedupe_key="payment_id",
+    writes=("ledger",),
+    emits=(EMIT_TOPIC,),
+)
 async def grant_with_claim(payment: PaymentSucceeded, ctx: Context) -> None:
     """Grant like the payments example, watching that no other run of the key is live."""
     if payment.currency not in SUPPORTED_CURRENCIES:
@@ -80,6 +93,12 @@ async def grant_with_claim(payment: PaymentSucceeded, ctx: Context) -> None:
                 "handler": NAME,
             },
         )
+        for step in EMITTED_STEPS:
+            ctx.emit(
+                EMIT_TOPIC,
+                {"payment_id": payment.payment_id, "step": step},
+                key=payment.payment_id,
+            )
     finally:
         try:
             await ctx.redis.eval(_RELEASE, 1, marker, me)

@@ -14,9 +14,18 @@ import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.context import Context, Effects
+from reliable_consumer.engine.handlers.emissions import Emissions
 from tests.chaos import claiming
-from tests.chaos.outside import DeadLetter, View
-from tests.chaos.runs import EndState, Placed, Routed, final_verdict, overlapping_runs
+from tests.chaos.outside import DeadLetter, Emitted, View
+from tests.chaos.runs import (
+    EmittedCheck,
+    EndState,
+    Placed,
+    Routed,
+    check_emitted,
+    final_verdict,
+    overlapping_runs,
+)
 
 from service import sample
 from service.handlers.payments import PaymentSucceeded
@@ -28,7 +37,10 @@ VALUE = (
 
 
 def context(client: aioredis.Redis, offset: int) -> Context:
-    return Context("t-claimed", 0, offset, b"cpay_1", (), 0, 1, "cpay_1", Effects(), client, "chk")
+    ctx = Context("t-claimed", 0, offset, b"cpay_1", (), 0, 1, "cpay_1", Effects(), client, "chk")
+    # What the runner gives a handler that declares emits (batch/runner.py context()).
+    ctx.emissions = Emissions(claiming.NAME, frozenset({claiming.EMIT_TOPIC}), "cpay_1")
+    return ctx
 
 
 async def test_claiming_handler_reports_a_run_beside_a_live_run_of_its_key(
@@ -121,3 +133,18 @@ def test_verdict_holds_for_a_clean_run_and_names_each_broken_invariant() -> None
         [],
     )
     assert not overlap.ok and "overlapped" in overlap.problems[0]
+
+
+def test_the_emitted_check_fails_on_each_broken_promise_and_counts_duplicates() -> None:
+    def e(partition: int, offset: int, payment: str, step: str, event: str = "") -> Emitted:
+        return Emitted(partition, offset, event or f"{payment}:{step}", payment, step, b"k")
+
+    clean = [e(0, 0, "p1", "granted"), e(0, 1, "p1", "recorded")]
+    republished = [*clean, e(0, 2, "p1", "granted"), e(0, 3, "p1", "recorded")]
+    assert check_emitted(republished, {"p1"}) == EmittedCheck(2, 2, [])
+    assert "without their events" in check_emitted(clean[:1], {"p1"}).problems[0]
+    assert "not granted" in check_emitted(clean, set()).problems[0]
+    unlike = [*clean, e(0, 2, "p2", "granted", event="p1:granted")]
+    assert "differ" in check_emitted(unlike, {"p1", "p2"}).problems[0]
+    swapped = [e(0, 0, "p1", "recorded"), e(0, 1, "p1", "granted")]
+    assert "out of order" in check_emitted(swapped, {"p1"}).problems[0]
