@@ -292,7 +292,7 @@ class Outside:
             await consumer.seek_to_beginning(*tps)
             ends = await consumer.end_offsets(tps)
             out: list[Emitted] = []
-            while any(await consumer.position(tp) < ends[tp] for tp in tps):
+            while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
                 for tp, records in (await consumer.getmany(timeout_ms=500)).items():
                     for r in records:
                         value = json.loads(r.value)
