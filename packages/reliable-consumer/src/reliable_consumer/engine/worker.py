@@ -292,6 +292,7 @@ class Worker:
         stores: list[OutboxStore] = [
             RedisOutboxStore(self.redis, RedisKeys(self.settings.redis.key_prefix))
         ]
+        # Each further store is appended here, e.g. PostgreSQL's when ``self.inbox`` is open.
         return stores
 
     async def _start_relay(self) -> None:
