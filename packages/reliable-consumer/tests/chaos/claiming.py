@@ -20,10 +20,12 @@ Found by the chaos workers' app declaration (``tests/chaos/app.py``, run by
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import uuid
 from datetime import datetime
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -52,19 +54,17 @@ def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-# The topic its grants are announced on: the run's own (tests/chaos/runs.py sets it for the
-# workers); two events per grant, keyed by payment, so each key has an order to keep.
-EMIT_TOPIC = os.environ.get("CHAOS_EMIT_TOPIC", "chaos.granted")
+# The topic its grants are announced on: the run's own, set by tests/chaos/runs.py for its
+# workers (two events per grant, keyed by payment, so each key has an order to keep). Unset
+# (the other chaos tests), or a release from before the outbox (the rolling upgrade runs
+# one: its @handler takes no emits=), it announces nothing.
+EMIT_TOPIC = os.environ.get("CHAOS_EMIT_TOPIC") or None
 EMITTED_STEPS = ("granted", "recorded")
+EMITS = EMIT_TOPIC is not None and "emits" in inspect.signature(handler).parameters
+_ANNOUNCED: dict[str, Any] = {"emits": (EMIT_TOPIC,)} if EMITS else {}
 
 
-@handler(
-    NAME,
-    model=PaymentSucceeded,
-    dedupe_key="payment_id",
-    writes=("ledger",),
-    emits=(EMIT_TOPIC,),
-)
+@handler(NAME, model=PaymentSucceeded, dedupe_key="payment_id", writes=("ledger",), **_ANNOUNCED)
 async def grant_with_claim(payment: PaymentSucceeded, ctx: Context) -> None:
     """Grant like the payments example, watching that no other run of the key is live."""
     if payment.currency not in SUPPORTED_CURRENCIES:
@@ -93,7 +93,8 @@ async def grant_with_claim(payment: PaymentSucceeded, ctx: Context) -> None:
                 "handler": NAME,
             },
         )
-        for step in EMITTED_STEPS:
+        for step in EMITTED_STEPS if EMITS else ():
+            assert EMIT_TOPIC is not None
             ctx.emit(
                 EMIT_TOPIC,
                 {"payment_id": payment.payment_id, "step": step},

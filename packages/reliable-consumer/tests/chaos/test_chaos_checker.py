@@ -14,7 +14,6 @@ import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.context import Context, Effects
-from reliable_consumer.engine.handlers.emissions import Emissions
 from tests.chaos import claiming
 from tests.chaos.outside import DeadLetter, Emitted, View
 from tests.chaos.runs import (
@@ -37,10 +36,7 @@ VALUE = (
 
 
 def context(client: aioredis.Redis, offset: int) -> Context:
-    ctx = Context("t-claimed", 0, offset, b"cpay_1", (), 0, 1, "cpay_1", Effects(), client, "chk")
-    # What the runner gives a handler that declares emits (batch/runner.py context()).
-    ctx.emissions = Emissions(claiming.NAME, frozenset({claiming.EMIT_TOPIC}), "cpay_1")
-    return ctx
+    return Context("t-claimed", 0, offset, b"cpay_1", (), 0, 1, "cpay_1", Effects(), client, "chk")
 
 
 async def test_claiming_handler_reports_a_run_beside_a_live_run_of_its_key(
