@@ -58,6 +58,7 @@ GROUPS: dict[str, str] = {
     "recovery": "bench.recovery:RecoveryGroup",
     "memory": "bench.memory:MemoryGroup",
     "outcomes": "bench.bench_outcomes:OutcomesGroup",
+    "outbox": "bench.bench_outbox:OutboxGroup",
 }
 
 

@@ -43,11 +43,12 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
+from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos import claiming
-from tests.chaos.outside import TP, Outside, View, Where, wait_settled
+from tests.chaos.outside import TP, Emitted, Outside, View, Where, wait_settled
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import HangingRecord, HangWatch, WorkerProcess
@@ -402,6 +403,8 @@ class Verdict:
     succeeded_twice: list[str]
     overlaps: list[str]  # two runs of one claimed key at once (tests/chaos/claiming.py)
     overlaps_excused: int  # met a marker its holder reported left behind
+    emitted_events: int  # distinct events the claiming handler's grants published
+    emitted_duplicates: int  # their copies beyond the first (at least once + event-id)
     problems: list[str]
 
     @property
@@ -462,6 +465,8 @@ class ChaosReport:
             "dead-lettered by reason": dict(sorted(v.dead_by_reason.items())),
             "dead-letter extra copies": v.dead_extra_copies,
             "overlapping runs of a claimed key": len(v.overlaps),
+            "emitted events": v.emitted_events,
+            "emitted duplicate copies": v.emitted_duplicates,
             "duration s": round(self.duration_s, 1),
             "throughput rec/s": round(self.throughput, 1),
         }
@@ -558,7 +563,10 @@ class Pool:
     def __init__(self, settings: Settings, work_dir: Path, name: str) -> None:
         self.procs: list[WorkerProcess] = [
             ChaosWorkerProcess(
-                settings, work_dir / f"w{i}.log", WORKER_KAFKA__CLIENT_ID=f"{name}-w{i}"
+                settings,
+                work_dir / f"w{i}.log",
+                WORKER_KAFKA__CLIENT_ID=f"{name}-w{i}",
+                CHAOS_EMIT_TOPIC=emit_topic(settings),
             )
             for i in range(MAX_WORKERS)
         ]
@@ -677,6 +685,14 @@ def make_outside(settings: Settings, cfg: ChaosConfig) -> Outside:
         dead_letter_topics={t: f"{t}.dlq" for t in settings.topics.values()},
         outcomes_topic=outcomes,
     )
+
+
+EMIT_PARTITIONS = 3
+
+
+def emit_topic(settings: Settings) -> str:
+    """The run's topic the claiming handler announces its grants on (its own per run)."""
+    return f"{settings.topics[CLAIMED]}-granted"
 
 
 def source_partitions(settings: Settings, cfg: ChaosConfig) -> dict[str, int]:
@@ -902,9 +918,14 @@ class EndState:
     events: list[dict[str, Any]]
     overlaps: list[str]
     overlaps_excused: int
+    # The claiming handler's announced grants; None when the run's workers emit nothing
+    # (a rolling upgrade from releases without the outbox).
+    emitted: list[Emitted] | None = None
 
 
-async def read_end_state(outside: Outside, ends: dict[TP, int], logs: list[Path]) -> EndState:
+async def read_end_state(
+    outside: Outside, ends: dict[TP, int], logs: list[Path], emitted_topic: str | None = None
+) -> EndState:
     markers, claims = await outside.idempotency_markers()
     overlaps, excused = overlapping_runs(logs)
     return EndState(
@@ -914,6 +935,9 @@ async def read_end_state(outside: Outside, ends: dict[TP, int], logs: list[Path]
         events=await outside.outcome_events(),
         overlaps=overlaps,
         overlaps_excused=excused,
+        emitted=(
+            None if emitted_topic is None else await outside.emitted(emitted_topic, EMIT_PARTITIONS)
+        ),
     )
 
 
@@ -947,6 +971,11 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
     outcome_missing = sorted(p.where for p in placed if p.where not in seen)
     succeeded = Counter(e.get("dedupe_key") for e in end.events if e.get("event") == "succeeded")
     succeeded_twice = sorted(str(k) for k, n in succeeded.items() if n > 1)
+    claimed_granted = {
+        str(p.record.payment_id)
+        for p in placed
+        if p.record.handler == CLAIMED and p.record.payment_id in state.grants
+    }
     claimed_grants = sum(
         1 for p in placed if p.record.handler == CLAIMED and p.record.payment_id in state.grants
     )
@@ -983,6 +1012,10 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         )
     if succeeded_twice:
         problems.append(f"`succeeded` emitted twice for {succeeded_twice[:10]}")
+    emitted = EmittedCheck(0, 0, [])
+    if end.emitted is not None:
+        emitted = check_emitted(end.emitted, claimed_granted)
+        problems.extend(emitted.problems)
     if end.overlaps:
         problems.append(
             f"{len(end.overlaps)} runs of a claimed key overlapped another run of it: "
@@ -1007,8 +1040,51 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         succeeded_twice=succeeded_twice,
         overlaps=end.overlaps,
         overlaps_excused=end.overlaps_excused,
+        emitted_events=emitted.events,
+        emitted_duplicates=emitted.duplicates,
         problems=problems,
     )
+
+
+@dataclass(frozen=True)
+class EmittedCheck:
+    events: int  # distinct event ids published
+    duplicates: int  # copies beyond the first (at least once: the relay republished them)
+    problems: list[str]
+
+
+def check_emitted(emitted: list[Emitted], granted: set[str]) -> EmittedCheck:
+    """Every claimed grant announced (both steps), no event without its grant, every copy
+    of an event id the same event, and each payment's steps in order (first copies)."""
+    problems: list[str] = []
+    by_id: dict[str, set[tuple[str, str, bytes]]] = {}
+    for e in emitted:
+        by_id.setdefault(e.event_id, set()).add((e.payment_id, e.step, e.key))
+    unlike = sorted(i for i, copies in by_id.items() if len(copies) > 1 or not i)
+    if unlike:
+        problems.append(f"copies of one event id that differ (or no id): {unlike[:5]}")
+    steps: dict[str, set[str]] = {}
+    for e in emitted:
+        steps.setdefault(e.payment_id, set()).add(e.step)
+    unannounced = sorted(p for p in granted if steps.get(p, set()) != set(claiming.EMITTED_STEPS))
+    if unannounced:
+        problems.append(f"{len(unannounced)} grants without their events, e.g. {unannounced[:10]}")
+    ungranted = sorted(set(steps) - granted)
+    if ungranted:
+        problems.append(f"{len(ungranted)} events for payments not granted: {ungranted[:10]}")
+    first: dict[str, dict[str, tuple[int, int]]] = {}
+    for e in sorted(emitted, key=lambda e: (e.partition, e.offset)):
+        first.setdefault(e.payment_id, {}).setdefault(e.step, (e.partition, e.offset))
+    order = claiming.EMITTED_STEPS
+    disordered = sorted(
+        p
+        for p, at in first.items()
+        if all(s in at for s in order)
+        and (at[order[0]][0] != at[order[1]][0] or at[order[0]][1] > at[order[1]][1])
+    )
+    if disordered:
+        problems.append(f"events of one payment out of order: {disordered[:10]}")
+    return EmittedCheck(len(by_id), len(emitted) - len(by_id), problems)
 
 
 # --- the run ---
@@ -1063,6 +1139,9 @@ class ChaosRun:
             partitions=cfg.partitions,
             partitions_of={CLAIMED: cfg.claimed_partitions},
         )
+        await create_topics(
+            self.settings.kafka.bootstrap_servers, {emit_topic(self.settings): EMIT_PARTITIONS}
+        )
         await self.outside.start()
         await self.producer.start()
         try:
@@ -1090,11 +1169,19 @@ class ChaosRun:
                 self.problems.append(f"the run did not settle: {exc}")
                 final = await self.outside.view()
             duration = time.monotonic() - self._t0
+            try:  # the relay publishes what FINISH wrote: the outbox empties once settled
+                await await_until(lambda: self._outbox_empty(), cfg.settle_timeout_s, interval=0.2)
+            except AssertionError:
+                self.problems.append(
+                    f"the outbox never drained: {await self.outside.outbox_length()} waiting"
+                )
             await self._settled_for_sigterm(self.pool.running_slots())
             for name, code in self.pool.stop_all().items():
                 if code != 0:
                     self.problems.append(f"{name} exited with {code} on the final SIGTERM")
-            end = await read_end_state(self.outside, ends, self.pool.logs)
+            end = await read_end_state(
+                self.outside, ends, self.pool.logs, emit_topic(self.settings)
+            )
             verdict = final_verdict(final, end, self.producer.placed, self.problems)
         finally:
             self.pool.stop_all()
@@ -1119,6 +1206,9 @@ class ChaosRun:
         )
 
     # -- waiting --
+
+    async def _outbox_empty(self) -> bool:
+        return await self.outside.outbox_length() == 0
 
     async def _wait(
         self,

@@ -15,8 +15,16 @@ import redis.asyncio as aioredis
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.context import Context, Effects
 from tests.chaos import claiming
-from tests.chaos.outside import DeadLetter, View
-from tests.chaos.runs import EndState, Placed, Routed, final_verdict, overlapping_runs
+from tests.chaos.outside import DeadLetter, Emitted, View
+from tests.chaos.runs import (
+    EmittedCheck,
+    EndState,
+    Placed,
+    Routed,
+    check_emitted,
+    final_verdict,
+    overlapping_runs,
+)
 
 from service import sample
 from service.handlers.payments import PaymentSucceeded
@@ -121,3 +129,18 @@ def test_verdict_holds_for_a_clean_run_and_names_each_broken_invariant() -> None
         [],
     )
     assert not overlap.ok and "overlapped" in overlap.problems[0]
+
+
+def test_the_emitted_check_fails_on_each_broken_promise_and_counts_duplicates() -> None:
+    def e(partition: int, offset: int, payment: str, step: str, event: str = "") -> Emitted:
+        return Emitted(partition, offset, event or f"{payment}:{step}", payment, step, b"k")
+
+    clean = [e(0, 0, "p1", "granted"), e(0, 1, "p1", "recorded")]
+    republished = [*clean, e(0, 2, "p1", "granted"), e(0, 3, "p1", "recorded")]
+    assert check_emitted(republished, {"p1"}) == EmittedCheck(2, 2, [])
+    assert "without their events" in check_emitted(clean[:1], {"p1"}).problems[0]
+    assert "not granted" in check_emitted(clean, set()).problems[0]
+    unlike = [*clean, e(0, 2, "p2", "granted", event="p1:granted")]
+    assert "differ" in check_emitted(unlike, {"p1", "p2"}).problems[0]
+    swapped = [e(0, 0, "p1", "recorded"), e(0, 1, "p1", "granted")]
+    assert "out of order" in check_emitted(swapped, {"p1"}).problems[0]

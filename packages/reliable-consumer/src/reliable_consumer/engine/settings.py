@@ -246,6 +246,32 @@ class DeadLetterSettings(BaseModel):
         return value
 
 
+class OutboxSettings(BaseModel):
+    """The relay that publishes handlers' emitted records from the outbox (docs/outbox.md)."""
+
+    # Entries read, published and acknowledged as one step.
+    batch_size: int = Field(default=500, ge=1, le=10_000)
+    # How long a relay's hold on a store lasts unless renewed: a killed relay's store is
+    # taken over by another worker after at most this long.
+    lease_ms: int = Field(default=10_000, ge=1000, le=600_000)
+    # How often an idle relay looks for entries another process wrote (FINISH in its own
+    # process wakes it at once), and how often a worker without the lease tries to take it.
+    poll_interval_ms: int = Field(default=500, ge=10, le=60_000)
+    # Entries kept in the trail of what was published (``service trace``), newest last.
+    published_trail: int = Field(default=100_000, ge=0, le=10_000_000)
+    # Consecutive failed publish rounds before the relay reports the outbox_relay_failing stall.
+    stall_after_failures: int = Field(default=3, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _lease_outlasts_poll(self) -> OutboxSettings:
+        if self.poll_interval_ms * 2 > self.lease_ms:
+            raise ValueError(
+                "WORKER_OUTBOX__LEASE_MS must be at least twice WORKER_OUTBOX__POLL_INTERVAL_MS "
+                "(the lease is renewed once per poll)"
+            )
+        return self
+
+
 class HttpSettings(BaseModel):
     """The health and metrics endpoint (no authentication: who may reach it is the network's
     business, see deploy/README.md)."""
@@ -458,6 +484,7 @@ class Settings(BaseSettings):
     console: ConsoleSettings = ConsoleSettings()
     postgres: PostgresSettings = PostgresSettings()
     schema_registry: SchemaRegistrySettings = SchemaRegistrySettings()
+    outbox: OutboxSettings = OutboxSettings()
 
     # Handler name -> the topic it consumes; the default is the app declaration's topics
     # (service/app.py), where `service new-handler` binds new handlers.

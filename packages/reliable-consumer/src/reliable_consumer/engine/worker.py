@@ -33,7 +33,11 @@ from reliable_consumer.engine.batch.processing import Processor
 from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.intake import Intake
-from reliable_consumer.engine.kafka.clients import make_consumer, make_producer
+from reliable_consumer.engine.kafka.clients import (
+    make_consumer,
+    make_outbox_producer,
+    make_producer,
+)
 from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, check_session_timeout
 from reliable_consumer.engine.kafka.offsets import OffsetTracker
 from reliable_consumer.engine.kafka.topic_check import check_topic_access, check_topic_durability
@@ -42,6 +46,10 @@ from reliable_consumer.engine.observation.http import HealthState, HttpServer, m
 from reliable_consumer.engine.observation.member_report import INTERVAL_S, MemberReporter
 from reliable_consumer.engine.observation.membership import MembershipWatch, read_group_progress
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
+from reliable_consumer.engine.outbox.relay import OutboxRelay
+from reliable_consumer.engine.outbox.store import OutboxStore
+from reliable_consumer.engine.outbox.topics import check_emitted_topics
 from reliable_consumer.engine.postgres.checks import until_checked
 from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.records import Delivery
@@ -112,6 +120,9 @@ class Worker:
         self._producer: AIOKafkaProducer | None = None
         self._http: HttpServer | None = None
         self.scheduler: RetryScheduler | None = None
+        self.relay: OutboxRelay | None = None  # when a bound handler emits (engine/outbox/)
+        self._relay_task: asyncio.Task[None] | None = None
+        self._relay_producer: AIOKafkaProducer | None = None
         self.inbox: InboxStore | None = None  # the postgres effects store, when one is bound
         self.reporter: MemberReporter | None = None
         self.membership: MembershipWatch | None = None  # a consuming worker's, once subscribed
@@ -208,6 +219,8 @@ class Worker:
         topics = await self._unless_stopped(durability, "checking the Kafka topics")
         for warning in topics.warnings:
             log.warning(warning)
+        emitted = until_answered(lambda: check_emitted_topics(s.kafka, self.registry), self._stop)
+        await self._unless_stopped(emitted, "checking the topics handlers emit to")
         self.processor = Processor.build(
             s,
             self.registry,
@@ -219,6 +232,8 @@ class Worker:
             inbox=self.inbox,
             outcomes_max_message_bytes=topics.outcomes_max_message_bytes,
         )
+        if self.registry.emits:
+            await self._start_relay()
         self.intake.held_topics = self.breakers.open_topics
         self.health.circuits = self.breakers.snapshot
         if self.consume:
@@ -271,6 +286,35 @@ class Worker:
             "worker started",
             extra={"topics": self.registry.topics, "group": s.kafka.group_id},
         )
+
+    def outbox_stores(self) -> list[OutboxStore]:
+        """The outboxes the relay publishes from: one per effects store in use."""
+        stores: list[OutboxStore] = [
+            RedisOutboxStore(self.redis, RedisKeys(self.settings.redis.key_prefix))
+        ]
+        # Each further store is appended here, e.g. PostgreSQL's when ``self.inbox`` is open.
+        return stores
+
+    async def _start_relay(self) -> None:
+        """Publish what handlers emit: every worker runs the relay, one per store publishes."""
+        s = self.settings
+        self._relay_producer = make_outbox_producer(s.kafka)
+        await self._unless_stopped(
+            until_answered(self._relay_producer.start, self._stop),
+            "waiting for the outbox relay's Kafka producer",
+        )
+        self.relay = OutboxRelay(
+            self.outbox_stores(),
+            redis=self.redis,
+            keys=RedisKeys(s.redis.key_prefix),
+            producer=self._relay_producer,
+            settings=s.outbox,
+            metrics=self.metrics,
+            stalls=self.stalls,
+        )
+        self.processor.on_emitted(self.relay.wake)
+        self._relay_task = asyncio.create_task(self.relay.run(self._stop), name="outbox-relay")
+        self._watch(self._relay_task)
 
     def _unless_stopped(self, step: Awaitable[T], waiting_for: str) -> Awaitable[T]:
         return unless_stopped(step, self._stop, waiting_for)
@@ -494,12 +538,18 @@ class Worker:
             await steps.run("retry scheduler", self.scheduler.drain(timeout_s=steps.left()))
         if hasattr(self, "processor"):
             await steps.run("handler runners", self.processor.aclose())
+        if self._relay_task is not None:
+            # It ends its round (publish, ack, mark) and gives its leases up; one cut short
+            # is published again by the next holder (at least once, same event ids).
+            await steps.run("outbox relay", asyncio.wait({self._relay_task}))
         for task in self._background:
             task.cancel()
         if self._background:
             await steps.run("background loops", asyncio.wait(self._background))
         if self._producer is not None:
             await steps.run("producer flush", self._producer.stop())  # what is buffered
+        if self._relay_producer is not None:
+            await steps.run("outbox producer", self._relay_producer.stop())
         if self.inbox is not None:
             await steps.run("PostgreSQL close", self.inbox.close())
         if hasattr(self, "redis"):

@@ -20,6 +20,7 @@ from typing import Any
 from reliable_consumer.engine.batch.decoding import DecodeFailure, decode
 from reliable_consumer.engine.batch.jobs import Fate, Job, log_fields
 from reliable_consumer.engine.batch.parts import Parts
+from reliable_consumer.engine.handlers.emissions import Emission
 from reliable_consumer.engine.handlers.policies import RetryPolicy
 from reliable_consumer.engine.handlers.redaction import describe_error, record_text
 from reliable_consumer.engine.handlers.registry import Handler
@@ -293,6 +294,8 @@ class Decisions:
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
                 effects=j.effects.commands if j.effects is not None and j.fate is None else [],
                 chain=j.chain,
+                emissions=_redis_emissions(j),
+                emitted_by=j.name,
             )
             for j in (*done, *stale)
         ]
@@ -481,3 +484,14 @@ def _keeps_key_order(handler: Handler[Any], ordering: str) -> bool:
     if handler.ordering is not None:
         return handler.ordering == "key"
     return ordering != "none"
+
+
+def _redis_emissions(job: Job) -> Sequence[Emission]:
+    """What FINISH appends to the Redis outbox for ``job``: its handler's emissions when
+    its effects are Redis's to apply now (a postgres handler's go to its own outbox, in
+    its transaction; a duplicate's or a failed run's are never written)."""
+    if job.fate is not None or job.emissions is None or job.handler is None:
+        return ()
+    if job.handler.store != "redis":
+        return ()
+    return job.emissions.emitted

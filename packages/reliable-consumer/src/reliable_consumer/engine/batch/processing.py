@@ -333,6 +333,10 @@ class Processor:
             )
         await self._sql.run(jobs)
 
+    def on_emitted(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` whenever FINISH appended emitted records to the Redis outbox."""
+        self.parts.idempotency.on_emitted = wake
+
     def stop_retrying(self) -> None:
         """Kafka writes and schema look-ups give up after their current try (shutdown, past
         its grace)."""

@@ -326,6 +326,11 @@ class Registry:
         return list(self._by_topic.items())
 
     @property
+    def emits(self) -> bool:
+        """Whether a bound handler emits records (the worker runs the outbox relay)."""
+        return any(h.emits for h in self._by_topic.values())
+
+    @property
     def uses_postgres(self) -> bool:
         """Whether a bound handler keeps its effects in PostgreSQL (the worker needs it)."""
         return any(h.store == "postgres" for h in self._by_topic.values())

@@ -67,3 +67,15 @@ def make_producer(kafka: KafkaSettings) -> AIOKafkaProducer:
         max_batch_size=256 * 1024,
         **connection_kwargs(kafka),
     )
+
+
+def make_outbox_producer(kafka: KafkaSettings) -> AIOKafkaProducer:
+    """The outbox relay's producer: idempotent, so a send it retries is written once and a
+    partition keeps the order records were sent in (each emitting key's order)."""
+    return AIOKafkaProducer(
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=kafka.producer_linger_ms,
+        max_batch_size=256 * 1024,
+        **connection_kwargs(kafka),
+    )

@@ -100,6 +100,33 @@ class Metrics:
             "growing: nothing takes due retries. Shared queue, same on every worker: use max()",
             registry=r,
         )
+        # The outbox relay (engine/outbox/relay.py), per store ("redis", "postgres").
+        self.outbox_pending = Gauge(
+            "worker_outbox_pending",
+            "Emitted records in the outbox not yet published; shared store, same on every "
+            "worker: use max()",
+            ["store"],
+            registry=r,
+        )
+        self.outbox_oldest_age = Gauge(
+            "worker_outbox_oldest_age_seconds",
+            "Age of the oldest unpublished emitted record, by the store's clock (0: none "
+            "waits); growing: no relay publishes. Use max()",
+            ["store"],
+            registry=r,
+        )
+        self.outbox_published = Counter(
+            "worker_outbox_published",
+            "Emitted records this worker's relay published and Kafka acknowledged",
+            ["store"],
+            registry=r,
+        )
+        self.outbox_failures = Counter(
+            "worker_outbox_publish_failures",
+            "Relay rounds that failed (reading the store, publishing, or marking), retried",
+            ["store"],
+            registry=r,
+        )
         self.end_to_end_seconds = Histogram(
             "worker_end_to_end_seconds",
             "Kafka record timestamp to its durable outcome (succeeded, duplicate or "

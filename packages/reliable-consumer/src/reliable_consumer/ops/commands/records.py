@@ -443,6 +443,18 @@ def trace_command(
             out.print(table)
         if h.retries:
             out.print(_retry_table(list(h.retries)))
+        if h.emitted:
+            table = Table("emitted event", "state", "topic", "partition/offset", "at")
+            for e in h.emitted:
+                placed = f"{e['partition']}/{e['offset']}" if e["state"] == "published" else "-"
+                table.add_row(
+                    escape(e["event_id"]),
+                    e["state"],
+                    escape(e["topic"]),
+                    placed,
+                    e.get("published") or e.get("written") or "-",
+                )
+            out.print(table)
         for d in h.dead_letters:
             out.print(
                 f"dead letter {d.partition}/{d.offset}: {escape(d.reason)} at "

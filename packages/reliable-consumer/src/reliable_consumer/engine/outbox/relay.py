@@ -1,0 +1,243 @@
+"""The relay: publishes every outbox store's entries to Kafka, oldest first, at least once.
+
+Every worker runs it, and per store exactly one relay publishes: the one holding the
+store's lease in Redis (SET NX PX with a token of its own, renewed by a script that checks
+the token). A relay that cannot renew stops publishing from that store and contends again.
+
+One round: read the oldest entries, send them in that order with the idempotent producer
+(``enable_idempotence``, ``acks=all``: a retried send is not duplicated, and a partition's
+records keep their send order, so each key's order holds), wait for every
+acknowledgement, note them in the published trail, and only then mark them published.
+A relay killed between the acknowledgement and the mark publishes the same entries again
+from the store: at least once, every copy carrying its ``event-id`` header, so a consumer
+dedupes it. Exactly once would need the mark inside a Kafka transaction, and the store is
+not Kafka (docs/outbox.md).
+
+Failures (the store, Redis, the broker) are retried with jittered exponential backoff,
+counted, and after ``stall_after_failures`` rounds in a row reported as the
+``outbox_relay_failing`` stall until a round succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.structs import RecordMetadata
+from redis.asyncio import Redis
+
+from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.outbox.store import OutboxStore, PendingEmission
+from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.settings import OutboxSettings
+from reliable_consumer.engine.stalls import Stalls
+
+log = logging.getLogger(__name__)
+STALL = "outbox_relay_failing"
+CONSEQUENCE = "emitted records wait in the outbox; the relay retries"
+MAX_BACKOFF_S = 10.0
+
+# Renew the lease only while it is still this relay's; 0 when another holds it (or none).
+RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+# Give the lease up at shutdown, so another worker takes over at once, not after it ends.
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class Lease:
+    """One relay's hold on one store: taken if free, kept by renewing it in time."""
+
+    def __init__(self, redis: Redis, key: str, lease_ms: int) -> None:
+        self._redis = redis
+        self.key = key
+        self._lease_ms = lease_ms
+        self.token = secrets.token_hex(12)
+        self.held = False
+        self._renew = redis.register_script(RENEW)
+        self._release = redis.register_script(RELEASE)
+
+    async def hold(self) -> bool:
+        """Renew the lease when held, else try to take it: whether this relay holds it now."""
+        if self.held:
+            renewed = await self._renew(keys=[self.key], args=[self.token, self._lease_ms])
+            self.held = bool(renewed)
+            if not self.held:
+                log.warning(
+                    "outbox relay lost its lease; it stops publishing", extra={"lease": self.key}
+                )
+        else:
+            taken = await self._redis.set(self.key, self.token, nx=True, px=self._lease_ms)
+            self.held = bool(taken)
+            if self.held:
+                log.info("outbox relay took its lease; it publishes", extra={"lease": self.key})
+        return self.held
+
+    async def release(self) -> None:
+        if self.held:
+            self.held = False
+            await self._release(keys=[self.key], args=[self.token])
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """Where Kafka put one entry: what the published trail keeps for ``service trace``."""
+
+    entry: PendingEmission
+    partition: int
+    offset: int
+
+
+class OutboxRelay:
+    """Publishes the entries of ``stores`` while this worker holds each one's lease."""
+
+    def __init__(
+        self,
+        stores: Sequence[OutboxStore],
+        *,
+        redis: Redis,
+        keys: RedisKeys,
+        producer: AIOKafkaProducer,
+        settings: OutboxSettings,
+        metrics: Metrics,
+        stalls: Stalls | None = None,
+    ) -> None:
+        self._stores = list(stores)
+        self._redis = redis
+        self._keys = keys
+        self._producer = producer
+        self._settings = settings
+        self._metrics = metrics
+        self._stalls = stalls
+        self._wakes = {store.name: asyncio.Event() for store in self._stores}
+        self._failing: set[str] = set()
+        self.leases = {
+            s.name: Lease(redis, keys.outbox_lease(s.name), settings.lease_ms) for s in stores
+        }
+
+    def wake(self) -> None:
+        """Something was written to an outbox in this process: look now, not at the poll."""
+        for event in self._wakes.values():
+            event.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Relay every store until ``stop``; each store's leases are given up on the way out."""
+        async with asyncio.TaskGroup() as group:
+            for store in self._stores:
+                group.create_task(self._serve(store, stop), name=f"outbox-relay-{store.name}")
+
+    async def _serve(self, store: OutboxStore, stop: asyncio.Event) -> None:
+        lease = self.leases[store.name]
+        failures = 0
+        try:
+            while not stop.is_set():
+                wait_s = self._settings.poll_interval_ms / 1000
+                try:
+                    await self._observe(store)
+                    full = await lease.hold() and await self.publish_round(store)
+                    if failures:
+                        self._recovered(store, failures)
+                    failures = 0
+                    if full:
+                        continue  # more may wait: no pause
+                except Exception as exc:  # every failure is retried, counted, and may stall
+                    failures += 1
+                    self._failed(store, exc, failures)
+                    wait_s = random.uniform(0, min(MAX_BACKOFF_S, wait_s * 2**failures))
+                await self._pause(store, stop, wait_s)
+        finally:
+            with contextlib.suppress(Exception):
+                await lease.release()
+
+    async def publish_round(self, store: OutboxStore) -> bool:
+        """Publish the oldest batch, wait for every ack, then mark it: whether it was full."""
+        batch = self._settings.batch_size
+        entries = await store.pending(batch)
+        if not entries:
+            return False
+        # Bounded by the lease: past it another relay may publish the same entries.
+        async with asyncio.timeout(self._settings.lease_ms / 1000):
+            acks = []
+            for entry in entries:  # sent in order; the producer keeps it per partition
+                e = entry.emission
+                acks.append(
+                    await self._producer.send(
+                        e.topic, e.value, key=e.key, headers=e.kafka_headers()
+                    )
+                )
+            placed: list[RecordMetadata] = await asyncio.gather(*acks)
+        published = [
+            Published(entry, meta.partition, meta.offset)
+            for entry, meta in zip(entries, placed, strict=True)
+        ]
+        await self._trail(store, published)
+        await store.mark_published(entries)
+        self._metrics.outbox_published.labels(store.name).inc(len(entries))
+        return len(entries) == batch
+
+    async def _trail(self, store: OutboxStore, published: Sequence[Published]) -> None:
+        """Note what was published in the capped trail (a copy published twice shows twice)."""
+        keep = self._settings.published_trail
+        if keep == 0:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for p in published:
+                e = p.entry.emission
+                pipe.xadd(
+                    self._keys.outbox_published,
+                    {
+                        "event": e.event_id,
+                        "store": store.name,
+                        "topic": e.topic,
+                        "partition": p.partition,
+                        "offset": p.offset,
+                        "key": e.key if e.key is not None else b"",
+                    },
+                    maxlen=keep,
+                    approximate=True,
+                )
+            await pipe.execute()
+
+    async def _observe(self, store: OutboxStore) -> None:
+        depth = await store.depth()
+        self._metrics.outbox_pending.labels(store.name).set(depth.pending)
+        self._metrics.outbox_oldest_age.labels(store.name).set(depth.oldest_age_s or 0.0)
+
+    async def _pause(self, store: OutboxStore, stop: asyncio.Event, wait_s: float) -> None:
+        """Until the poll interval passes, this process writes to an outbox, or a stop."""
+        wake = self._wakes[store.name]
+        waits = {asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop.wait())}
+        try:
+            await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        wake.clear()
+
+    def _failed(self, store: OutboxStore, exc: Exception, failures: int) -> None:
+        self._metrics.outbox_failures.labels(store.name).inc()
+        log.warning(
+            "outbox relay round failed; retrying",
+            extra={"store": store.name, "failures": failures, "error": repr(exc)},
+        )
+        if failures >= self._settings.stall_after_failures and self._stalls is not None:
+            self._failing.add(store.name)
+            self._stalls.report(STALL, f"store {store.name}: {exc!r}", CONSEQUENCE)
+
+    def _recovered(self, store: OutboxStore, failures: int) -> None:
+        log.info("outbox relay recovered", extra={"store": store.name, "failures": failures})
+        self._failing.discard(store.name)
+        if not self._failing and self._stalls is not None:
+            self._stalls.clear(STALL)
