@@ -3,6 +3,8 @@
 Every read command takes ``--json`` and then prints one JSON document, for scripts.
 Expected failures (Redis or Kafka unreachable, nothing at that id) go to stderr with exit
 code 1; bad settings or usage exit 2. ``reliable_consumer/cli.py`` mounts these functions.
+This module is long because its commands share one set of filters, parsers and tables (a
+retry item's table serves ``retries`` and ``trace`` alike); split, each would import the rest.
 """
 
 from __future__ import annotations
