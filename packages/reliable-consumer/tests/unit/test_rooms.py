@@ -54,7 +54,9 @@ ROOMS = (
 # the root by name ("errors"). The arrows of the engine's tree point down this table's rows.
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "lifecycle": frozenset({"lifecycle", "shared", *ROOMS}),
-    "batch": frozenset({"shared", "handlers", "redis", "kafka", "postgres", "observation"}),
+    "batch": frozenset(
+        {"shared", "handlers", "redis", "kafka", "postgres", "outbox", "observation"}
+    ),
     "observation": frozenset({"shared", "handlers", "redis", "kafka"}),
     "kafka": frozenset({"shared", "redis", "handlers"}),
     "postgres": frozenset({"shared", "declaration"}),
