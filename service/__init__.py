@@ -10,6 +10,7 @@ from reliable_consumer import (
     RetryableError,
     RetryPolicy,
     handler,
+    header,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "RetryPolicy",
     "RetryableError",
     "handler",
+    "header",
 ]
