@@ -319,6 +319,12 @@ class Registry:
         return list(self._by_topic.items())
 
     @property
+    def emitted_topics(self) -> list[str]:
+        """The topics the bound handlers emit to (``emits=``), sorted: the relay publishes
+        there, so whatever creates the bound topics creates these too."""
+        return sorted({t for h in self._by_topic.values() for t in h.emits})
+
+    @property
     def uses_postgres(self) -> bool:
         """Whether a bound handler keeps its effects in PostgreSQL (the worker needs it)."""
         return any(h.store == "postgres" for h in self._by_topic.values())
