@@ -140,7 +140,7 @@ class PostgresOutboxStore:
         how many it deleted. Bounded, so a long backlog is worked off a batch per round."""
         async with self._pool.connection() as conn:
             cur = await conn.execute(_PRUNE, (self._retention_s, self._prune_batch))
-            deleted = cur.rowcount
+            deleted = int(cur.rowcount)
         self.pruned += deleted
         return deleted
 
