@@ -307,6 +307,8 @@ async def produce_dataset(
         for i, pid in enumerate(ids):
             ts = ts_of(i)
             done = (ts // BATCH_MS + 1) * BATCH_MS + latency_ms  # when its batch finished
+            if i in s.event_without_grant:  # whatever happens to the record below
+                await publish_event(pid, done)
             if i in s.lost:
                 continue
             if i in s.ledger_only:
@@ -339,8 +341,6 @@ async def produce_dataset(
                     grant(pid, i, done + 30)
             if i in s.resent:
                 await emit("duplicate", pid, s.n + i, 1, "done", done + 40, ts + 5)
-            if i in s.event_without_grant:
-                await publish_event(pid, done)
         for j in range(s.malformed):
             p, o = where[2 * s.n + j]
             at = base_ts_ms + j + 3

@@ -119,7 +119,14 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
     report.grants_store = store
     if pg is not None:
         _add_inbox_checks(report, pg)
-    if emitters:
+    if emitters and (events_end is None or ledger_rows is None):
+        log.warning(
+            "events not checked: %s",
+            "no grants were read to match them to"
+            if ledger_rows is None
+            else f"the emitted topics {', '.join(events_topics)} do not exist",
+        )
+    elif emitters:
         ids = read_event_ids(spark, rc, events_end)
         _add_events_check(report, check_events(ids, ledger_rows or [], emitters, rc.max_listed))
         phases.done("events")
