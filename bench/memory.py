@@ -201,7 +201,10 @@ class MemoryGroup:
             "growth = slope of RSS over grants in the drain's second half (least squares, MB "
             "per million records; flat: under 20, checked from a 500,000-record backlog); "
             "rate (records/s) and cpu_us (µs/rec) from its first grant to its last. Redis is "
-            "flushed before and after each drain. "
-            "WORKER_TUNE_GC=false turns off the collector tuning (freeze + a young generation "
-            "of 50,000 objects + a full collection every 5 s).",
+            "flushed before and after each drain; peak_to_Npct = the peak so far at N %. "
+            "'no 5 s collection': the collector tuning without its periodic full collection "
+            "(freed by reference counting alone?); 'before: fetch cycle': aiokafka's own "
+            "PartitionRecords, whose dropped fetches only a full collection frees "
+            "(bench/worker_variant.py). WORKER_TUNE_GC=false turns off the collector tuning "
+            "(freeze + a young generation of 50,000 objects + a full collection every 5 s).",
         ]
