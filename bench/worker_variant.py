@@ -36,5 +36,5 @@ if __name__ == "__main__":
     if os.environ.get("BENCH_FETCH_CYCLE") == "1":
         fetched_records.install = keep_aiokafkas_records
     if os.environ.get("BENCH_NO_PERIODIC_GC") == "1":
-        worker.collect_periodically = never_collect  # type: ignore[assignment]
+        worker.collect_periodically = never_collect  # type: ignore[attr-defined]
     main()
