@@ -18,7 +18,7 @@ from reliable_consumer.testing import HandlerTestKit
 
 from service.handlers.payments import grant_purchase
 
-RECORDS = 20
+RECORDS = 10
 
 
 def payment(i: int) -> dict[str, object]:
