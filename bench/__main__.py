@@ -32,6 +32,7 @@ class Options:
     rounds: int
     quick: bool
     memory_records: int | None = None  # the memory row's backlog, when not its default
+    memory_variants: tuple[str, ...] | None = None  # the memory row's variants (default: all)
 
 
 class Group(Protocol):
@@ -84,6 +85,11 @@ def main(argv: list[str]) -> int:
         metavar="N",
         help="the backlog the memory row drains (default 1,000,000; 50,000 with --quick)",
     )
+    parser.add_argument(
+        "--memory-variants",
+        metavar="A,B",
+        help="the memory row's variants, comma-separated (default: all of bench/memory.py)",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in GROUPS]
@@ -92,7 +98,15 @@ def main(argv: list[str]) -> int:
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
     out = console()
-    options = Options(rounds=args.rounds, quick=args.quick, memory_records=args.memory_records)
+    variants = None
+    if args.memory_variants:
+        variants = tuple(v.strip() for v in args.memory_variants.split(",") if v.strip())
+    options = Options(
+        rounds=args.rounds,
+        quick=args.quick,
+        memory_records=args.memory_records,
+        memory_variants=variants,
+    )
     groups = {name: load(name, options) for name in names}
     started = time.time()
 

@@ -96,6 +96,8 @@ class ServiceRun:
     ``env`` adds or overrides WORKER_* variables (e.g. a shorter session timeout). The
     process's log goes to ``log_path`` (default: discarded) so a pipe never fills.
     ``command="retry-scheduler"`` runs only the retry scheduler (``service retry-scheduler``).
+    ``module`` is what ``python -m`` runs (bench/worker_variant.py for the memory row's
+    comparisons).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class ServiceRun:
         log_path: Path | None = None,
         command: str = "run",
         args: tuple[str, ...] = (),
+        module: str = "reliable_consumer",
     ) -> None:
         self.redis_url = redis_url
         self.topic = topic
@@ -128,6 +131,7 @@ class ServiceRun:
         self.log_path = log_path
         self.command = command  # `service <command>`: run, or retry-scheduler
         self.args = args  # after the command, e.g. ("--processes", "2")
+        self.module = module
         self._log: IO[bytes] | None = None
         self.popen: subprocess.Popen[bytes] | None = None
         self.process: psutil.Process | None = None
@@ -150,7 +154,7 @@ class ServiceRun:
         if self.log_path is not None:
             self._log = out = self.log_path.open("ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "reliable_consumer", self.command, *self.args],
+            [sys.executable, "-m", self.module, self.command, *self.args],
             env=self.env,
             stdout=out,
             stderr=out,

@@ -11,6 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.helpers import create_ssl_context
 
+from reliable_consumer.engine.kafka import fetched_records
 from reliable_consumer.engine.settings import KafkaSettings
 
 
@@ -43,7 +44,11 @@ def connection_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
 
 
 def make_consumer(kafka: KafkaSettings) -> AIOKafkaConsumer:
-    """A consumer that never commits on its own: offsets are ours to commit."""
+    """A consumer that never commits on its own: offsets are ours to commit.
+
+    Its dropped fetches are freed by reference counting (``fetched_records``).
+    """
+    fetched_records.install()
     return AIOKafkaConsumer(
         group_id=kafka.group_id,
         enable_auto_commit=False,
