@@ -109,16 +109,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+# The scopes that take minutes on one worker, longest first (`--durations`, each run alone),
+# handed out before every other scope. xdist hands scopes out by their number of tests, so
+# the template's one-test module that pip-installs a service in a venv went last, and one
+# worker ran it alone while the others had nothing left: longest first, the run ends on
+# short ones.
+LONGEST_FIRST = (
+    "hooks/tests/template/test_generate.py",
+    "packages/reliable-consumer/tests/chaos/",
+    "packages/reliable-consumer-pipeline/tests/",
+    "packages/reliable-consumer/tests/kafka/",
+    "hooks/tests/template/test_migration_from_copy.py",
+    "hooks/tests/template/test_upgrade_by_version.py",
+    "hooks/tests/template/test_cruft.py",
+)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Modules by module, ``ONE_WORKER_FOLDERS`` by folder: pytest-xdist's loadscope with
-    our scopes (its loadgroup marks no longer reach the scheduler under pytest 9.2)."""
+    our scopes (its loadgroup marks no longer reach the scheduler under pytest 9.2), and
+    ``LONGEST_FIRST`` at the head of its queue."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FolderScheduling(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return next((f for f in ONE_WORKER_FOLDERS if module.startswith(f)), module)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the queue is complete by the first assignment
+                for scope in reversed(LONGEST_FIRST):
+                    if scope in self.workqueue:
+                        self.workqueue.move_to_end(scope, last=False)
+                self.ordered = True
+            super()._assign_work_unit(node)
 
     return FolderScheduling(config, log)
 
