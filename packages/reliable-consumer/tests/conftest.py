@@ -109,16 +109,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-# The scopes that take minutes on one worker, longest first (`--durations`, each run alone),
-# handed out before every other scope. xdist hands scopes out by their number of tests, so
-# the template's one-test module that pip-installs a service in a venv went last, and one
-# worker ran it alone while the others had nothing left: longest first, the run ends on
-# short ones.
+# The template's scopes that take minutes on one worker (`--durations`, run alone: the
+# generated projects' suites, a venv install from the index, the copy-to-library migration
+# and cruft), handed out before every other scope. xdist hands scopes out by their number of
+# tests, so these few-test modules went last (the one-test venv install the very last), and
+# one worker ran them while the others had nothing left. The library's heavy folders
+# (ONE_WORKER_FOLDERS) are many tests each: xdist's order starts them early already, and
+# they stay apart from one another (the chaos runs load both cores).
 LONGEST_FIRST = (
     "hooks/tests/template/test_generate.py",
-    "packages/reliable-consumer/tests/chaos/",
-    "packages/reliable-consumer-pipeline/tests/",
-    "packages/reliable-consumer/tests/kafka/",
     "hooks/tests/template/test_migration_from_copy.py",
     "hooks/tests/template/test_upgrade_by_version.py",
     "hooks/tests/template/test_cruft.py",
