@@ -11,7 +11,6 @@ from reliable_consumer import (
     RetryableError,
     RetryPolicy,
     handler,
-    header,
 )
 
 __all__ = [
@@ -24,5 +23,4 @@ __all__ = [
     "RetryPolicy",
     "RetryableError",
     "handler",
-    "header",
 ]
