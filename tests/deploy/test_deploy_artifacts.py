@@ -89,6 +89,10 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "worker_schema_registry_requests_total": ("counter", frozenset({"result"})),
     "worker_schema_registry_seconds": ("histogram", frozenset()),
     "worker_memory_limit_bytes": ("gauge", frozenset()),
+    "worker_outbox_pending": ("gauge", frozenset({"store"})),
+    "worker_outbox_oldest_age_seconds": ("gauge", frozenset({"store"})),
+    "worker_outbox_published_total": ("counter", frozenset({"store"})),
+    "worker_outbox_publish_failures_total": ("counter", frozenset({"store"})),
     # prometheus-client's process collector, in the worker's registry beside its own.
     "process_resident_memory_bytes": ("gauge", frozenset()),
     "process_virtual_memory_bytes": ("gauge", frozenset()),
