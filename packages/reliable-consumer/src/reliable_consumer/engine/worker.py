@@ -46,6 +46,7 @@ from reliable_consumer.engine.observation.http import HealthState, HttpServer, m
 from reliable_consumer.engine.observation.member_report import INTERVAL_S, MemberReporter
 from reliable_consumer.engine.observation.membership import MembershipWatch, read_group_progress
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.outbox.postgres_store import postgres_outbox_store
 from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
 from reliable_consumer.engine.outbox.relay import OutboxRelay
 from reliable_consumer.engine.outbox.store import OutboxStore
@@ -292,7 +293,9 @@ class Worker:
         stores: list[OutboxStore] = [
             RedisOutboxStore(self.redis, RedisKeys(self.settings.redis.key_prefix))
         ]
-        # Each further store is appended here, e.g. PostgreSQL's when ``self.inbox`` is open.
+        postgres = postgres_outbox_store(self.inbox, self.settings.postgres)
+        if postgres is not None:  # a bound handler keeps its effects in PostgreSQL
+            stores.append(postgres)
         return stores
 
     async def _start_relay(self) -> None:
