@@ -214,7 +214,8 @@ class Worker:
             )
             for warning in checked:
                 log.warning(warning)
-        access = until_answered(lambda: check_topic_access(s), self._stop, self.stalls)
+        emits = self.registry.emitted_topics
+        access = until_answered(lambda: check_topic_access(s, emits), self._stop, self.stalls)
         await self._unless_stopped(access, "checking the worker's access to its topics")
         durability = until_answered(lambda: check_topic_durability(s), self._stop)
         topics = await self._unless_stopped(durability, "checking the Kafka topics")
