@@ -141,5 +141,5 @@ def _check_not_a_cluster(info: dict[str, Any]) -> None:
             "WORKER_REDIS__URL points at a Redis Cluster node (cluster_enabled:1): the worker "
             "needs one Redis primary (with replicas and Sentinel for failover), because a "
             "batch's scripts touch keys of many hash slots in one call; Redis Cluster is not "
-            "supported (docs/durability.md)"
+            "supported (docs/durability.md, *Redis Cluster: refused, and why*)"
         )
