@@ -18,7 +18,9 @@ from collections.abc import Sequence
 
 import pytest
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
 from pydantic import BaseModel
 from reliable_consumer.dev.servers.broker import Broker, create_topics
 from reliable_consumer.dev.servers.redis_server import RedisServer
@@ -229,6 +231,61 @@ async def test_a_relay_killed_between_ack_and_mark_republishes_the_same_event_id
 
 async def _empty(store: RedisOutboxStore) -> bool:
     return (await store.depth()).pending == 0
+
+
+LIMIT = 150_000  # the topic's max.message.bytes: a batch larger than this is refused
+
+
+@pytest.mark.timeout(120)
+async def test_an_entry_kafka_refuses_lets_no_later_entry_of_its_key_through(
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
+) -> None:
+    """One key's entries: a small one, one too large for the topic, then one that fits.
+    Kafka refuses the batch holding the first two; the third must not reach the topic
+    before them, or a consumer would see the key's events out of order."""
+    settings = settings_for(kafka_broker, redis_server.url, unique_name)
+    topic = f"{unique_name}.granted"
+    admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": str(LIMIT)})]
+        )
+    finally:
+        await admin.close()
+    client = aioredis.from_url(redis_server.url)
+    keys = RedisKeys(settings.redis.key_prefix)
+    store = RedisOutboxStore(client, keys)
+    idem = Idempotency(RedisOps(client, settings.redis), keys, ttl_s=None, lease_ms=5000)
+    box = Emissions("grants", frozenset({topic}), "g1")
+    for value in (b"small", b"x" * (LIMIT + 50_000), b"y" * (LIMIT - 50_000)):
+        box.emit(topic, value, key="u1")
+    await idem.finish(
+        FinishRequest(idem.key("grants", "g1"), "T", "fp", "", [], emissions=box.emitted,
+                      emitted_by="grants")
+    )  # fmt: skip
+    producer = make_outbox_producer(settings.kafka)
+    await producer.start()
+    relay = OutboxRelay(
+        [store], redis=client, keys=keys, producer=producer, settings=settings.outbox,
+        metrics=Metrics(),
+    )  # fmt: skip
+    try:
+        for _ in range(2):  # the round fails, and so does the one retrying it
+            with pytest.raises(KafkaError):
+                await relay.publish_round(store)
+        await producer.flush()  # whatever the producer still held has been answered
+        assert len(await store.pending(10)) == 3, "an entry was marked after a refused one"
+        consumer = AIOKafkaConsumer(**connection_kwargs(settings.kafka))
+        await consumer.start()
+        try:
+            ends = await consumer.end_offsets([TopicPartition(topic, 0)])
+        finally:
+            await consumer.stop()
+    finally:
+        await producer.stop()
+        await client.aclose()
+    assert list(ends.values()) == [0], "a later entry of the key reached Kafka before it"
 
 
 @pytest.mark.timeout(60)
