@@ -70,7 +70,9 @@ async def _measure(stack: BenchStack, records: int, emits: int) -> Measured:
                 emitted_by="grants",
             )
         )
-    producer = make_outbox_producer(KafkaSettings(bootstrap_servers=stack.bootstrap))
+    producer = make_outbox_producer(
+        KafkaSettings(bootstrap_servers=stack.bootstrap), idempotent=True
+    )
     await producer.start()
     try:
         started = time.perf_counter()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
@@ -24,18 +25,21 @@ from aiokafka.errors import KafkaError
 from pydantic import BaseModel
 from reliable_consumer.dev.servers.broker import Broker, create_topics
 from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.handlers.emissions import EVENT_ID_HEADER, Emissions, event_id
 from reliable_consumer.engine.handlers.registry import Handler, Registry
-from reliable_consumer.engine.kafka.clients import connection_kwargs, make_outbox_producer
+from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.outbox import producer as producer_module
+from reliable_consumer.engine.outbox.producer import relay_producer
 from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
 from reliable_consumer.engine.outbox.relay import OutboxRelay
 from reliable_consumer.engine.outbox.store import OutboxDepth, PendingEmission
 from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.redis.idempotency import FinishRequest, Idempotency
 from reliable_consumer.engine.redis.keys import RedisKeys
-from reliable_consumer.engine.settings import Settings
+from reliable_consumer.engine.settings import KafkaSettings, Settings
 from tests.helpers import await_until
 from tests.integration.harness import make_settings, running_worker
 
@@ -140,6 +144,12 @@ async def test_every_grant_is_published_once_with_its_event_id_in_each_users_ord
             message="the duplicate never finished",
         )
         assert worker.relay is not None
+        # Apache Kafka grants a producer id: the relay's producer is the idempotent one.
+        relay_producer = worker._relay_producer
+        assert relay_producer is not None and relay_producer._txn_manager is not None, (
+            "the relay's producer is not idempotent on a broker that grants a producer id"
+        )
+        assert relay_producer._txn_manager.has_pid()
         await await_until(
             lambda: worker.metrics.outbox_pending.labels("redis")._value.get() == 0, WAIT_S
         )
@@ -196,7 +206,7 @@ async def test_a_relay_killed_between_ack_and_mark_republishes_the_same_event_id
         FinishRequest(idem.key("grants", "g1"), "T", "fp", "", [], emissions=box.emitted,
                       emitted_by="grants")
     )  # fmt: skip
-    producer = make_outbox_producer(settings.kafka)
+    producer = await relay_producer(settings.kafka, "auto")
     await producer.start()
     stop = asyncio.Event()
 
@@ -264,7 +274,7 @@ async def test_an_entry_kafka_refuses_lets_no_later_entry_of_its_key_through(
         FinishRequest(idem.key("grants", "g1"), "T", "fp", "", [], emissions=box.emitted,
                       emitted_by="grants")
     )  # fmt: skip
-    producer = make_outbox_producer(settings.kafka)
+    producer = await relay_producer(settings.kafka, "auto")
     await producer.start()
     relay = OutboxRelay(
         [store], redis=client, keys=keys, producer=producer, settings=settings.outbox,
@@ -299,3 +309,24 @@ async def test_a_handler_emitting_to_a_missing_topic_keeps_the_worker_from_start
     with pytest.raises(ConfigurationError, match=rf"topic '{missing}'.*handler 'grants'"):
         async with running_worker(settings, registry=registry):
             pass
+
+
+@pytest.mark.timeout(60)
+async def test_idempotence_auto_falls_back_on_a_broker_refusing_producer_ids_and_on_refuses(
+    tansu_broker: TansuBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tansu answers InitProducerId with an error: ``auto`` publishes with plain acks=all,
+    saying why in one line, and ``on`` refuses to start, naming the setting."""
+    kafka = KafkaSettings(bootstrap_servers=tansu_broker.bootstrap)
+    with caplog.at_level(logging.WARNING, logger=producer_module.__name__):
+        producer = await relay_producer(kafka, "auto")
+    try:
+        assert producer._txn_manager is None, "idempotent on a broker that refuses it"
+        async with asyncio.timeout(WAIT_S):  # the idempotent one would never finish start()
+            await producer.start()
+    finally:
+        await producer.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == producer_module.__name__]
+    assert len(lines) == 1 and "InitProducerId" in lines[0], lines
+    with pytest.raises(ConfigurationError, match=r"WORKER_OUTBOX__IDEMPOTENCE=on.*InitProducerId"):
+        await relay_producer(kafka, "on")

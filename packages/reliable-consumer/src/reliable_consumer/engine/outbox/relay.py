@@ -4,10 +4,13 @@ Every worker runs it, and per store exactly one relay publishes: the one holding
 store's lease in Redis (SET NX PX with a token of its own, renewed by a script that checks
 the token). A relay that cannot renew stops publishing from that store and contends again.
 
-One round: read the oldest entries, send them in that order with the idempotent producer
-(``enable_idempotence``, ``acks=all``: a retried send is not duplicated, and a partition's
-records keep their send order, so each key's order holds), wait for every
-acknowledgement, note them in the published trail, and only then mark them published.
+One round: read the oldest entries, queue them as one record batch per partition in that
+order (nothing is awaited between them), wait for Kafka's answer for every batch, note the
+acknowledged entries in the published trail, and mark them published up to the first entry
+whose batch Kafka refused (none after it, though later batches may have been written). A
+batch is written whole or not at all and always starts at its partition's oldest unmarked
+entry, so no entry reaches Kafka ahead of an earlier one of its key, whatever is refused or
+retried. The producer is Kafka's idempotent one where the broker grants it (producer.py).
 A relay killed between the acknowledgement and the mark publishes the same entries again
 from the store: at least once, every copy carrying its ``event-id`` header, so a consumer
 dedupes it. Exactly once would need the mark inside a Kafka transaction, and the store is
