@@ -55,6 +55,16 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Note a round's published entries in the capped trail: ARGV = cap, store, then per entry
+# event, topic, partition, offset, key (the fields ``service trace`` reads).
+NOTE = """
+local cap, store = ARGV[1], ARGV[2]
+for i = 3, #ARGV, 5 do
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', cap, '*', 'event', ARGV[i], 'store', store,
+    'topic', ARGV[i + 1], 'partition', ARGV[i + 2], 'offset', ARGV[i + 3], 'key', ARGV[i + 4])
+end
+return 0
+"""
 # Give the lease up at shutdown, so another worker takes over at once, not after it ends.
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -152,6 +162,7 @@ class OutboxRelay:
         self._wakes = {store.name: asyncio.Event() for store in self._stores}
         self._failing: set[str] = set()
         self._partitioner = DefaultPartitioner()
+        self._note = redis.register_script(NOTE)
         self.leases = {
             s.name: Lease(redis, keys.outbox_lease(s.name), settings.lease_ms) for s in stores
         }
@@ -268,27 +279,17 @@ class OutboxRelay:
         return published, None
 
     async def _trail(self, store: OutboxStore, published: Sequence[Published]) -> None:
-        """Note what was published in the capped trail (a copy published twice shows twice)."""
+        """Note what was published in the capped trail (a copy published twice shows twice):
+        one script call per round, which costs a fraction of one XADD command each."""
         keep = self._settings.published_trail
         if keep == 0:
             return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for p in published:
-                e = p.entry.emission
-                pipe.xadd(
-                    self._keys.outbox_published,
-                    {
-                        "event": e.event_id,
-                        "store": store.name,
-                        "topic": e.topic,
-                        "partition": p.partition,
-                        "offset": p.offset,
-                        "key": e.key if e.key is not None else b"",
-                    },
-                    maxlen=keep,
-                    approximate=True,
-                )
-            await pipe.execute()
+        args: list[str | bytes | int] = [keep, store.name]
+        for p in published:
+            e = p.entry.emission
+            key = e.key if e.key is not None else b""
+            args += [e.event_id, e.topic, p.partition, p.offset, key]
+        await self._note(keys=[self._keys.outbox_published], args=args)
 
     async def _observe(self, store: OutboxStore) -> None:
         depth = await store.depth()
