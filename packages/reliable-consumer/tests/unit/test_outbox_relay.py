@@ -26,7 +26,7 @@ from reliable_consumer.engine.outbox.relay import STALL, OutboxRelay
 from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.redis.idempotency import FinishRequest, Idempotency
 from reliable_consumer.engine.redis.keys import RedisKeys
-from reliable_consumer.engine.settings import OutboxSettings, RedisSettings
+from reliable_consumer.engine.settings import OutboxSettings, RedisSettings, Settings
 from reliable_consumer.engine.stalls import Stalls
 from reliable_consumer.ops.trace import emitted_for
 from tests.helpers import await_until
@@ -226,6 +226,16 @@ async def test_a_relay_failing_past_the_threshold_stalls_until_a_round_succeeds(
 def test_a_lease_shorter_than_two_polls_is_refused_naming_the_settings() -> None:
     with pytest.raises(ValidationError, match="WORKER_OUTBOX__LEASE_MS"):
         OutboxSettings(lease_ms=1000, poll_interval_ms=600)
+
+
+def test_an_idempotence_setting_other_than_auto_on_off_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORKER_OUTBOX__IDEMPOTENCE", "maybe")
+    with pytest.raises(ValidationError, match=r"outbox\.idempotence[\s\S]*'auto', 'on' or 'off'"):
+        Settings()
+    monkeypatch.setenv("WORKER_OUTBOX__IDEMPOTENCE", "off")
+    assert Settings().outbox.idempotence == "off"
 
 
 async def test_trace_shows_a_keys_emitted_records_pending_and_published(env: Env) -> None:
