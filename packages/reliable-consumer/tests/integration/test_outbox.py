@@ -12,6 +12,7 @@ event ids. A handler emitting to a topic that does not exist keeps the worker fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import Counter, defaultdict
@@ -21,6 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError
 from pydantic import BaseModel
 from reliable_consumer.dev.servers.broker import Broker, create_topics
@@ -252,7 +254,8 @@ async def test_an_entry_kafka_refuses_lets_no_later_entry_of_its_key_through(
 ) -> None:
     """One key's entries: a small one, one too large for the topic, then one that fits.
     Kafka refuses the batch holding the first two; the third must not reach the topic
-    before them, or a consumer would see the key's events out of order."""
+    before them, or a consumer would see the key's events out of order. Once the topic
+    takes them, the three arrive in order."""
     settings = settings_for(kafka_broker, redis_server.url, unique_name)
     topic = f"{unique_name}.granted"
     admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
@@ -268,8 +271,8 @@ async def test_an_entry_kafka_refuses_lets_no_later_entry_of_its_key_through(
     store = RedisOutboxStore(client, keys)
     idem = Idempotency(RedisOps(client, settings.redis), keys, ttl_s=None, lease_ms=5000)
     box = Emissions("grants", frozenset({topic}), "g1")
-    for value in (b"small", b"x" * (LIMIT + 50_000), b"y" * (LIMIT - 50_000)):
-        box.emit(topic, value, key="u1")
+    for step, size in (("a", 0), ("b", LIMIT + 50_000), ("c", LIMIT - 50_000)):
+        box.emit(topic, {"step": step, "pad": "x" * size}, key="u1")
     await idem.finish(
         FinishRequest(idem.key("grants", "g1"), "T", "fp", "", [], emissions=box.emitted,
                       emitted_by="grants")
@@ -286,16 +289,43 @@ async def test_an_entry_kafka_refuses_lets_no_later_entry_of_its_key_through(
                 await relay.publish_round(store)
         await producer.flush()  # whatever the producer still held has been answered
         assert len(await store.pending(10)) == 3, "an entry was marked after a refused one"
-        consumer = AIOKafkaConsumer(**connection_kwargs(settings.kafka))
-        await consumer.start()
-        try:
-            ends = await consumer.end_offsets([TopicPartition(topic, 0)])
-        finally:
-            await consumer.stop()
+        assert await _end_offset(settings, topic) == 0, "a later entry of its key got through"
+        await _alter_topic(settings, topic, {"max.message.bytes": str(4 * LIMIT)})
+        await await_until(lambda: _published_all(relay, store), WAIT_S)
     finally:
         await producer.stop()
         await client.aclose()
-    assert list(ends.values()) == [0], "a later entry of the key reached Kafka before it"
+    copies = await read_topic(settings, topic, 3)
+    assert [v["step"] for _, _, v in copies] == ["a", "b", "c"]
+
+
+async def _end_offset(settings: Settings, topic: str) -> int:
+    consumer = AIOKafkaConsumer(**connection_kwargs(settings.kafka))
+    await consumer.start()
+    try:
+        return int(
+            (await consumer.end_offsets([TopicPartition(topic, 0)]))[TopicPartition(topic, 0)]
+        )
+    finally:
+        await consumer.stop()
+
+
+async def _alter_topic(settings: Settings, topic: str, configs: dict[str, str]) -> None:
+    admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
+    await admin.start()
+    try:
+        await admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic, configs)])
+    finally:
+        await admin.close()
+
+
+async def _published_all(relay: OutboxRelay, store: RedisOutboxStore) -> bool:
+    """Rounds until the store is empty or one fails (the topic's new limit not yet in
+    force): whether the store is empty."""
+    with contextlib.suppress(KafkaError):
+        while await relay.publish_round(store):
+            pass
+    return (await store.depth()).pending == 0
 
 
 @pytest.mark.timeout(60)
