@@ -54,6 +54,13 @@ class Producer:
     refused: set[int] = field(default_factory=set)
     sent: list[Written] = field(default_factory=list)  # topic, partition, value, key, headers
     batches: list[int] = field(default_factory=list)  # the record count of each batch sent
+    holding: bool = False  # acknowledge nothing until release()
+    held: list[tuple[asyncio.Future[Placed], Placed]] = field(default_factory=list)
+
+    def release(self) -> None:
+        for acked, placed in self.held:
+            acked.set_result(placed)
+        self.held.clear()
 
     def create_batch(self) -> BatchBuilder:
         return BatchBuilder(256 * 1024, 0)
@@ -71,7 +78,10 @@ class Producer:
         if self.failing or partition in self.refused:
             acked.set_exception(KafkaConnectionError("broker away"))
             return acked
-        acked.set_result(Placed(len(self.sent)))
+        if self.holding:
+            self.held.append((acked, Placed(len(self.sent))))
+        else:
+            acked.set_result(Placed(len(self.sent)))
         self.sent.extend(
             (topic, partition, r.value, r.key, [(n, bytes(v)) for n, v in r.headers])
             for r in records
@@ -262,11 +272,16 @@ async def test_a_round_sends_one_batch_per_partition_and_waits_for_no_ack_before
     users = ["u0", "u1", "u2", "u3"]
     for n in range(12):
         await env.grant(f"g{n}", key=users[n % 4])
-    producer = Producer(partitions=3)
+    producer = Producer(partitions=3, holding=True)
     relay = env.relay(producer)
-    assert await relay.publish_round(env.store) is False
     used = {partition_of(u, 3) for u in users}
-    assert len(producer.batches) == len(used) and sum(producer.batches) == 24
+    round_ = asyncio.create_task(relay.publish_round(env.store))
+    # Every batch is handed over while none is acknowledged: no ack is awaited between.
+    await await_until(lambda: len(producer.batches) == len(used), 5, message="a batch waited")
+    assert not round_.done() and len(await env.store.pending(30)) == 24
+    producer.release()
+    assert await asyncio.wait_for(round_, 5) is False
+    assert sum(producer.batches) == 24 and await env.redis.xlen(env.keys.outbox) == 0
     # Each key on the partition Kafka's default partitioner gives it, as a send() would.
     assert {(key, p) for _, p, _, key, _ in producer.sent} == {
         (u.encode(), partition_of(u, 3)) for u in users
