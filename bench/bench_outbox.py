@@ -8,6 +8,9 @@ Rows, over the same bench Redis (AOF ``appendfsync always``) and broker:
 Per row, per record: FINISH's wall time (batches of 500, as the record path sends them),
 the relay's wall time, and both together. The relay's figure is its whole round (read,
 send, wait for every ack, trail, mark), so it is bounded by the broker's acknowledgements.
+  C. the relay alone in three producer modes (plain acks=all, idempotent, transactional):
+     µs per event, events per second, and the duplicates a consumer sees when a relay is
+     killed before its mark, or sends a round after losing its lease (bench/outbox_modes.py).
 
     python -m bench --rows outbox --rounds 3
 """
@@ -21,8 +24,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from reliable_consumer.engine.handlers.emissions import Emissions
-from reliable_consumer.engine.kafka.clients import make_outbox_producer
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.outbox.producer import relay_producer
 from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
 from reliable_consumer.engine.outbox.relay import OutboxRelay
 from reliable_consumer.engine.redis.client import RedisOps
@@ -31,6 +34,7 @@ from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import KafkaSettings, OutboxSettings, RedisSettings
 
 from bench.__main__ import Options
+from bench.outbox_modes import MODES, Mode, measure
 from bench.report import Progress, Row
 from bench.stack import BenchStack
 
@@ -70,7 +74,7 @@ async def _measure(stack: BenchStack, records: int, emits: int) -> Measured:
                 emitted_by="grants",
             )
         )
-    producer = make_outbox_producer(KafkaSettings(bootstrap_servers=stack.bootstrap))
+    producer = await relay_producer(KafkaSettings(bootstrap_servers=stack.bootstrap), "auto")
     await producer.start()
     try:
         started = time.perf_counter()
@@ -112,6 +116,21 @@ class OutboxGroup:
                 units=units,
             ),
         }
+        mode_units = {
+            "event_us": "µs/event",
+            "events_per_s": "events/s",
+            "killed_dups": "copies",
+            "zombie_dups": "copies",
+        }
+        self._modes: dict[Mode, Row] = {
+            mode: Row(
+                f"outbox relay, {mode} producer",
+                "µs/event",
+                bound_by="the broker's acknowledgements (and, transactional, its commit)",
+                units=mode_units,
+            )
+            for mode in MODES
+        }
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
         stack.create_topics({TOPIC: 3})
@@ -125,12 +144,35 @@ class OutboxGroup:
                 f"  {emits} events/record: FINISH {got.finish_us:.1f} µs/rec, relay "
                 f"{got.relay_us:.1f} µs/rec"
             )
+        if stack.kind != "kafka":
+            progress("  relay modes: Apache Kafka only (Tansu grants no producer id)")
+            return
+        modes = MODES if n % 2 == 0 else tuple(reversed(MODES))
+        for mode in modes:
+            fig = asyncio.run(measure(stack, mode, self.records))
+            self._modes[mode].add(
+                event_us=fig.event_us,
+                events_per_s=fig.events_per_s,
+                killed_dups=fig.killed_duplicates,
+                zombie_dups=fig.zombie_duplicates,
+            )
+            progress(
+                f"  relay {mode}: {fig.event_us:.1f} µs/event, {fig.events_per_s:,.0f} events/s;"
+                f" killed before its mark: {fig.killed_duplicates} duplicates of a "
+                f"{fig.killed_round}-event round; after losing its lease: "
+                f"{fig.zombie_duplicates} copies added"
+            )
 
     def rows(self) -> list[Row]:
-        return list(self._rows.values())
+        return [*self._rows.values(), *(r for r in self._modes.values() if r.figures)]
 
     def summary(self) -> list[str]:
         return [
             "outbox rows: wall time per source record on the bench Redis and broker; the "
-            "difference between the rows is what emitting costs (docs/outbox.md)."
+            "difference between the rows is what emitting costs (docs/outbox.md).",
+            "relay rows: the relay alone draining an outbox (µs per event, events/s); "
+            "killed_dups: copies beyond one per event id after a relay is killed between "
+            "Kafka's ack (or commit) and its mark, for one round; zombie_dups: copies a "
+            "relay adds that read a round, lost its lease while paused, and sends it after "
+            "its successor drained the store (a transactional id per store fences it).",
         ]

@@ -261,6 +261,10 @@ class OutboxSettings(BaseModel):
     published_trail: int = Field(default=100_000, ge=0, le=10_000_000)
     # Consecutive failed publish rounds before the relay reports the outbox_relay_failing stall.
     stall_after_failures: int = Field(default=3, ge=1, le=1000)
+    # Kafka's idempotent producer for the relay: "auto" uses it when the broker grants a
+    # producer id and else publishes with plain acks=all (one log line says why); "on"
+    # refuses to start without it; "off" never asks (engine/outbox/producer.py).
+    idempotence: Literal["auto", "on", "off"] = "auto"
 
     @model_validator(mode="after")
     def _lease_outlasts_poll(self) -> OutboxSettings:

@@ -33,11 +33,7 @@ from reliable_consumer.engine.batch.processing import Processor
 from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.intake import Intake
-from reliable_consumer.engine.kafka.clients import (
-    make_consumer,
-    make_outbox_producer,
-    make_producer,
-)
+from reliable_consumer.engine.kafka.clients import make_consumer, make_producer
 from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, check_session_timeout
 from reliable_consumer.engine.kafka.offsets import OffsetTracker
 from reliable_consumer.engine.kafka.topic_check import check_topic_access, check_topic_durability
@@ -47,6 +43,7 @@ from reliable_consumer.engine.observation.member_report import INTERVAL_S, Membe
 from reliable_consumer.engine.observation.membership import MembershipWatch, read_group_progress
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.outbox.postgres_store import postgres_outbox_store
+from reliable_consumer.engine.outbox.producer import relay_producer
 from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
 from reliable_consumer.engine.outbox.relay import OutboxRelay
 from reliable_consumer.engine.outbox.store import OutboxStore
@@ -302,16 +299,20 @@ class Worker:
     async def _start_relay(self) -> None:
         """Publish what handlers emit: every worker runs the relay, one per store publishes."""
         s = self.settings
-        self._relay_producer = make_outbox_producer(s.kafka)
+        producer = await self._unless_stopped(
+            until_answered(lambda: relay_producer(s.kafka, s.outbox.idempotence), self._stop),
+            "waiting for the broker to answer whether it grants producer ids",
+        )
+        self._relay_producer = producer
         await self._unless_stopped(
-            until_answered(self._relay_producer.start, self._stop),
+            until_answered(producer.start, self._stop),
             "waiting for the outbox relay's Kafka producer",
         )
         self.relay = OutboxRelay(
             self.outbox_stores(),
             redis=self.redis,
             keys=RedisKeys(s.redis.key_prefix),
-            producer=self._relay_producer,
+            producer=producer,
             settings=s.outbox,
             metrics=self.metrics,
             stalls=self.stalls,

@@ -74,18 +74,15 @@ def make_producer(kafka: KafkaSettings) -> AIOKafkaProducer:
     )
 
 
-def make_outbox_producer(kafka: KafkaSettings) -> AIOKafkaProducer:
+def make_outbox_producer(kafka: KafkaSettings, *, idempotent: bool) -> AIOKafkaProducer:
     """The outbox relay's producer: every replica acknowledges (acks=all) before an entry
-    is marked published.
-
-    Not Kafka's idempotent producer: Tansu, the embedded broker of the demo and the dev
-    stack, answers its InitProducerId with an error and the producer never sends. Neither
-    guarantee needs it: aiokafka keeps one batch in flight per partition, so a partition
-    (each emitting key) keeps the order records were sent in, and a send retried after a
-    lost acknowledgement is a second copy with the same ``event-id``, which the relay's
-    at-least-once promise already covers (docs/outbox.md)."""
+    is marked published; Kafka's idempotent producer when ``idempotent`` (a retried batch
+    is written once, and retried until Kafka takes it). Whether the broker grants it is
+    engine/outbox/producer.py's question: aiokafka's start() waits for ever when it does
+    not (Tansu)."""
     return AIOKafkaProducer(
         acks="all",
+        enable_idempotence=idempotent,
         linger_ms=kafka.producer_linger_ms,
         max_batch_size=256 * 1024,
         **connection_kwargs(kafka),

@@ -4,10 +4,13 @@ Every worker runs it, and per store exactly one relay publishes: the one holding
 store's lease in Redis (SET NX PX with a token of its own, renewed by a script that checks
 the token). A relay that cannot renew stops publishing from that store and contends again.
 
-One round: read the oldest entries, send them in that order with the idempotent producer
-(``enable_idempotence``, ``acks=all``: a retried send is not duplicated, and a partition's
-records keep their send order, so each key's order holds), wait for every
-acknowledgement, note them in the published trail, and only then mark them published.
+One round: read the oldest entries, queue them as one record batch per partition in that
+order (nothing is awaited between them), wait for Kafka's answer for every batch, note the
+acknowledged entries in the published trail, and mark them published up to the first entry
+whose batch Kafka refused (none after it, though later batches may have been written). A
+batch is written whole or not at all and always starts at its partition's oldest unmarked
+entry, so no entry reaches Kafka ahead of an earlier one of its key, whatever is refused or
+retried. The producer is Kafka's idempotent one where the broker grants it (producer.py).
 A relay killed between the acknowledgement and the mark publishes the same entries again
 from the store: at least once, every copy carrying its ``event-id`` header, so a consumer
 dedupes it. Exactly once would need the mark inside a Kafka transaction, and the store is
@@ -29,7 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.structs import RecordMetadata
+from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.structs import RecordMetadata, TopicPartition
 from redis.asyncio import Redis
 
 from reliable_consumer.engine.observation.metrics import Metrics
@@ -50,11 +55,26 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Note a round's published entries in the capped trail: ARGV = cap, store, then per entry
+# event, topic, partition, offset, key (the fields ``service trace`` reads).
+NOTE = """
+local cap, store = ARGV[1], ARGV[2]
+for i = 3, #ARGV, 5 do
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', cap, '*', 'event', ARGV[i], 'store', store,
+    'topic', ARGV[i + 1], 'partition', ARGV[i + 2], 'offset', ARGV[i + 3], 'key', ARGV[i + 4])
+end
+return 0
+"""
 # Give the lease up at shutdown, so another worker takes over at once, not after it ends.
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+def _retrieved(acked: asyncio.Future[RecordMetadata]) -> None:
+    if not acked.cancelled():
+        acked.exception()
 
 
 class Lease:
@@ -91,6 +111,23 @@ class Lease:
             await self._release(keys=[self.key], args=[self.token])
 
 
+@dataclass(slots=True)
+class Batch:
+    """One partition's share of a round: its records, built in the store's order."""
+
+    builder: BatchBuilder
+    count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """What one round sent: each entry in the store's order with its partition and its
+    place in that partition's batch, and Kafka's answer for each batch."""
+
+    entries: list[tuple[PendingEmission, TopicPartition, int]]
+    acks: dict[TopicPartition, asyncio.Future[RecordMetadata]]
+
+
 @dataclass(frozen=True, slots=True)
 class Published:
     """Where Kafka put one entry: what the published trail keeps for ``service trace``."""
@@ -123,6 +160,8 @@ class OutboxRelay:
         self._stalls = stalls
         self._wakes = {store.name: asyncio.Event() for store in self._stores}
         self._failing: set[str] = set()
+        self._partitioner = DefaultPartitioner()
+        self._note = redis.register_script(NOTE)
         self.leases = {
             s.name: Lease(redis, keys.outbox_lease(s.name), settings.lease_ms) for s in stores
         }
@@ -162,53 +201,95 @@ class OutboxRelay:
                 await lease.release()
 
     async def publish_round(self, store: OutboxStore) -> bool:
-        """Publish the oldest batch, wait for every ack, then mark it: whether it was full."""
+        """Publish the oldest entries, mark what Kafka acknowledged: whether more may wait.
+
+        Raises the round's failure after marking the acknowledged entries before it."""
         batch = self._settings.batch_size
         entries = await store.pending(batch)
         if not entries:
             return False
         # Bounded by the lease: past it another relay may publish the same entries.
         async with asyncio.timeout(self._settings.lease_ms / 1000):
-            acks = []
-            for entry in entries:  # sent in order; the producer keeps it per partition
-                e = entry.emission
-                acks.append(
-                    await self._producer.send(
-                        e.topic, e.value, key=e.key, headers=e.kafka_headers()
-                    )
+            sent = await self._send(entries)
+            published, failure = await self._acknowledged(sent)
+        if published:
+            await self._trail(store, published)
+            await store.mark_published([p.entry for p in published])
+            self._metrics.outbox_published.labels(store.name).inc(len(published))
+        if failure is not None:
+            raise failure
+        return len(entries) == batch or len(sent.entries) < len(entries)
+
+    async def _send(self, entries: Sequence[PendingEmission]) -> Round:
+        """Queue the entries as ONE batch per partition, in the store's order, without
+        waiting for any acknowledgement; the round ends before an entry its partition's
+        batch has no room for (the next round starts there).
+
+        One batch per partition per round is what keeps each key's order whatever Kafka
+        refuses: a batch is written whole or not at all, and each starts at its partition's
+        oldest unmarked entry, so no entry reaches a partition before the ones ahead of it."""
+        out = Round([], {})
+        batches: dict[TopicPartition, Batch] = {}
+        for entry in entries:
+            e = entry.emission
+            partition = await self._partition_of(e.topic, e.key)
+            tp = TopicPartition(e.topic, partition)
+            pending = batches.get(tp)
+            if pending is None:
+                pending = batches[tp] = Batch(self._producer.create_batch())
+            if (
+                pending.builder.append(
+                    key=e.key, value=e.value, timestamp=None, headers=e.kafka_headers()
                 )
-            placed: list[RecordMetadata] = await asyncio.gather(*acks)
-        published = [
-            Published(entry, meta.partition, meta.offset)
-            for entry, meta in zip(entries, placed, strict=True)
-        ]
-        await self._trail(store, published)
-        await store.mark_published(entries)
-        self._metrics.outbox_published.labels(store.name).inc(len(entries))
-        return len(entries) == batch
+                is None
+            ):
+                break  # full: this entry and the rest wait for the next round
+            out.entries.append((entry, tp, pending.count))
+            pending.count += 1
+        for tp, pending in batches.items():
+            if pending.count:
+                pending.builder.close()  # nothing else joins it: it is the round's alone
+                acked = await self._producer.send_batch(
+                    pending.builder, tp.topic, partition=tp.partition
+                )
+                # Its failure is read below, or never if the round ended first: read it here.
+                acked.add_done_callback(_retrieved)
+                out.acks[tp] = acked
+        return out
+
+    async def _partition_of(self, topic: str, key: bytes | None) -> int:
+        """Where the producer's own partitioner puts ``key`` (murmur2, as Java's does)."""
+        partitions = sorted(await self._producer.partitions_for(topic))
+        return int(self._partitioner(key, partitions, partitions))
+
+    async def _acknowledged(self, sent: Round) -> tuple[list[Published], BaseException | None]:
+        """Wait for every batch; the round's entries Kafka acknowledged up to the first that
+        it did not (none after it is marked, even if its batch was written), and that
+        failure."""
+        await asyncio.wait(sent.acks.values())
+        published: list[Published] = []
+        for entry, tp, index in sent.entries:
+            acked = sent.acks[tp]
+            if (failure := acked.exception()) is not None:
+                return published, failure
+            meta: RecordMetadata = acked.result()
+            offset = meta.offset + index if meta.offset >= 0 else -1
+            published.append(Published(entry, tp.partition, offset))
+        return published, None
 
     async def _trail(self, store: OutboxStore, published: Sequence[Published]) -> None:
-        """Note what was published in the capped trail (a copy published twice shows twice)."""
+        """Note what was published in the capped trail (a copy published twice shows twice),
+        in one script call per round: a pipelined XADD per entry was half the relay's time
+        (redis-py packing each command)."""
         keep = self._settings.published_trail
         if keep == 0:
             return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for p in published:
-                e = p.entry.emission
-                pipe.xadd(
-                    self._keys.outbox_published,
-                    {
-                        "event": e.event_id,
-                        "store": store.name,
-                        "topic": e.topic,
-                        "partition": p.partition,
-                        "offset": p.offset,
-                        "key": e.key if e.key is not None else b"",
-                    },
-                    maxlen=keep,
-                    approximate=True,
-                )
-            await pipe.execute()
+        args: list[str | bytes | int] = [keep, store.name]
+        for p in published:
+            e = p.entry.emission
+            key = e.key if e.key is not None else b""
+            args += [e.event_id, e.topic, p.partition, p.offset, key]
+        await self._note(keys=[self._keys.outbox_published], args=args)
 
     async def _observe(self, store: OutboxStore) -> None:
         depth = await store.depth()
