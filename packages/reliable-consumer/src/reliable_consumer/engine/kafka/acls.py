@@ -4,11 +4,11 @@ broker's refusal of one of them means.
 The list is computed, not written down: each bound topic, its dead-letter topic, the
 outcomes topic (when enabled), the topics the bound handlers emit to (``emits=``), the
 consumer group and the start-up checks' reads all come from the settings and the app
-declaration, so a new binding brings its ACLs with
-it and ``service acls`` prints what to grant. Only what each operation needs is listed:
-Kafka's ``Read`` and ``Write`` imply ``Describe``, so ``Describe`` is never listed on
-its own; the producer is not idempotent and uses no transactions, so neither
-``IdempotentWrite`` nor a ``TransactionalId`` ACL is needed.
+declaration, so a new binding brings its ACLs with it and ``service acls`` prints what to
+grant. Only what each operation needs is listed: Kafka's ``Read`` and ``Write`` imply
+``Describe``, so ``Describe`` is never listed on its own; no producer uses transactions, and
+the outbox relay's idempotent producer needs only ``Write`` on a topic (Kafka 3.0 and later),
+so neither ``IdempotentWrite`` nor a ``TransactionalId`` ACL is needed.
 
 A refusal (TOPIC/GROUP/CLUSTER_AUTHORIZATION_FAILED) is turned into ``AccessDenied``,
 which names the principal, the operation and the resource: the error a person can act
