@@ -15,13 +15,12 @@ import redis.asyncio as aioredis
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.context import Context, Effects
 from tests.chaos import claiming
-from tests.chaos.outside import DeadLetter, Emitted, View
+from tests.chaos.emitted import Emitted, EmittedCheck, check_emitted
+from tests.chaos.outside import DeadLetter, View
 from tests.chaos.runs import (
-    EmittedCheck,
     EndState,
     Placed,
     Routed,
-    check_emitted,
     final_verdict,
     overlapping_runs,
 )
@@ -144,3 +143,22 @@ def test_the_emitted_check_fails_on_each_broken_promise_and_counts_duplicates() 
     assert "differ" in check_emitted(unlike, {"p1", "p2"}).problems[0]
     swapped = [e(0, 0, "p1", "recorded"), e(0, 1, "p1", "granted")]
     assert "out of order" in check_emitted(swapped, {"p1"}).problems[0]
+    wrong_id = check_emitted(clean, {"p1"}, lambda c: f"{c.payment_id}:{c.step}:other")
+    assert "without their grant's event id" in wrong_id.problems[0]
+    assert check_emitted(clean, {"p1"}, lambda c: f"{c.payment_id}:{c.step}").problems == []
+
+
+def test_the_emitted_check_keeps_the_order_of_a_keys_grants_by_first_copies() -> None:
+    def e(partition: int, offset: int, payment: str, step: str, seq: int) -> Emitted:
+        return Emitted(partition, offset, f"{payment}:{step}", payment, step, b"user", seq)
+
+    p1 = [e(0, 0, "p1", "granted", 0), e(0, 1, "p1", "recorded", 0)]
+    p2 = [e(0, 2, "p2", "granted", 1), e(0, 3, "p2", "recorded", 1)]
+    # p1's batch published again after p2's: the first copies are still in order.
+    again = [*p1, *p2, e(0, 4, "p1", "granted", 0), e(0, 5, "p1", "recorded", 0)]
+    assert check_emitted(again, {"p1", "p2"}) == EmittedCheck(4, 2, [])
+    # p1's first copy after p2's (a failed send whose later sends went through).
+    late = [e(0, 0, "p2", "granted", 1), e(0, 1, "p2", "recorded", 1), *again[4:]]
+    assert "out of order" in check_emitted(late, {"p1", "p2"}).problems[0]
+    moved = [*p1, e(1, 0, "p2", "granted", 1), e(1, 1, "p2", "recorded", 1)]
+    assert "several partitions" in check_emitted(moved, {"p1", "p2"}).problems[0]
