@@ -978,9 +978,6 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         for p in placed
         if p.record.handler == CLAIMED and p.record.payment_id in state.grants
     }
-    claimed_grants = sum(
-        1 for p in placed if p.record.handler == CLAIMED and p.record.payment_id in state.grants
-    )
 
     problems = list(problems)
     if lost:
@@ -1025,7 +1022,7 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         )
     return Verdict(
         expected_grants=len(expected),
-        claimed_grants=claimed_grants,
+        claimed_grants=len(claimed_granted),
         lost=lost,
         doubled=doubled,
         unexpected_grants=unexpected,
