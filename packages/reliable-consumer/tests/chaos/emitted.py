@@ -12,7 +12,7 @@ its Kafka key's grants, when one key carries several grants).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,16 +88,18 @@ class EmittedCheck:
 
 def check_emitted(
     emitted: Iterable[Emitted],
-    granted: set[str],
+    granted: Mapping[str, Sequence[str]],
     expected_id: Callable[[Emitted], str] | None = None,
 ) -> EmittedCheck:
-    """The outbox's promises on what was published, given the grants that happened.
+    """The outbox's promises on what was published, given each grant's steps in order.
 
-    Every grant announced (every step), no event without its grant, every copy of an event
-    id the same event (and, given ``expected_id``, the id the grant's event must carry), and
-    per Kafka key the first copies in the order they were written: one partition, ascending
-    ``(seq, step)``. Later copies (a batch published again) may repeat earlier events after
-    later ones; a consumer deduplicating by event id sees only the first.
+    ``granted`` maps every payment whose effects applied to the events it must announce, in
+    the order it emits them. Every grant announced (each of its steps), no event without its
+    grant, every copy of an event id the same event (and, given ``expected_id``, the id the
+    grant's event must carry), and per Kafka key the first copies in the order they were
+    written: one partition, each payment's steps in order, ``seq`` never going back. Later
+    copies (a batch published again) may repeat earlier events after later ones; a consumer
+    deduplicating by event id sees only the first.
     """
     emitted = sorted(emitted, key=lambda e: (e.partition, e.offset))
     problems: list[str] = []
@@ -117,35 +119,45 @@ def check_emitted(
     steps: dict[str, set[str]] = {}
     for e in emitted:
         steps.setdefault(e.payment_id, set()).add(e.step)
-    unannounced = sorted(p for p in granted if steps.get(p, set()) != set(STEPS))
+    unannounced = sorted(p for p, want in granted.items() if steps.get(p, set()) != set(want))
     if unannounced:
         problems.append(f"{len(unannounced)} grants without their events, e.g. {unannounced[:10]}")
-    ungranted = sorted(set(steps) - granted)
+    ungranted = sorted(set(steps) - set(granted))
     if ungranted:
         problems.append(f"{len(ungranted)} events for payments not granted: {ungranted[:10]}")
-    problems.extend(_order_problems(emitted))
+    problems.extend(_order_problems(emitted, granted))
     return EmittedCheck(len(by_id), len(emitted) - len(by_id), problems)
 
 
-def _order_problems(emitted: list[Emitted]) -> list[str]:
-    """Per key, the first copy of each event: in one partition, in ``(seq, step)`` order."""
+def every_step(granted: Iterable[str], steps: Sequence[str] = STEPS) -> dict[str, Sequence[str]]:
+    """Grants that each announce the same steps (the chaos handlers': :data:`STEPS`)."""
+    return dict.fromkeys(granted, steps)
+
+
+def _order_problems(emitted: list[Emitted], granted: Mapping[str, Sequence[str]]) -> list[str]:
+    """Per key, the first copy of each event: on one partition, each payment's steps in
+    their order, and ``seq`` (the grant's place among its key's grants) never going back."""
     seen: set[tuple[str, str]] = set()
     firsts: dict[bytes, list[Emitted]] = {}
     for e in emitted:  # in (partition, offset) order
-        if (e.payment_id, e.step) not in seen and e.step in STEPS:
+        if (e.payment_id, e.step) not in seen:
             seen.add((e.payment_id, e.step))
             firsts.setdefault(e.key, []).append(e)
     split = sorted(k for k, es in firsts.items() if len({e.partition for e in es}) > 1)
-    disordered = sorted(
-        k
-        for k, es in firsts.items()
-        if k not in split
-        and [(e.seq, STEPS.index(e.step)) for e in es]
-        != sorted((e.seq, STEPS.index(e.step)) for e in es)
-    )
+    disordered = []
+    for key, events in firsts.items():
+        position: dict[str, int] = {}  # the step each payment reached
+        seq = 0
+        for e in events:
+            order = granted.get(e.payment_id, ())
+            at = order.index(e.step) if e.step in order else -1
+            if e.seq < seq or at < position.get(e.payment_id, -1):
+                disordered.append(key)
+                break
+            seq, position[e.payment_id] = e.seq, at
     problems = []
     if split:
         problems.append(f"events of one key on several partitions: {split[:10]}")
     if disordered:
-        problems.append(f"events of one key out of order: {disordered[:10]}")
+        problems.append(f"events of one key out of order: {sorted(disordered)[:10]}")
     return problems

@@ -49,7 +49,7 @@ from reliable_consumer.engine.handlers.emissions import event_id
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos import claiming
-from tests.chaos.emitted import STEPS, Emitted, EmittedCheck, check_emitted
+from tests.chaos.emitted import STEPS, Emitted, EmittedCheck, check_emitted, every_step
 from tests.chaos.outside import TP, Outside, View, Where, wait_settled
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import make_settings, prepare_topics
@@ -1013,7 +1013,7 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         problems.append(f"`succeeded` emitted twice for {succeeded_twice[:10]}")
     emitted = EmittedCheck(0, 0, [])
     if end.emitted is not None:
-        emitted = check_emitted(end.emitted, claimed_granted, claimed_event_id)
+        emitted = check_emitted(end.emitted, every_step(claimed_granted), claimed_event_id)
         problems.extend(emitted.problems)
     if end.overlaps:
         problems.append(
