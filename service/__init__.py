@@ -11,6 +11,7 @@ from reliable_consumer import (
     RetryableError,
     RetryPolicy,
     handler,
+    header,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "RetryPolicy",
     "RetryableError",
     "handler",
+    "header",
 ]

@@ -749,9 +749,11 @@ def test_compose_worker() -> None:
 def test_compose_topic_init_creates_the_contract_topics() -> None:
     settings = load_settings_from(compose_worker_env())
     partitions = compose_partitions()
-    source_topics = set(deploy_bindings(ROOT).topics)  # every bound topic, postgres ones too
+    bindings = deploy_bindings(ROOT)
+    source_topics = set(bindings.topics)  # every bound topic, postgres ones too
     expected = source_topics | {settings.dead_letter_topic(t) for t in source_topics}
     expected.add(settings.outcomes_topic() or "")
+    expected.update(bindings.emitted)  # where the relay publishes what the handlers emit
     assert set(partitions) == expected
     assert partitions[PAYMENTS_TOPIC] == 6
     kafka_env = compose()["services"]["kafka"]["environment"]

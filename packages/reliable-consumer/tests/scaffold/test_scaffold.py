@@ -25,6 +25,7 @@ from reliable_consumer.engine.declaration.location import current_app
 from typer.testing import CliRunner
 
 import service
+from service.handlers.payments import EVENTS_TOPIC
 
 PROJECT = Path(service.__file__).resolve().parents[1]
 # This project's first binding (payments -> payments here; another in a generated project).
@@ -334,8 +335,9 @@ def test_a_second_topic_reaches_every_deploy_file_and_gets_its_own_keda_trigger(
     deployed: Path,
 ) -> None:
     """`service new-handler`, one topic per store: both topics are created (each with its
-    dead-letter topic) and scaled on; the base files bind the Redis handler, the postgres
-    overlays both. Nothing is left to edit by hand."""
+    dead-letter topic, and the topics the bound handlers emit to) and scaled on; the base
+    files bind the Redis handler, the postgres overlays both. Nothing is left to edit by
+    hand."""
     runner = CliRunner()
     for name, topic, store in (
         ("refunds", "billing.refunds", "redis"),
@@ -353,6 +355,8 @@ def test_a_second_topic_reaches_every_deploy_file_and_gets_its_own_keda_trigger(
     script = "\n".join(compose["services"]["kafka-init"]["entrypoint"])
     created = set(re.findall(r"^\s*create\s+(\S+)\s+\d+\s*$", script, re.M))
     assert {*topics, *(f"{t}.dlq" for t in topics)} <= created
+    # The example's handlers emit to a topic of their own: the relay needs it there too.
+    assert EVENTS_TOPIC in created
     overlay = yaml_docs(deploy / "docker-compose.postgres.yml")[0]["services"]
     for service_name in ("worker", "console"):
         bindings = json.loads(overlay[service_name]["environment"]["WORKER_TOPICS"])

@@ -57,7 +57,7 @@ ROOMS = (
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "lifecycle": frozenset({"lifecycle", "shared", *ROOMS}),
     "batch": frozenset(
-        {"shared", "handlers", "redis", "kafka", "postgres", "observation", "schemas"}
+        {"shared", "handlers", "redis", "kafka", "postgres", "outbox", "observation", "schemas"}
     ),
     "observation": frozenset({"shared", "handlers", "redis", "kafka"}),
     "kafka": frozenset({"shared", "redis", "handlers"}),

@@ -395,6 +395,11 @@ class PostgresSettings(BaseModel):
     # means the app declaration's folder (service/migrations/; the engine's inbox schema
     # ships inside the package, reliable_consumer/engine/postgres/sql/).
     migrations_dir: str | None = None
+    # The outbox (kafka_outbox): a published row is kept this long for `service trace`, then
+    # deleted, at most ``outbox_prune_batch`` rows per relay round so a backlog of old rows
+    # never becomes one long DELETE.
+    outbox_retention_h: float = Field(default=24.0, ge=0, le=24 * 90)
+    outbox_prune_batch: int = Field(default=1000, ge=1, le=100_000)
 
     @field_validator("url", mode="before")
     @classmethod

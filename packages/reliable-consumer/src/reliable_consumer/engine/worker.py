@@ -46,6 +46,7 @@ from reliable_consumer.engine.observation.http import HealthState, HttpServer, m
 from reliable_consumer.engine.observation.member_report import INTERVAL_S, MemberReporter
 from reliable_consumer.engine.observation.membership import MembershipWatch, read_group_progress
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.outbox.postgres_store import postgres_outbox_store
 from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
 from reliable_consumer.engine.outbox.relay import OutboxRelay
 from reliable_consumer.engine.outbox.store import OutboxStore
@@ -213,7 +214,8 @@ class Worker:
             )
             for warning in checked:
                 log.warning(warning)
-        access = until_answered(lambda: check_topic_access(s), self._stop, self.stalls)
+        emits = self.registry.emitted_topics
+        access = until_answered(lambda: check_topic_access(s, emits), self._stop, self.stalls)
         await self._unless_stopped(access, "checking the worker's access to its topics")
         durability = until_answered(lambda: check_topic_durability(s), self._stop)
         topics = await self._unless_stopped(durability, "checking the Kafka topics")
@@ -292,7 +294,9 @@ class Worker:
         stores: list[OutboxStore] = [
             RedisOutboxStore(self.redis, RedisKeys(self.settings.redis.key_prefix))
         ]
-        # Each further store is appended here, e.g. PostgreSQL's when ``self.inbox`` is open.
+        postgres = postgres_outbox_store(self.inbox, self.settings.postgres)
+        if postgres is not None:  # a bound handler keeps its effects in PostgreSQL
+            stores.append(postgres)
         return stores
 
     async def _start_relay(self) -> None:

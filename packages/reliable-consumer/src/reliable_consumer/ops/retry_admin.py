@@ -237,8 +237,8 @@ def dedupe_key_of(registry: Registry, delivery: Delivery, max_bytes: int) -> tup
     if isinstance(payload, DecodeFailure):
         return handler.name, None
     try:
-        key = handler.key_of(payload)
-    except Exception:  # a callable dedupe key refusing the payload
+        key = handler.key_of(payload, delivery.headers)
+    except Exception:  # a callable dedupe key refusing the payload, its header missing
         return handler.name, None
     return handler.name, key or None
 

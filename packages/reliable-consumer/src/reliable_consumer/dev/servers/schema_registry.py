@@ -161,6 +161,10 @@ class SchemaRegistryServer(ManagedServer):
             "-Xms64m",
             "-XX:+UseSerialGC",
             "-XX:TieredStopAtLevel=1",
+            # Nothing left in /tmp by a killed registry: no hsperfdata file, and Vert.x's file
+            # cache (by default /tmp/vertx-cache) in the work directory.
+            "-XX:-UsePerfData",
+            f"-Dvertx.cacheDirBase={self.work_dir / 'vertx-cache'}",
             "-Djava.awt.headless=true",
             f"-Dquarkus.http.host={LOOPBACK}",
             f"-Dquarkus.http.port={self.port}",

@@ -141,8 +141,8 @@ class Decisions:
             job.dead_letter(payload.reason, payload.detail)
             return job
         try:
-            dedupe_key = handler.key_of(payload)
-        except Exception as exc:  # a callable dedupe_key that rejects the payload
+            dedupe_key = handler.key_of(payload, d.headers)
+        except Exception as exc:  # a callable dedupe_key that rejects it, a header missing
             job.dead_letter("malformed", f"dedupe key: {describe_error(exc)}")
             return job
         if not dedupe_key:

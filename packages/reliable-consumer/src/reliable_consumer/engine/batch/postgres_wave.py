@@ -48,6 +48,7 @@ from reliable_consumer.engine.handlers.stuck_calls import (
     fence,
     within,
 )
+from reliable_consumer.engine.outbox.postgres_store import write_emissions
 from reliable_consumer.engine.postgres.inbox import (
     STALL,
     HandlerBrokeTransaction,
@@ -195,6 +196,8 @@ class PostgresWaves:
             return False
         if error is None:
             try:
+                # Its emissions, in its savepoint: kept with its effects or undone with them.
+                await write_emissions(tx.conn, job.emissions)
                 tx.release(row)
                 # Counted now, as its wave-mates' failures are: counting successes only at
                 # COMMIT would show the breaker a wave's failures alone (a commit that fails

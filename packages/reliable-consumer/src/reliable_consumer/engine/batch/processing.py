@@ -37,6 +37,7 @@ from reliable_consumer.engine.batch import traces
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.batch.gate import Gate, GaveUp
 from reliable_consumer.engine.batch.jobs import Fate, Job, key_waves, log_fields
+from reliable_consumer.engine.batch.leases import LeaseKeeper
 from reliable_consumer.engine.batch.parts import Parts
 from reliable_consumer.engine.batch.postgres_wave import PostgresWaves
 from reliable_consumer.engine.batch.runner import HandlerRunner
@@ -295,33 +296,50 @@ class Processor:
         # Chains a record of this batch will park in: its key's later records wait behind it
         # (they park after it, in offset order, in the same PARK call).
         parking: set[str] = set()
-        for wave in waves:
-            if parking:
-                for job in wave:
-                    if job.chain in parking:
-                        job.park_behind()
-            pending = wave
-            while pending:
-                admitted, pending = await self._gate.admit(pending, give_up)
-                await self.decisions.claim(admitted)
-                live = [j for j in admitted if j.fate is None]
-                sql = [j for j in live if j.handler and j.handler.store == "postgres"]
-                if sql:
-                    live = [j for j in live if j.handler and j.handler.store != "postgres"]
-                await self._runner.run(live)
-                if sql:  # one transaction, committed before FINISH marks the keys done
-                    await self._postgres(sql)
-                await self.decisions.claim_failed(admitted)
-                await self.decisions.finish(admitted)
-                if self.tracer is not None:
-                    traces.held(admitted)
-                pending += await self._gate.held(admitted)
-            parking.update(j.chain for j in wave if j.chain and j.fate is Fate.PARK)
+        # Later waves wait for earlier ones, and parked records for the last: their leases
+        # are kept alive meanwhile (leases.py).
+        keeper = None
+        if len(waves) > 1:
+            keeper = LeaseKeeper(self.parts.idempotency, self._settings, jobs)
+        try:
+            for wave in waves:
+                if keeper is not None:
+                    await keeper.hand_over(wave)
+                await self._wave(wave, parking, give_up)
+        finally:
+            if keeper is not None:
+                await keeper.stop()
         if self.tracer is not None:
             traces.decided(jobs)
         await self.decisions.park([j for j in jobs if j.fate is Fate.PARK])
         await self.decisions.dead_letter([j for j in jobs if j.fate is Fate.DEAD_LETTER])
         await self.decisions.emit(jobs)
+
+    async def _wave(
+        self, wave: list[Job], parking: set[str], give_up: Callable[[], bool] | None
+    ) -> None:
+        """One wave to its fate (FINISH for the succeeded; the parked wait for the batch)."""
+        if parking:
+            for job in wave:
+                if job.chain in parking:
+                    job.park_behind()
+        pending = wave
+        while pending:
+            admitted, pending = await self._gate.admit(pending, give_up)
+            await self.decisions.claim(admitted)
+            live = [j for j in admitted if j.fate is None]
+            sql = [j for j in live if j.handler and j.handler.store == "postgres"]
+            if sql:
+                live = [j for j in live if j.handler and j.handler.store != "postgres"]
+            await self._runner.run(live)
+            if sql:  # one transaction, committed before FINISH marks the keys done
+                await self._postgres(sql)
+            await self.decisions.claim_failed(admitted)
+            await self.decisions.finish(admitted)
+            if self.tracer is not None:
+                traces.held(admitted)
+            pending += await self._gate.held(admitted)
+        parking.update(j.chain for j in wave if j.chain and j.fate is Fate.PARK)
 
     async def _postgres(self, jobs: list[Job]) -> None:
         if self._sql is None:

@@ -230,7 +230,8 @@ class HandlerRunner:
         if status is ExtendStatus.OK:
             job.claim_until = sent + claim_ms / 1000
             if lease is not None:  # the new fencing token: PARK must present this one
-                job.delivery = replace(job.delivery, retry_lease=lease)
+                leased_until = sent + request.retry_ms / 1000
+                job.delivery = replace(job.delivery, retry_lease=lease, leased_until=leased_until)
             return True
         busy_ms = settings.retry.busy_delay_ms
         if status is ExtendStatus.LOST_CLAIM:

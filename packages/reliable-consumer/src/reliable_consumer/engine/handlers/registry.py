@@ -31,6 +31,7 @@ from reliable_consumer.engine.declaration.naming import check_handler_name
 from reliable_consumer.engine.errors import ConfigurationError, PermanentError, RetryableError
 from reliable_consumer.engine.handlers.context import Context
 from reliable_consumer.engine.handlers.emissions import check_emits
+from reliable_consumer.engine.handlers.header_key import HeaderKey
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.redis.keys import ENGINE_NAMESPACES
 from reliable_consumer.engine.schemas.avro import RegistryAvro
@@ -79,7 +80,7 @@ class Handler(Generic[M]):
 
     name: str
     model: type[M]
-    dedupe_key: str | Callable[[M], str]
+    dedupe_key: str | Callable[[M], str] | HeaderKey
     func: HandlerFunc[M]
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
@@ -115,8 +116,11 @@ class Handler(Generic[M]):
         object.__setattr__(self, "namespaces", _check_namespaces(self.name, self.writes))
         object.__setattr__(self, "emits", check_emits(self.name, self.emits))
 
-    def key_of(self, payload: M) -> str:
-        """The dedupe key: the idempotency identity of the business event."""
+    def key_of(self, payload: M, headers: Sequence[tuple[str, bytes]] = ()) -> str:
+        """The dedupe key: the idempotency identity of the business event, from the payload
+        or (``header(name)``) from the record's ``headers``."""
+        if isinstance(self.dedupe_key, HeaderKey):
+            return self.dedupe_key.of(headers)
         if callable(self.dedupe_key):
             return str(self.dedupe_key(payload))
         return str(getattr(payload, self.dedupe_key))
@@ -149,7 +153,7 @@ def handler(
     name: str,
     *,
     model: type[M],
-    dedupe_key: str | Callable[[M], str],
+    dedupe_key: str | Callable[[M], str] | HeaderKey,
     retry_on: Iterable[type[BaseException]] = (),
     fail_on: Iterable[type[BaseException]] = (),
     timeout_s: float | None = None,
@@ -187,6 +191,11 @@ def handler(
     savepoint of its own) and does its own SQL there; the worker writes its inbox row in
     the same transaction, so the effects and "this record is done" commit together
     (docs/postgres.md). Its ``ctx.effects`` refuses every command.
+
+    ``dedupe_key`` is a field of the model, a callable of the payload, or
+    ``header("event-id")``: the value of that header of the record (a record without it is
+    dead-lettered ``malformed``), how a consumer dedupes the events another service's outbox
+    published, each copy carrying the same ``event-id``.
 
     ``emits`` names the topics the handler publishes to with ``ctx.emit(topic, value,
     key=..., headers=...)``: those records are written to the outbox with its effects, only
@@ -329,6 +338,12 @@ class Registry:
     def emits(self) -> bool:
         """Whether a bound handler emits records (the worker runs the outbox relay)."""
         return any(h.emits for h in self._by_topic.values())
+
+    @property
+    def emitted_topics(self) -> list[str]:
+        """The topics the bound handlers emit to (``emits=``), sorted: the relay publishes
+        there, so whatever creates the bound topics creates these too."""
+        return sorted({t for h in self._by_topic.values() for t in h.emits})
 
     @property
     def uses_postgres(self) -> bool:

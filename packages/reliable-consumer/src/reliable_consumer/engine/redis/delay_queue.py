@@ -112,12 +112,16 @@ class RetryQueue:
     async def claim_due(self, *, lease_ms: int, limit: int) -> list[Delivery]:
         """Move what is due by Redis's clock to in flight, leased for ``lease_ms``."""
         keys = [self._keys.retry_due, self._keys.retry_inflight, self._keys.retry_items]
+        sent = time.monotonic()
         flat = await self._ops.call(lambda: self._claim_script(keys=keys, args=[lease_ms, limit]))
+        leased_until = sent + lease_ms / 1000
         out: list[Delivery] = []
         for i in range(0, len(flat), 3):
             lease = int(flat[i + 1])
             try:
-                out.append(Delivery.from_json(flat[i + 2], lease=lease))
+                delivery = Delivery.from_json(flat[i + 2], lease=lease)
+                delivery.leased_until = leased_until
+                out.append(delivery)
             except (ValueError, KeyError, TypeError):
                 # Not ours to drop silently: leave it in flight, the reaper re-queues it
                 # and the log says which id cannot be read.
