@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 # The events each grant announces, in the order the handler emits them.
@@ -44,8 +44,36 @@ def _header(record: Any, name: str) -> str | None:
     return None
 
 
-async def read_emitted(bootstrap: str, topic: str, partitions: int) -> list[Emitted]:
-    """Every copy on ``topic``, each partition read to its end offset, in offset order."""
+Parsed = tuple[str, str, int]  # payment id, step, seq
+
+
+def step_event(value: dict[str, Any]) -> Parsed | None:
+    """The chaos handlers' events: ``payment_id``, ``step`` and an optional ``seq``."""
+    return str(value["payment_id"]), str(value["step"]), int(value.get("seq", 0))
+
+
+async def partitions_of(bootstrap: str, topic: str) -> int:
+    """How many partitions ``topic`` has, as the metadata says (a producer's public ask)."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        return len(await producer.partitions_for(topic))
+    finally:
+        await producer.stop()
+
+
+async def read_emitted(
+    bootstrap: str,
+    topic: str,
+    partitions: int | None = None,
+    parse: Callable[[dict[str, Any]], Parsed | None] = step_event,
+) -> list[Emitted]:
+    """Every copy on ``topic`` (``partitions`` of it, or all the metadata names), each
+    partition read to its end offset, in offset order. ``parse`` reads a value (a JSON
+    object); a value it returns None for is not the run's and is left out (a topic every
+    test of the session shares)."""
+    if partitions is None:
+        partitions = await partitions_of(bootstrap, topic)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
@@ -62,17 +90,13 @@ async def read_emitted(bootstrap: str, topic: str, partitions: int) -> list[Emit
         while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
             for tp, records in (await consumer.getmany(timeout_ms=500)).items():
                 for r in records:
-                    value = json.loads(r.value)
+                    parsed = parse(json.loads(r.value))
+                    if parsed is None:
+                        continue
+                    payment_id, step, seq = parsed
+                    event = _header(r, EVENT_ID_HEADER) or ""
                     out.append(
-                        Emitted(
-                            tp.partition,
-                            r.offset,
-                            _header(r, EVENT_ID_HEADER) or "",
-                            str(value["payment_id"]),
-                            str(value["step"]),
-                            r.key or b"",
-                            int(value.get("seq", 0)),
-                        )
+                        Emitted(tp.partition, r.offset, event, payment_id, step, r.key or b"", seq)
                     )
         return out
     finally:
