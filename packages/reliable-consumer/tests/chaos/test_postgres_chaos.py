@@ -226,7 +226,9 @@ async def test_purchases_are_granted_once_through_kills_restarts_and_rebalances(
             assert next(chunks, None) is None
             state = await wait_pg_settled(settings, postgres_url, timeout=90)
             # What the grants and refunds emitted, once the relay has published it all.
+            checking = time.monotonic()
             emitted = await emitted_check(settings, postgres_url, state, producer.sent, STEP_S)
+            figures["emit check s"] = round(time.monotonic() - checking, 1)
             problems.extend(emitted.problems)
             figures["duration s"] = round(time.monotonic() - started, 1)
         finally:
