@@ -28,6 +28,8 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from reliable_consumer.engine.kafka.outcome_events import decode_all
 from tests.chaos.emitted import Emitted, read_emitted
 
@@ -147,7 +149,10 @@ class Outside:
         self.tps = [TopicPartition(t, p) for t, n in sorted(sources.items()) for p in range(n)]
         self.dead_letter_topics = dead_letter_topics
         self.outcomes_topic = outcomes_topic
-        self._redis = aioredis.from_url(redis_url)
+        # The run restarts Redis: a pooled connection opened before is closed by then, and a
+        # client without retries fails its next read on it instead of reconnecting. Reads
+        # only, so trying one again on a fresh connection changes nothing they see.
+        self._redis = aioredis.from_url(redis_url, retry=Retry(ExponentialBackoff(0.5, 0.05), 3))
         self._group: AIOKafkaConsumer | None = None
         self._dlq: _Tail | None = None
         self._outcomes: _Tail | None = None

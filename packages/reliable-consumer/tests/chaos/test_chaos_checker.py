@@ -6,6 +6,7 @@ its key, and the verdict turns what the outside reads into the problems a run re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from pathlib import Path
@@ -16,7 +17,7 @@ from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.context import Context, Effects
 from tests.chaos import claiming
 from tests.chaos.emitted import Emitted, EmittedCheck, check_emitted, every_step
-from tests.chaos.outside import DeadLetter, View
+from tests.chaos.outside import DeadLetter, Outside, View
 from tests.chaos.runs import (
     EndState,
     Placed,
@@ -181,3 +182,28 @@ def test_the_emitted_check_takes_each_grants_own_steps_and_orders_only_what_is_o
     refund_first = [e(i, x.payment_id, x.step) for i, x in enumerate(refund_first)]
     assert "out of order" in check_emitted(refund_first, granted).problems[0]
     assert "without their events" in check_emitted(events[:2], granted).problems[0]
+
+
+async def test_the_outside_reads_on_after_a_redis_restart_closed_its_pooled_connections(
+    redis_server: RedisServer,
+) -> None:
+    """The run restarts Redis; connections the checker's pool opened before stay in it."""
+    outside = Outside(
+        bootstrap="127.0.0.1:1",  # not used: only Redis is read here
+        redis_url=redis_server.url,
+        prefix="chk",
+        group="g",
+        sources={},
+        dead_letter_topics={},
+        outcomes_topic="o",
+    )
+    try:
+        # Reads at once, as the driver and the producer's progress polls do: several
+        # pooled connections, all closed by the restart.
+        await asyncio.gather(*(outside.ledger_length() for _ in range(4)))
+        redis_server.kill()
+        redis_server.restart()
+        for _ in range(4):
+            assert await outside.ledger_length() == 0
+    finally:
+        await outside.close()
