@@ -28,6 +28,7 @@ from datetime import datetime
 from typing import Any
 
 from redis.exceptions import RedisError
+from tests.chaos.emitted import STEPS
 
 from service import Context, handler
 from service.handlers.payments import (
@@ -59,7 +60,7 @@ def _text(value: object) -> str:
 # (the other chaos tests), or a release from before the outbox (the rolling upgrade runs
 # one: its @handler takes no emits=), it announces nothing.
 EMIT_TOPIC = os.environ.get("CHAOS_EMIT_TOPIC") or None
-EMITTED_STEPS = ("granted", "recorded")
+EMITTED_STEPS = STEPS  # what tests/chaos/emitted.py checks each grant announced
 EMITS = EMIT_TOPIC is not None and "emits" in inspect.signature(handler).parameters
 _ANNOUNCED: dict[str, Any] = {"emits": (EMIT_TOPIC,)} if EMITS else {}
 

@@ -19,7 +19,6 @@ call:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -29,8 +28,10 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
-from reliable_consumer.engine.handlers.emissions import EVENT_ID_HEADER
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from reliable_consumer.engine.kafka.outcome_events import decode_all
+from tests.chaos.emitted import Emitted, read_emitted
 
 Where = tuple[str, int, int]  # source topic, partition, offset
 TP = tuple[str, int]
@@ -58,18 +59,6 @@ class DeadLetter:
     source: Where
     reason: str
     error: str
-
-
-@dataclass(frozen=True)
-class Emitted:
-    """One record the claiming handler emitted, as the relay published it."""
-
-    partition: int
-    offset: int
-    event_id: str
-    payment_id: str
-    step: str
-    key: bytes
 
 
 @dataclass
@@ -160,7 +149,10 @@ class Outside:
         self.tps = [TopicPartition(t, p) for t, n in sorted(sources.items()) for p in range(n)]
         self.dead_letter_topics = dead_letter_topics
         self.outcomes_topic = outcomes_topic
-        self._redis = aioredis.from_url(redis_url)
+        # The run restarts Redis: a pooled connection opened before is closed by then, and a
+        # client without retries fails its next read on it instead of reconnecting. Reads
+        # only, so trying one again on a fresh connection changes nothing they see.
+        self._redis = aioredis.from_url(redis_url, retry=Retry(ExponentialBackoff(0.5, 0.05), 3))
         self._group: AIOKafkaConsumer | None = None
         self._dlq: _Tail | None = None
         self._outcomes: _Tail | None = None
@@ -284,31 +276,7 @@ class Outside:
 
     async def emitted(self, topic: str, partitions: int) -> list[Emitted]:
         """Every record of the topic the claiming handler emits to, per partition in order."""
-        consumer = self._consumer(auto_offset_reset="earliest")
-        await consumer.start()
-        try:
-            tps = [TopicPartition(topic, p) for p in range(partitions)]
-            consumer.assign(tps)
-            await consumer.seek_to_beginning(*tps)
-            ends = await consumer.end_offsets(tps)
-            out: list[Emitted] = []
-            while [tp for tp in tps if await consumer.position(tp) < ends[tp]]:
-                for tp, records in (await consumer.getmany(timeout_ms=500)).items():
-                    for r in records:
-                        value = json.loads(r.value)
-                        out.append(
-                            Emitted(
-                                tp.partition,
-                                r.offset,
-                                _header(r, EVENT_ID_HEADER) or "",
-                                str(value["payment_id"]),
-                                str(value["step"]),
-                                r.key or b"",
-                            )
-                        )
-            return out
-        finally:
-            await consumer.stop()
+        return await read_emitted(self.bootstrap, topic, partitions)
 
     async def high_watermarks(self, ends: dict[TP, int]) -> dict[TP, int]:
         """Each source partition's high watermark, from fetch responses at `ends`.

@@ -45,10 +45,12 @@ from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.engine.handlers.emissions import event_id
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos import claiming
-from tests.chaos.outside import TP, Emitted, Outside, View, Where, wait_settled
+from tests.chaos.emitted import STEPS, Emitted, EmittedCheck, check_emitted, every_step
+from tests.chaos.outside import TP, Outside, View, Where, wait_settled
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import make_settings, prepare_topics
 from tests.integration.procs import HangingRecord, HangWatch, WorkerProcess
@@ -976,9 +978,6 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         for p in placed
         if p.record.handler == CLAIMED and p.record.payment_id in state.grants
     }
-    claimed_grants = sum(
-        1 for p in placed if p.record.handler == CLAIMED and p.record.payment_id in state.grants
-    )
 
     problems = list(problems)
     if lost:
@@ -1014,7 +1013,7 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         problems.append(f"`succeeded` emitted twice for {succeeded_twice[:10]}")
     emitted = EmittedCheck(0, 0, [])
     if end.emitted is not None:
-        emitted = check_emitted(end.emitted, claimed_granted)
+        emitted = check_emitted(end.emitted, every_step(claimed_granted), claimed_event_id)
         problems.extend(emitted.problems)
     if end.overlaps:
         problems.append(
@@ -1023,7 +1022,7 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         )
     return Verdict(
         expected_grants=len(expected),
-        claimed_grants=claimed_grants,
+        claimed_grants=len(claimed_granted),
         lost=lost,
         doubled=doubled,
         unexpected_grants=unexpected,
@@ -1046,45 +1045,9 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
     )
 
 
-@dataclass(frozen=True)
-class EmittedCheck:
-    events: int  # distinct event ids published
-    duplicates: int  # copies beyond the first (at least once: the relay republished them)
-    problems: list[str]
-
-
-def check_emitted(emitted: list[Emitted], granted: set[str]) -> EmittedCheck:
-    """Every claimed grant announced (both steps), no event without its grant, every copy
-    of an event id the same event, and each payment's steps in order (first copies)."""
-    problems: list[str] = []
-    by_id: dict[str, set[tuple[str, str, bytes]]] = {}
-    for e in emitted:
-        by_id.setdefault(e.event_id, set()).add((e.payment_id, e.step, e.key))
-    unlike = sorted(i for i, copies in by_id.items() if len(copies) > 1 or not i)
-    if unlike:
-        problems.append(f"copies of one event id that differ (or no id): {unlike[:5]}")
-    steps: dict[str, set[str]] = {}
-    for e in emitted:
-        steps.setdefault(e.payment_id, set()).add(e.step)
-    unannounced = sorted(p for p in granted if steps.get(p, set()) != set(claiming.EMITTED_STEPS))
-    if unannounced:
-        problems.append(f"{len(unannounced)} grants without their events, e.g. {unannounced[:10]}")
-    ungranted = sorted(set(steps) - granted)
-    if ungranted:
-        problems.append(f"{len(ungranted)} events for payments not granted: {ungranted[:10]}")
-    first: dict[str, dict[str, tuple[int, int]]] = {}
-    for e in sorted(emitted, key=lambda e: (e.partition, e.offset)):
-        first.setdefault(e.payment_id, {}).setdefault(e.step, (e.partition, e.offset))
-    order = claiming.EMITTED_STEPS
-    disordered = sorted(
-        p
-        for p, at in first.items()
-        if all(s in at for s in order)
-        and (at[order[0]][0] != at[order[1]][0] or at[order[0]][1] > at[order[1]][1])
-    )
-    if disordered:
-        problems.append(f"events of one payment out of order: {disordered[:10]}")
-    return EmittedCheck(len(by_id), len(emitted) - len(by_id), problems)
+def claimed_event_id(e: Emitted) -> str:
+    """The id the claiming handler's grant must give this event, whichever copy it is."""
+    return event_id(claiming.NAME, e.payment_id, STEPS.index(e.step))
 
 
 # --- the run ---
