@@ -9,7 +9,7 @@ stall until a round succeeds. The real broker's side is tests/integration/test_o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import fakeredis
@@ -23,6 +23,7 @@ from reliable_consumer.engine.handlers.emissions import EVENT_ID_HEADER, Emissio
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
 from reliable_consumer.engine.outbox.relay import STALL, OutboxRelay
+from reliable_consumer.engine.outbox.store import OutboxDepth, PendingEmission
 from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.redis.idempotency import FinishRequest, Idempotency
 from reliable_consumer.engine.redis.keys import RedisKeys
@@ -332,3 +333,67 @@ async def test_a_round_ends_before_an_entry_its_partitions_batch_has_no_room_for
     while await relay.publish_round(env.store):
         pass
     assert producer.batches == [2, 2] and event_ids(producer) == ids
+
+
+@dataclass
+class BlinkingStore:
+    """The Redis store whose mark fails ``failures`` times (the store restarting), then works."""
+
+    base: RedisOutboxStore
+    failures: int
+    name: str = "redis"
+
+    async def pending(self, limit: int) -> Sequence[PendingEmission]:
+        return await self.base.pending(limit)
+
+    async def mark_published(self, entries: Sequence[PendingEmission]) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("the store restarts")
+        await self.base.mark_published(entries)
+
+    async def depth(self) -> OutboxDepth:
+        return await self.base.depth()
+
+
+async def test_a_mark_that_fails_for_a_moment_is_retried_not_the_whole_round_republished(
+    env: Env,
+) -> None:
+    ids = [*await env.grant("g1"), *await env.grant("g2")]
+    store = BlinkingStore(env.store, failures=2)
+    producer = Producer()
+    relay = OutboxRelay(
+        [store],
+        redis=env.redis,
+        keys=env.keys,
+        producer=producer,  # type: ignore[arg-type]
+        settings=OutboxSettings(poll_interval_ms=20, lease_ms=1000),
+        metrics=env.metrics,
+        stalls=env.stalls,
+    )
+    assert await relay.leases["redis"].hold()
+    await relay.publish_round(store)
+    assert event_ids(producer) == ids, "the round was published again instead of marked"
+    assert await store.pending(10) == []
+
+
+async def test_a_mark_still_failing_when_the_lease_ends_raises_and_the_round_is_published_again(
+    env: Env,
+) -> None:
+    ids = await env.grant("g1")
+    store = BlinkingStore(env.store, failures=1_000)
+    producer = Producer()
+    relay = OutboxRelay(
+        [store],
+        redis=env.redis,
+        keys=env.keys,
+        producer=producer,  # type: ignore[arg-type]
+        settings=OutboxSettings(poll_interval_ms=100, lease_ms=1000),
+        metrics=env.metrics,
+        stalls=env.stalls,
+    )
+    with pytest.raises(ConnectionError):
+        await relay.publish_round(store)
+    store.failures = 0
+    await relay.publish_round(store)
+    assert event_ids(producer) == ids + ids, "at least once: the unmarked round goes again"

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import random
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 STALL = "outbox_relay_failing"
 CONSEQUENCE = "emitted records wait in the outbox; the relay retries"
 MAX_BACKOFF_S = 10.0
+# The first wait before writing a published round's trail or mark again.
+SETTLE_FIRST_BACKOFF_S = 0.05
 
 # Renew the lease only while it is still this relay's; 0 when another holds it (or none).
 RENEW = """
@@ -209,16 +211,36 @@ class OutboxRelay:
         if not entries:
             return False
         # Bounded by the lease: past it another relay may publish the same entries.
-        async with asyncio.timeout(self._settings.lease_ms / 1000):
+        lease_ends = asyncio.get_running_loop().time() + self._settings.lease_ms / 1000
+        async with asyncio.timeout_at(lease_ends):
             sent = await self._send(entries)
             published, failure = await self._acknowledged(sent)
         if published:
-            await self._trail(store, published)
-            await store.mark_published([p.entry for p in published])
+            await self._settle(lambda: self._trail(store, published), lease_ends)
+            marked = [p.entry for p in published]
+            await self._settle(lambda: store.mark_published(marked), lease_ends)
             self._metrics.outbox_published.labels(store.name).inc(len(published))
         if failure is not None:
             raise failure
         return len(entries) == batch or len(sent.entries) < len(entries)
+
+    async def _settle(self, write: Callable[[], Awaitable[None]], lease_ends: float) -> None:
+        """One write after Kafka acknowledged (the trail, the store's mark), retried while
+        the lease surely lasts. Giving up at the first error would publish the whole round
+        again (up to a batch of duplicates per blip of Redis or PostgreSQL); past the lease
+        the error is raised, and the next holder publishes the round again."""
+        loop = asyncio.get_running_loop()
+        backoff_s = SETTLE_FIRST_BACKOFF_S
+        while True:
+            try:
+                await write()
+                return
+            except Exception:
+                if loop.time() + backoff_s >= lease_ends:
+                    raise
+                log.warning("outbox relay could not record a published round; retrying")
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
 
     async def _send(self, entries: Sequence[PendingEmission]) -> Round:
         """Queue the entries as ONE batch per partition, in the store's order, without
