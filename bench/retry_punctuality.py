@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import psutil
@@ -378,6 +378,8 @@ class RetryPunctualityGroup:
         if parked_in_all < self.sizes.retries:
             raise ValueError(f"--retries-parked: at least {self.sizes.retries:,}")
         self.later = parked_in_all - self.sizes.retries
+        if self.later:  # the worker starts beside a Redis that holds (and rewrites) them all
+            self.sizes = replace(self.sizes, lead_s=self.sizes.lead_s * 2)
         self.topic = ""
         parked = f"{self.sizes.retries:,} due over {self.sizes.spread_s:.0f} s"
         if self.later:
