@@ -32,7 +32,7 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from reliable_consumer.engine.batch.processing import Processor
 from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.registry import Registry
-from reliable_consumer.engine.intake import Intake
+from reliable_consumer.engine.intake import Intake, RetryPriority
 from reliable_consumer.engine.kafka.clients import make_consumer, make_producer
 from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, check_session_timeout
 from reliable_consumer.engine.kafka.offsets import OffsetTracker
@@ -278,6 +278,7 @@ class Worker:
                 s.retry,
                 max_in_flight=max(1, s.max_in_flight // 4),
                 on_gauges=self._set_retry_gauges,
+                on_lateness=self._retry_priority(s) if self.consume else None,
             )
             self._watch(asyncio.create_task(self.scheduler.run(), name="retries"))
         self.health.mark_started()
@@ -435,6 +436,25 @@ class Worker:
     def _redis_failed(self) -> None:
         self.health.redis_ok = False
         self.metrics.redis_errors.inc()
+
+    def _retry_priority(self, s: Settings) -> Callable[[int], None]:
+        """Late retries go before fresh fetches (intake.RetryPriority); returns its input."""
+        priority = RetryPriority(
+            s.retry.priority_after_ms,
+            s.retry.priority_max_pause_ms,
+            on_change=self._retry_priority_changed,
+        )
+        self.intake.retries_first = priority.active
+        return priority.observe
+
+    def _retry_priority_changed(self, active: bool, why: str, paused_s: float) -> None:
+        self.metrics.retry_priority_active.set(1 if active else 0)
+        if not active:  # one line per episode, when it ends (the gauge shows it meanwhile)
+            self.metrics.retry_priority_paused.inc(paused_s)
+            log.info(
+                "fresh fetches were held back for late retries",
+                extra={"paused_s": round(paused_s, 3), "ended": why},
+            )
 
     def _set_retry_gauges(self, gauges: QueueGauges) -> None:
         self.metrics.retry_depth.labels("due").set(gauges.due)

@@ -100,6 +100,18 @@ class Metrics:
             "growing: nothing takes due retries. Shared queue, same on every worker: use max()",
             registry=r,
         )
+        # This worker's own: whether its intake holds fresh fetches back for late retries.
+        self.retry_priority_active = Gauge(
+            "worker_retry_priority_active",
+            "1 while this worker fetches no fresh records because the oldest due retry is "
+            "late by more than WORKER_RETRY__PRIORITY_AFTER_MS",
+            registry=r,
+        )
+        self.retry_priority_paused = Counter(
+            "worker_retry_priority_paused_seconds",
+            "Seconds this worker held fresh fetches back for late retries (ended episodes)",
+            registry=r,
+        )
         # The outbox relay (engine/outbox/relay.py), per store ("redis", "postgres").
         self.outbox_pending = Gauge(
             "worker_outbox_pending",
