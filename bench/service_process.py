@@ -26,6 +26,7 @@ import psutil
 import redis
 from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.redis.keys import effect_key
 from reliable_consumer.engine.settings import Settings
 
@@ -137,17 +138,19 @@ class ServiceRun:
         self.process: psutil.Process | None = None
 
     def topics(self) -> list[str]:
-        """The dead-letter and outcomes topics of this run (the worker never creates them)."""
+        """The dead-letter and outcomes topics of this run, and the topics the payments
+        handler emits to (the worker never creates them, and refuses to start without)."""
         settings = Settings(
             kafka={"bootstrap_servers": self.env["WORKER_KAFKA__BOOTSTRAP_SERVERS"],
                    "group_id": self.env["WORKER_KAFKA__GROUP_ID"]},
             redis={"url": self.redis_url},
             topics={"payments": self.topic},
         )  # fmt: skip
-        return [settings.dead_letter_topic(self.topic), settings.outcomes_topic() or ""]
+        emitted = Registry.from_settings(settings.topics).emitted_topics
+        return [settings.dead_letter_topic(self.topic), settings.outcomes_topic() or "", *emitted]
 
     def start(self) -> Self:
-        """Create its dead-letter and outcomes topics (6 partitions), then start it."""
+        """Create its dead-letter, outcomes and emitted topics (6 partitions), then start it."""
         bootstrap = self.env["WORKER_KAFKA__BOOTSTRAP_SERVERS"]
         asyncio.run(create_topics(bootstrap, {t: 6 for t in self.topics() if t}))
         out: IO[bytes] | int = subprocess.DEVNULL
