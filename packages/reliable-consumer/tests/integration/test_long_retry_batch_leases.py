@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from pydantic import BaseModel
+from reliable_consumer.engine.batch.leases import LeaseKeeper
 from reliable_consumer.engine.batch.processing import Processor
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.observation.metrics import Metrics
@@ -110,3 +111,28 @@ async def test_a_retry_batch_longer_than_the_retry_lease_runs_every_record_once(
     assert await retries.depth() == (RECORDS, 0)
     again = await retries.claim_due(lease_ms=settings.retry.lease_ms, limit=RECORDS)
     assert sorted(d.attempt for d in again) == [2] * RECORDS
+
+
+async def test_a_dead_letter_whose_claim_ran_out_while_it_waited_still_marks_its_key(
+    env: tuple[Processor, RetryQueue, Settings],
+) -> None:
+    """Found by the chaos suite (seed 624479618: "101 dead-markers for 102 keyed dead letters")
+    in the first form of the lease keeper: a record dead-lettered in an early wave waited for
+    the batch's end while Redis was down; its claim expired, the keeper's renewal answered
+    lost_claim and the keeper noted the claim as not held, so MARK_DEAD left the key unmarked
+    (it marks a key whose claim merely expired) and dropped its retry item all the same."""
+    processor, _, settings = env
+    key = "k-dead"
+    delivery = Delivery(TOPIC, 0, 100, key.encode(), json.dumps({"key": key}).encode(), (), 0)
+    job = processor.decisions.prepare(delivery)
+    job.holds_claim = True  # claimed in its wave; the claim has run out since (no key in Redis)
+    job.dead_letter("permanent", "not sold")
+    keeper = LeaseKeeper(processor.parts.idempotency, settings, [job])
+    assert await keeper.renew(horizon=float("inf")) == 1  # answered lost_claim
+    await processor.decisions.dead_letter([job])
+    client = make_client(settings.redis)
+    try:
+        marker = await client.get(job.idem_key)
+    finally:
+        await client.aclose()
+    assert marker is not None and marker.startswith(b"x|"), f"the key ends {marker!r}"

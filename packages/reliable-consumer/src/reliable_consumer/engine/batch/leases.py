@@ -46,6 +46,10 @@ class LeaseKeeper:
         self._retry_ms = settings.retry.lease_ms
         self.tick_s = max(min(self._claim_ms, self._retry_ms) / 4000, MIN_TICK_S)
         self._running: frozenset[int] = frozenset()
+        # Records whose claim a renewal found gone: no longer renewed. Their ``holds_claim``
+        # stays as it is: PARK and MARK_DEAD judge the key by the token (MARK_DEAD marks a key
+        # whose claim merely expired), and would skip the key if told the claim was not held.
+        self._lost_claims: set[int] = set()
         self._lock = asyncio.Lock()  # held by a renewal in flight, and by a hand-over
         self._task: asyncio.Task[None] | None = None
 
@@ -78,6 +82,9 @@ class LeaseKeeper:
                 except Exception:  # the next tick tries again; PARK's fence still holds
                     log.warning("could not renew the leases of waiting records", exc_info=True)
 
+    def _renews_claim(self, job: Job) -> bool:
+        return job.holds_claim and id(job) not in self._lost_claims
+
     def waiting(self) -> list[Job]:
         """The batch's records outside the running wave that still hold a claim or lease."""
         return [
@@ -94,14 +101,14 @@ class LeaseKeeper:
         due = [
             j
             for j in self.waiting()
-            if (j.holds_claim and j.claim_until < horizon)
+            if (self._renews_claim(j) and j.claim_until < horizon)
             or (j.delivery.is_retry and j.delivery.leased_until < horizon)
         ]
         if not due:
             return 0
         requests = [
             ExtendRequest(
-                key=j.idem_key if j.holds_claim else "",
+                key=j.idem_key if self._renews_claim(j) else "",
                 token=j.token,
                 claim_ms=self._claim_ms,
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
@@ -114,14 +121,14 @@ class LeaseKeeper:
         answers = await self._idempotency.extend_many(requests)
         for job, (status, lease) in zip(due, answers, strict=True):
             if status is ExtendStatus.OK:
-                if job.holds_claim:
+                if self._renews_claim(job):
                     job.claim_until = sent + self._claim_ms / 1000
                 if lease is not None:
                     job.delivery = replace(
                         job.delivery, retry_lease=lease, leased_until=sent + self._retry_ms / 1000
                     )
             elif status is ExtendStatus.LOST_CLAIM:
-                job.holds_claim = False  # another delivery's now; its own fate settles the key
+                self._lost_claims.add(id(job))  # its retry lease, if any, next tick alone
             else:  # another run holds the item: this run's PARK or MARK_DEAD will be refused
                 job.delivery = replace(job.delivery, leased_until=float("inf"))
         return len(due)
