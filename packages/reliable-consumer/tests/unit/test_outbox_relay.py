@@ -23,7 +23,7 @@ from reliable_consumer.engine.handlers.emissions import EVENT_ID_HEADER, Emissio
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
 from reliable_consumer.engine.outbox.relay import STALL, OutboxRelay
-from reliable_consumer.engine.outbox.store import OutboxDepth, PendingEmission
+from reliable_consumer.engine.outbox.store import OutboxDepth, OutboxStore, PendingEmission
 from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.redis.idempotency import FinishRequest, Idempotency
 from reliable_consumer.engine.redis.keys import RedisKeys
@@ -99,10 +99,12 @@ class Env:
     metrics: Metrics
     stalls: Stalls
 
-    def relay(self, producer: Producer, **settings: int) -> OutboxRelay:
+    def relay(
+        self, producer: Producer, store: OutboxStore | None = None, **settings: int
+    ) -> OutboxRelay:
         values = {"poll_interval_ms": 20, "lease_ms": 1000, "stall_after_failures": 2}
         return OutboxRelay(
-            [self.store],
+            [store or self.store],
             redis=self.redis,
             keys=self.keys,
             producer=producer,  # type: ignore[arg-type]
@@ -362,15 +364,7 @@ async def test_a_mark_that_fails_for_a_moment_is_retried_not_the_whole_round_rep
     ids = [*await env.grant("g1"), *await env.grant("g2")]
     store = BlinkingStore(env.store, failures=2)
     producer = Producer()
-    relay = OutboxRelay(
-        [store],
-        redis=env.redis,
-        keys=env.keys,
-        producer=producer,  # type: ignore[arg-type]
-        settings=OutboxSettings(poll_interval_ms=20, lease_ms=1000),
-        metrics=env.metrics,
-        stalls=env.stalls,
-    )
+    relay = env.relay(producer, store, poll_interval_ms=20)
     assert await relay.leases["redis"].hold()
     await relay.publish_round(store)
     assert event_ids(producer) == ids, "the round was published again instead of marked"
@@ -383,15 +377,7 @@ async def test_a_mark_still_failing_when_the_lease_ends_raises_and_the_round_is_
     ids = await env.grant("g1")
     store = BlinkingStore(env.store, failures=1_000)
     producer = Producer()
-    relay = OutboxRelay(
-        [store],
-        redis=env.redis,
-        keys=env.keys,
-        producer=producer,  # type: ignore[arg-type]
-        settings=OutboxSettings(poll_interval_ms=100, lease_ms=1000),
-        metrics=env.metrics,
-        stalls=env.stalls,
-    )
+    relay = env.relay(producer, store, poll_interval_ms=100)
     with pytest.raises(ConnectionError):
         await relay.publish_round(store)
     store.failures = 0
