@@ -119,8 +119,8 @@ def test_the_priority_settings_are_validated() -> None:
 
 
 class FakeConsumer:
-    """What apply_backpressure uses of AIOKafkaConsumer; a resume of an unpaused partition
-    or a pause of an unassigned one is refused, as aiokafka refuses it."""
+    """What apply_backpressure uses of AIOKafkaConsumer; a pause or resume of a partition
+    not assigned is refused, as aiokafka refuses it (resuming an unpaused one is no error)."""
 
     def __init__(self, assigned: set[TopicPartition]) -> None:
         self.assigned = set(assigned)
