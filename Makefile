@@ -16,7 +16,7 @@ PIPELINE := packages/reliable-consumer-pipeline
 $(STAMP): pyproject.toml $(LIBRARY)/pyproject.toml $(PIPELINE)/pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '$(LIBRARY)[postgres,console,devstack,testing]' -e $(PIPELINE) -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '$(LIBRARY)[postgres,console,devstack,testing,otel,avro]' -e $(PIPELINE) -e '.[dev]'
 	touch $(STAMP)
 
 $(BENCH_STAMP): $(STAMP)

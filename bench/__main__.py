@@ -33,6 +33,8 @@ class Options:
     quick: bool
     memory_records: int | None = None  # the memory row's backlog, when not its default
     baseline: str | None = None  # a git revision whose engine the effects rows measure too
+    memory_variants: tuple[str, ...] | None = None  # the memory row's variants (default: all)
+    retries_parked: int | None = None  # the retries row's parked items, when not its default
 
 
 class Group(Protocol):
@@ -60,6 +62,7 @@ GROUPS: dict[str, str] = {
     "memory": "bench.memory:MemoryGroup",
     "outcomes": "bench.bench_outcomes:OutcomesGroup",
     "effects": "bench.bench_effects:EffectsGroup",
+    "outbox": "bench.bench_outbox:OutboxGroup",
 }
 
 
@@ -91,6 +94,18 @@ def main(argv: list[str]) -> int:
         help="the effects rows also run the postgres store with the engine of git revision "
         "REV, in a child process, in the same rounds (before and after a change, one run)",
     )
+    parser.add_argument(
+        "--memory-variants",
+        metavar="A,B",
+        help="the memory row's variants, comma-separated (default: all of bench/memory.py)",
+    )
+    parser.add_argument(
+        "--retries-parked",
+        type=int,
+        metavar="N",
+        help="retries parked for the retries row: its 100,000 (5,000 with --quick) fall due "
+        "in the measured minute as always, the rest a day later (default: none more)",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in GROUPS]
@@ -99,11 +114,16 @@ def main(argv: list[str]) -> int:
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
     out = console()
+    variants = None
+    if args.memory_variants:
+        variants = tuple(v.strip() for v in args.memory_variants.split(",") if v.strip())
     options = Options(
         rounds=args.rounds,
         quick=args.quick,
         memory_records=args.memory_records,
         baseline=args.baseline,
+        memory_variants=variants,
+        retries_parked=args.retries_parked,
     )
     groups = {name: load(name, options) for name in names}
     started = time.time()

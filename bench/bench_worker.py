@@ -15,6 +15,10 @@ drains it, or a slice of it, from the start with a fresh consumer group, each ro
   2t. the worker in this process with a trivial ``effects_only`` handler and the settings of
      earlier figures (polls of 5,000, 10,000 records in flight, no HTTP server, WARNING
      logs): what the engine costs without a handler's own work;
+  2o. row 2t with OpenTelemetry record spans on (observation/tracing.py): the SDK's provider
+     and batch span processor, an exporter that drops what it is given (no collector here;
+     a real exporter's encoding and sending come on top, in its own thread). Row 2t itself
+     runs with the ``otel`` extra installed and no provider configured: tracing off;
   3. the worker with a handler that awaits 10 ms, against concurrency limit / 10 ms
      (WORKER_MAX_CONCURRENT_HANDLERS: 200 at once, so 20,000 records/s);
   P1, P2. FastStream (``bench.peers``, the ``bench`` extra) with the same trivial handler:
@@ -30,10 +34,11 @@ round's raw loop or peer, then their median. ``python -m bench.bench_worker`` is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -41,6 +46,7 @@ from aiokafka import AIOKafkaConsumer
 from pydantic import BaseModel
 from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.engine import runtime
+from reliable_consumer.engine.batch import processing
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.settings import Settings
@@ -121,21 +127,27 @@ async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> Measured:
 # --- row 2: service run, payments, defaults ------------------------------------------------
 
 
-def service_run(stack: BenchStack, topic: str, n: int, name: str) -> dict[str, float]:
+def service_run(
+    stack: BenchStack, topic: str, n: int, name: str, processes: int = 1
+) -> dict[str, float]:
     """``service run`` drains the topic; its rate and the CPU per record of each process.
 
-    Counted from the first grant to the ``n``-th, so start-up is not in the figures.
+    Counted from the first grant to the ``n``-th, so start-up is not in the figures. With
+    ``processes`` > 1 it is ``service run --processes N``: the CPU is the supervisor's and
+    its workers' together.
     """
     client = redis.Redis.from_url(stack.redis_url)
     empty_redis(client)
     memory = client.info("memory")
-    run = ServiceRun(stack.bootstrap, stack.redis_url, topic, group=name, prefix=name)
+    args = ("--processes", str(processes)) if processes > 1 else ()
+    run = ServiceRun(stack.bootstrap, stack.redis_url, topic, group=name, prefix=name, args=args)
     ledger = ledger_key(name)
     try:
         with run:
             assert run.process is not None
-            meter = CpuMeter({"worker": run.process, **server_processes(stack)})
             first = _wait_for_grants(run, client, ledger, 1)
+            workers = run.workers()
+            meter = CpuMeter({**workers, **server_processes(stack)})
             meter.start()
             started = time.perf_counter()
             _wait_for_grants(run, client, ledger, n)
@@ -151,9 +163,10 @@ def service_run(stack: BenchStack, topic: str, n: int, name: str) -> dict[str, f
         for process in ("broker", "redis")
         if f"{process}_cores" in cores
     }
+    worker_cores = sum(cores[f"{process}_cores"] for process in workers)
     return {
         "rate": rate,
-        "cpu_us": cores["worker_cores"] / rate * 1e6,
+        "cpu_us": worker_cores / rate * 1e6,
         **per_record,
         "rss_mb": rss / MB,
         "redis_mb": float(memory["used_memory"]) / MB,
@@ -250,6 +263,32 @@ async def worker_run(settings: Settings, n: int) -> Measured:
         await task
 
 
+@contextlib.contextmanager
+def tracing_on() -> Iterator[None]:
+    """Record spans on for the workers built in the block (row 2o), counted in ``SPANS``."""
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from reliable_consumer.engine.observation.tracing import RecordTracer
+
+    class Dropping(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            SPANS[0] += len(spans)
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropping()))
+    original = processing.record_tracer
+    processing.record_tracer = lambda group, _=None: RecordTracer(provider, group)
+    try:
+        yield
+    finally:
+        processing.record_tracer = original
+        provider.shutdown()
+
+
+SPANS = [0]  # spans the row 2o exporter was given, all rounds
+
+
 # --- the group -----------------------------------------------------------------------------
 
 PeerRun = Callable[..., Coroutine[Any, Any, Measured]]
@@ -288,7 +327,15 @@ class ThroughputGroup:
                 "x_faststream_ack": "x peer",
             },
         )
+        self.swarm = Row(
+            "2p. payments handler, 2 worker processes (service run --processes 2)",
+            "rec/s",
+            units={"x_one": "x 1 process", "rss_mb": "MB"},
+        )
         self.trivial = Row("2t. trivial handler, in-process (polls of 5,000)", "rec/s")
+        self.traced = Row(
+            "2o. row 2t, OpenTelemetry record spans on", "rec/s", units={"x_off": "x 2t"}
+        )
         self.sleepy = Row("3. 10 ms async handler, 200 at once", "rec/s")
         self.peer = load_peer()
         self.peers = {
@@ -317,8 +364,21 @@ class ThroughputGroup:
             f"throughput: payments {figures['rate']:,.0f}/s, worker {figures['cpu_us']:.1f} µs/rec"
             f", redis {figures.get('redis_us', 0):.1f} µs/rec"
         )
+        pod = service_run(stack, TOPIC, self.records, f"tp-payments-2p-{n}", processes=2)
+        self.swarm.add(
+            rate=pod["rate"], cpu_us=pod["cpu_us"], rss_mb=pod["rss_mb"],
+            x_one=pod["rate"] / figures["rate"],
+        )  # fmt: skip
+        progress(f"throughput: payments, 2 processes {pod['rate']:,.0f}/s")
         settings = in_process_settings(stack, TOPIC, "trivial", f"tp-trivial-{n}")
-        self.trivial.add_run(runtime.run(worker_run(settings, self.records)))
+        off = runtime.run(worker_run(settings, self.records))
+        self.trivial.add_run(off)
+        settings = in_process_settings(stack, TOPIC, "trivial", f"tp-traced-{n}")
+        with tracing_on():
+            on = runtime.run(worker_run(settings, self.records))
+        self.traced.add_run(on)
+        self.traced.add(x_off=on.rate / off.rate)
+        progress(f"throughput: trivial {off.rate:,.0f}/s off, {on.rate:,.0f}/s with spans on")
         settings = in_process_settings(stack, TOPIC, "sleepy", f"tp-sleepy-{n}")
         self.sleepy.add_run(runtime.run(worker_run(settings, self.sleepy_records)))
         if self.peer is not None:
@@ -356,6 +416,12 @@ class ThroughputGroup:
             "CPU over the same span, per record",
         ]
         self.trivial.bound_by = "the worker's one thread (this process): CPU x rate near 1 core"
+        self.traced.bound_by = self.trivial.bound_by + ", plus a span per record"
+        self.traced.notes = [
+            "x_off: this round's rate over this round's row 2t (tracing off)",
+            f"{SPANS[0]:,} spans given to an exporter that drops them (a real one encodes "
+            "and sends them in its own thread, on top)",
+        ]
         ideal = CONCURRENCY / 0.010
         self.sleepy.targets = [
             Target("rate", 0.8 * ideal, at_least=True, text=f">= 0.8 x {ideal:,.0f}")
@@ -364,7 +430,18 @@ class ThroughputGroup:
         self.sleepy.bound_by = (
             "the worker's thread: ~45-50 µs per record for pool, coroutine, timer"
         )
-        rows = [*self.raw.values(), self.payments, self.trivial, self.sleepy]
+        self.swarm.bound_by = (
+            "the machine's cores: each worker is one thread, and Redis and the broker share "
+            "the same 2 cores (x_one: this round's rate over the one-process row's)"
+        )
+        rows = [
+            *self.raw.values(),
+            self.payments,
+            self.swarm,
+            self.trivial,
+            self.traced,
+            self.sleepy,
+        ]
         if self.peer is None:
             self.payments.notes.append(
                 "no FastStream rows: the bench extra is not installed (pip install -e '.[bench]')"

@@ -35,6 +35,7 @@ QUICK_RECORDS = 50_000
 SAMPLE_EVERY_S = 0.25
 STALL_S = 120.0  # the longest the drain may go without a new grant before the round fails
 DECILES = tuple(range(10, 101, 10))  # percent of the backlog granted
+QUARTERS = (25, 50, 75, 100)  # the peak so far is shown at each
 # RSS growth over the drain's second half that still counts as flat, MB per million records
 # (collections and the allocator move RSS by ~10-15 MB either way; the defect grew ~200).
 FLAT_MB_PER_M = 20.0
@@ -82,15 +83,18 @@ def growth(samples: list[Sample]) -> float:
 
 
 def figures(samples: list[Sample], records: int) -> dict[str, float]:
-    """Peak RSS, RSS at each tenth of the drain, its growth over the second half, and rate
-    and CPU per record after the first grant (the start-up, group join and first fetch
-    are not the drain)."""
+    """Peak RSS, the peak so far at each quarter of the drain, RSS at each tenth, its growth
+    over the second half, and rate and CPU per record after the first grant (the start-up,
+    group join and first fetch are not the drain)."""
     first = next(s for s in samples if s.granted > 0)
     last = samples[-1]
     out = {"peak_rss": max(s.rss for s in samples) / MB}
     for pct in DECILES:
         at = next(s for s in samples if s.granted * 100 >= pct * records)
         out[f"rss_{pct}pct"] = at.rss / MB
+    for pct in QUARTERS:
+        upto = next(i for i, s in enumerate(samples) if s.granted * 100 >= pct * records)
+        out[f"peak_to_{pct}pct"] = max(s.rss for s in samples[: upto + 1]) / MB
     out["growth"] = growth(samples)
     counted = last.granted - first.granted
     out["rate"] = counted / max(last.at - first.at, 1e-9)
@@ -98,11 +102,28 @@ def figures(samples: list[Sample], records: int) -> dict[str, float]:
     return out
 
 
-# The rows: the defaults, and the defaults without the collector tuning (runtime.tune_gc and
-# collect_periodically): what the tuning saves in CPU, and that it costs no memory.
-VARIANTS: dict[str, dict[str, str]] = {
-    "defaults": {},
-    "WORKER_TUNE_GC=false": {"WORKER_TUNE_GC": "false"},
+@dataclass(frozen=True)
+class Variant:
+    """One way of running ``service run``: WORKER_* or BENCH_* variables, and what
+    ``python -m`` runs (bench/worker_variant.py undoes a mechanism the BENCH_* ones name)."""
+
+    env: dict[str, str]
+    module: str = "reliable_consumer"
+
+
+BEFORE = "bench.worker_variant"
+# The rows: the defaults; the defaults without the periodic collection (does memory stay
+# flat by reference counting alone?); the same two with aiokafka's fetch cycle back (the
+# worker before engine/kafka/fetched_records.py); and without the collector tuning at all
+# (what the tuning saves in CPU).
+VARIANTS: dict[str, Variant] = {
+    "defaults": Variant({}),
+    "no 5 s collection": Variant({"BENCH_NO_PERIODIC_GC": "1"}, BEFORE),
+    "before: fetch cycle": Variant({"BENCH_FETCH_CYCLE": "1"}, BEFORE),
+    "before: fetch cycle + no 5 s collection": Variant(
+        {"BENCH_FETCH_CYCLE": "1", "BENCH_NO_PERIODIC_GC": "1"}, BEFORE
+    ),
+    "WORKER_TUNE_GC=false": Variant({"WORKER_TUNE_GC": "false"}),
 }
 
 
@@ -112,6 +133,9 @@ class MemoryGroup:
     def __init__(self, options: Options) -> None:
         default = QUICK_RECORDS if options.quick else FULL_RECORDS
         self.records = options.memory_records or default
+        chosen = options.memory_variants or tuple(VARIANTS)
+        if unknown := [v for v in chosen if v not in VARIANTS]:
+            raise ValueError(f"unknown memory variants {unknown}; choose from {list(VARIANTS)}")
         self.topic = ""
         self.rows_by_variant = {
             variant: Row(
@@ -127,7 +151,7 @@ class MemoryGroup:
                 ],
                 units={"rate": "records/s", "growth": "MB/M rec"},
             )
-            for variant in VARIANTS
+            for variant in chosen
         }
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
@@ -137,12 +161,20 @@ class MemoryGroup:
         asyncio.run(produce(stack.bootstrap, self.topic, self.records, prefix=self.topic))
 
     def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
-        for i, (variant, env) in enumerate(VARIANTS.items()):
+        for i, (variant, how) in enumerate(VARIANTS.items()):
+            if variant not in self.rows_by_variant:
+                continue
             name = f"{self.topic}-m{n}-{i}"
             stack.flush_redis()
             try:
                 with ServiceRun(
-                    stack.bootstrap, stack.redis_url, self.topic, group=name, prefix=name, env=env
+                    stack.bootstrap,
+                    stack.redis_url,
+                    self.topic,
+                    group=name,
+                    prefix=name,
+                    env=how.env,
+                    module=how.module,
                 ) as service:
                     samples = drain(service, self.records)
             finally:
@@ -150,7 +182,10 @@ class MemoryGroup:
             values = figures(samples, self.records)
             self.rows_by_variant[variant].add(**values)
             progress(
-                f"memory, {variant}: peak RSS {values['peak_rss']:.0f} MB, "
+                f"memory, {variant}: peak RSS {values['peak_rss']:.0f} MB; peak so far at each "
+                + "quarter "
+                + " / ".join(f"{values[f'peak_to_{pct}pct']:.0f}" for pct in QUARTERS)
+                + " MB; at each tenth "
                 + ", ".join(f"{pct}% {values[f'rss_{pct}pct']:.0f}" for pct in DECILES)
                 + f" MB; second half {values['growth']:+.1f} MB per million records; "
                 + f"{values['rate']:,.0f} records/s, {values['cpu_us']:.1f} µs/rec"
@@ -166,7 +201,10 @@ class MemoryGroup:
             "growth = slope of RSS over grants in the drain's second half (least squares, MB "
             "per million records; flat: under 20, checked from a 500,000-record backlog); "
             "rate (records/s) and cpu_us (µs/rec) from its first grant to its last. Redis is "
-            "flushed before and after each drain. "
-            "WORKER_TUNE_GC=false turns off the collector tuning (freeze + a young generation "
-            "of 50,000 objects + a full collection every 5 s).",
+            "flushed before and after each drain; peak_to_Npct = the peak so far at N %. "
+            "'no 5 s collection': the collector tuning without its periodic full collection "
+            "(freed by reference counting alone?); 'before: fetch cycle': aiokafka's own "
+            "PartitionRecords, whose dropped fetches only a full collection frees "
+            "(bench/worker_variant.py). WORKER_TUNE_GC=false turns off the collector tuning "
+            "(freeze + a young generation of 50,000 objects + a full collection every 5 s).",
         ]

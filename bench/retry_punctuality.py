@@ -6,11 +6,16 @@ chain), due evenly over one minute. Then the worker starts as users run it (``se
 the payments handler, default settings; ``bench.service_process.ServiceRun``) and drains a
 backlog of fresh payments; the first retry falls due some seconds after its first grant. Its
 scheduler claims the retries as they fall due and runs them through the fresh records' path.
-The same again with the scheduler in a process of its own (``service retry-scheduler``, the
-worker's turned off with ``WORKER_RUN_RETRY_SCHEDULER=false``): the deployment that gives it
-an event loop that the fresh records do not share.
+The same with the late retries' priority turned off (``WORKER_RETRY__PRIORITY_AFTER_MS=0``:
+the intake fetches fresh records however late the retries are), and with the scheduler in a
+process of its own (``service retry-scheduler``, the worker's turned off with
+``WORKER_RUN_RETRY_SCHEDULER=false``): the deployment that gives it an event loop that the
+fresh records do not share, and where the worker's intake hears nothing of the retries.
+``--retries-parked N`` parks N in all: the rest fall due a day after the window, so the
+queue is N deep while the same retries fall due in it.
 
-Lateness is measured from the worker's own output: each grant's ledger entry carries
+Lateness is measured from the worker's own output (the oldest due retry's lateness is also
+sampled four times a second from the queue itself): each grant's ledger entry carries
 ``granted_at`` (the host clock when the handler ran) and ``source`` (the retry's id), and the
 delay queue holds each item's due time (Redis's clock, the same host's). Lateness = granted_at
 - due. The fresh records granted meanwhile are the ledger's length minus the retries that
@@ -27,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import psutil
@@ -42,6 +47,7 @@ from bench.latency import percentiles
 from bench.report import Progress, Row, Target
 from bench.service_process import ServiceRun, ledger_key, read_grants
 from bench.stack import BenchStack, produce, sample_payment
+from service.handlers.payments import EVENTS_TOPIC
 
 if TYPE_CHECKING:
     from bench.__main__ import Options
@@ -53,6 +59,8 @@ RETRY_OFFSET_BASE = 10**9
 PARK_CHUNK = 2_000  # retries per park_many call (RetryQueue sends them 500 per PARK script)
 SAMPLE_EVERY_S = 0.25
 FINISH_GRACE_S = 120.0  # after the last due time, how long the retries may take to run
+LATER_S = 86_400  # the retries parked beyond the measured ones fall due this long after it
+OFF = {"WORKER_RETRY__PRIORITY_AFTER_MS": "0"}  # late retries' priority off
 WINDOW_UNITS = {"window_s": "s", "worker_cpu": "% core", "redis_cpu": "% core"}
 
 
@@ -79,6 +87,7 @@ class Sample:
     claimed: int  # of those, claimed and not yet finished (in flight)
     cpu_s: float  # the worker process's CPU time so far
     redis_cpu_s: float  # redis-server's CPU time so far
+    oldest_late_ms: int = 0  # how late the oldest due, unclaimed retry is (0: none)
 
 
 @dataclass
@@ -89,6 +98,7 @@ class RunResult:
     lateness_ms: list[int] = field(default_factory=list)
     parking_s: float = 0.0  # how long parking the retries took
     warm_s: float = 0.0  # the worker's first grant to the first due time
+    later: int = 0  # retries parked a day out (they stay in the queue)
 
 
 def _between(samples: list[Sample], at: float, pick: str) -> float:
@@ -108,12 +118,15 @@ def in_window(result: RunResult, retries: int, backlog: int) -> dict[str, float]
     """Over the window (cut short if the backlog ran out): fresh grants per second, the
     window's length, the worker's CPU per grant (µs, fresh and retries) and the worker's and
     Redis's CPU use (% of one core)."""
-    samples = result.samples
-    ran_out = next((s.at for s in samples if s.ledger - (retries - s.parked) >= backlog), None)
+    samples, later = result.samples, result.later
+    ran_out = next(
+        (s.at for s in samples if s.ledger - (retries - s.parked + later) >= backlog), None
+    )
     start, end = result.window[0], min(result.window[1], ran_out or result.window[1])
 
     def fresh(at: float) -> float:
-        return _between(samples, at, "ledger") - (retries - _between(samples, at, "parked"))
+        left = _between(samples, at, "parked") - later
+        return _between(samples, at, "ledger") - (retries - left)
 
     def spent(pick: str) -> float:
         return _between(samples, end, pick) - _between(samples, start, pick)
@@ -152,18 +165,44 @@ async def redis_ms(client: aioredis.Redis) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
+async def park_later(
+    queue: RetryQueue, client: aioredis.Redis, keys: RedisKeys, topic: str, first: int, count: int
+) -> None:
+    """Park ``count`` retries (numbered from ``first``) due a day from now: they fill the
+    queue and stay in it while the measured ones fall due."""
+    failed_ms = await redis_ms(client) - 1000
+    value = sample_payment(random.Random(8), "later")
+    for start in range(first, first + count, PARK_CHUNK):
+        requests = [
+            ParkRequest(
+                delivery=retry_delivery(topic, keys, i, failed_ms, value),
+                delay_ms=LATER_S * 1000,
+                idem_key="",
+                token="",
+                handler=HANDLER,
+            )
+            for i in range(start, min(start + PARK_CHUNK, first + count))
+        ]
+        statuses = await queue.park_many(requests)
+        if any(s is not ParkStatus.PARKED for s in statuses):
+            raise RuntimeError(f"not parked: {sorted({str(s) for s in statuses})}")
+
+
 async def park_retries(
-    redis_url: str, prefix: str, topic: str, sizes: Sizes, run: str
+    redis_url: str, prefix: str, topic: str, sizes: Sizes, run: str, *, later: int = 0
 ) -> dict[str, int]:
-    """Park the retries due evenly over the span, the first ``lead_s`` after parking starts;
-    returns each retry id's due time (ms) as the queue holds it. Raises if parking did not
-    end well before the first due time (the row would measure parking, not the scheduler)."""
+    """Park ``later`` retries due a day from now, then the measured ones due evenly over the
+    span, the first ``lead_s`` after these start parking; returns each measured retry id's
+    due time (ms) as the queue holds it. Raises if parking did not end well before the first
+    due time (the row would measure parking, not the scheduler)."""
     settings = RedisSettings(url=redis_url, key_prefix=prefix)
     client = aioredis.Redis.from_url(redis_url)
     keys = RedisKeys(prefix)
     queue = RetryQueue(RedisOps(client, settings), keys)
     rng = random.Random(7)
     try:
+        if later:
+            await park_later(queue, client, keys, topic, sizes.retries, later)
         failed_ms = await redis_ms(client) - 1000
         deliveries = [
             retry_delivery(topic, keys, i, failed_ms, sample_payment(rng, f"{run}-retry-{i:07d}"))
@@ -238,7 +277,11 @@ async def sample_until(
         pipe.hlen(keys.retry_items)
         pipe.zcount(keys.retry_due, "-inf", int(time.time() * 1000))  # same host: same clock
         pipe.zcard(keys.retry_inflight)
-        grants, parked, behind, claimed = await pipe.execute()
+        pipe.zrangebyscore(keys.retry_due, "(0", "+inf", start=0, num=1, withscores=True)
+        pipe.time()
+        grants, parked, behind, claimed, head, server = await pipe.execute()
+        redis_now = int(server[0]) * 1000 + int(server[1]) // 1000
+        oldest_late = max(0, redis_now - int(head[0][1])) if head else 0
         redis_cpu = redis_process.cpu_times()
         now = time.time()
         result.samples.append(
@@ -250,9 +293,11 @@ async def sample_until(
                 claimed=int(claimed),
                 cpu_s=sum(worker.cpu_seconds() for worker in workers),
                 redis_cpu_s=redis_cpu.user + redis_cpu.system,
+                oldest_late_ms=oldest_late,
             )
         )
-        if now >= deadline or (until_unparked and parked == 0 and now > result.window[0]):
+        measured = parked - result.later  # the retries parked a day out stay
+        if now >= deadline or (until_unparked and measured <= 0 and now > result.window[0]):
             return
         await asyncio.sleep(SAMPLE_EVERY_S)
 
@@ -275,6 +320,8 @@ async def measure(
     sizes: Sizes,
     due: dict[str, int] | None,
     window_at: float,
+    *,
+    later: int = 0,
 ) -> RunResult:
     """One run on started, ready workers (the consumer first). With the retries' ``due``
     times the window is their span, and the run lasts until all ran; without, the window
@@ -283,7 +330,7 @@ async def measure(
     assert stack.redis.pid is not None
     redis_process = psutil.Process(stack.redis.pid)
     consumer = workers[0]
-    result = RunResult()
+    result = RunResult(later=later)
     try:
         result.first_grant = await first_grant(consumer, client, 120.0)
         if due is None:
@@ -310,22 +357,43 @@ async def measure(
         await client.aclose()
 
 
+# The runs of a round: the scheduler in the worker with its late retries' priority on (the
+# default) and off, then in a process of its own.
+VARIANTS: dict[str, str] = {
+    "priority": "scheduler in `service run`",
+    "no-priority": "the same, priority off (PRIORITY_AFTER_MS=0)",
+    "separate": "`service retry-scheduler`",
+}
+
+
 class RetryPunctualityGroup:
     """Rows: lateness of 100,000 parked retries with the scheduler in the worker (as
-    ``service run`` runs it) and in a process of its own (``service retry-scheduler``), and
-    the worker's fresh throughput meanwhile, beside a baseline without retries."""
+    ``service run`` runs it) with and without the late retries' priority, and in a process
+    of its own (``service retry-scheduler``), and the worker's fresh throughput meanwhile,
+    beside a baseline without retries."""
 
     def __init__(self, options: Options) -> None:
         self.sizes = QUICK if options.quick else FULL
+        parked_in_all = options.retries_parked or self.sizes.retries
+        if parked_in_all < self.sizes.retries:
+            raise ValueError(f"--retries-parked: at least {self.sizes.retries:,}")
+        self.later = parked_in_all - self.sizes.retries
+        if self.later:  # the worker starts beside a Redis that holds (and rewrites) them all
+            self.sizes = replace(self.sizes, lead_s=self.sizes.lead_s * 2)
         self.topic = ""
-        parked = f"{self.sizes.retries:,} parked over {self.sizes.spread_s:.0f} s"
+        parked = f"{self.sizes.retries:,} due over {self.sizes.spread_s:.0f} s"
+        if self.later:
+            parked += f" of {parked_in_all:,} parked"
         self.lateness = {
-            False: lateness_row(f"retry lateness, {parked}, scheduler in `service run`"),
-            True: lateness_row(f"retry lateness, {parked}, `service retry-scheduler`"),
+            v: lateness_row(f"retry lateness, {parked}, {label}") for v, label in VARIANTS.items()
+        }
+        self.oldest = {
+            v: oldest_row(f"oldest due retry's lateness (sampled), {label}")
+            for v, label in VARIANTS.items()
         }
         self.fresh = {
-            False: Row("fresh records meanwhile, scheduler in `service run`", "records/s"),
-            True: Row("fresh records meanwhile, `service retry-scheduler`", "records/s"),
+            v: Row(f"fresh records meanwhile, {label}", "records/s")
+            for v, label in VARIANTS.items()
         }
         self.baseline = Row("fresh records, no retries (baseline)", "records/s")
         for row in (*self.fresh.values(), self.baseline):
@@ -333,22 +401,26 @@ class RetryPunctualityGroup:
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
         self.topic = f"retries-{int(time.time())}"
-        stack.create_topics({self.topic: PARTITIONS})
+        # The example's payments handler emits its events to EVENTS_TOPIC: it must exist.
+        stack.create_topics({self.topic: PARTITIONS, EVENTS_TOPIC: PARTITIONS})
         progress(f"retries: producing {self.sizes.fresh:,} fresh payments to {self.topic}")
         asyncio.run(produce(stack.bootstrap, self.topic, self.sizes.fresh, prefix=self.topic))
 
     def _run(
-        self, stack: BenchStack, name: str, *, separate: bool, window_at: float | None
+        self, stack: BenchStack, name: str, variant: str, *, window_at: float | None
     ) -> RunResult:
         """Redis flushed; the retries parked (unless ``window_at`` is given: the baseline);
-        then one worker (fresh group and prefix), and with ``separate`` a ``service
-        retry-scheduler`` beside it, the worker's own scheduler turned off."""
+        then one worker (fresh group and prefix), with the priority off for "no-priority",
+        and for "separate" a ``service retry-scheduler`` beside it, the worker's own
+        scheduler turned off."""
         stack.flush_redis()
         due: dict[str, int] | None = None
         parking_s = 0.0
         if window_at is None:
             started = time.monotonic()
-            due = asyncio.run(park_retries(stack.redis_url, name, self.topic, self.sizes, name))
+            due = asyncio.run(
+                park_retries(stack.redis_url, name, self.topic, self.sizes, name, later=self.later)
+            )
             parking_s = time.monotonic() - started
 
         def worker(command: str, env: dict[str, str]) -> ServiceRun:
@@ -362,8 +434,11 @@ class RetryPunctualityGroup:
                 command=command,
             )
 
-        off = {"WORKER_RUN_RETRY_SCHEDULER": "false"}
-        workers = [worker("run", off if separate else {})]
+        separate = variant == "separate"
+        env = {"WORKER_RUN_RETRY_SCHEDULER": "false"} if separate else {}
+        if variant == "no-priority":
+            env = dict(OFF)
+        workers = [worker("run", env)]
         if separate:
             workers.append(worker("retry-scheduler", {}))
         try:
@@ -371,7 +446,10 @@ class RetryPunctualityGroup:
                 run.start()
             for run in workers:
                 run.wait_ready()
-            result = asyncio.run(measure(workers, stack, self.sizes, due, window_at or 0.0))
+            later = self.later if due is not None else 0
+            result = asyncio.run(
+                measure(workers, stack, self.sizes, due, window_at or 0.0, later=later)
+            )
             result.parking_s = parking_s
             return result
         finally:
@@ -382,16 +460,15 @@ class RetryPunctualityGroup:
     def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
         retries = self.sizes.retries
         window_at = 0.0
-        for separate in (False, True):
-            where = "`service retry-scheduler`" if separate else "the worker's scheduler"
-            progress(f"retries: {retries:,} parked retries, {where}")
-            name = f"{self.topic}-r{n}-{'separate' if separate else 'inline'}"
-            result = self._run(stack, name, separate=separate, window_at=None)
+        for variant, label in VARIANTS.items():
+            progress(f"retries: {retries:,} due retries ({self.later:,} more parked), {label}")
+            name = f"{self.topic}-r{n}-{variant}"
+            result = self._run(stack, name, variant, window_at=None)
             window_at = result.warm_s
             late = result.lateness_ms
             cuts = percentiles(late) if len(late) > 1 else {}
             if cuts:
-                self.lateness[separate].add(
+                self.lateness[variant].add(
                     **cuts,
                     run=len(late),
                     behind_max=max(s.behind for s in result.samples),
@@ -399,8 +476,12 @@ class RetryPunctualityGroup:
                     parking_s=result.parking_s,
                     warm_s=result.warm_s,
                 )
+            start, end = result.window
+            oldest = [s.oldest_late_ms for s in result.samples if start <= s.at <= end]
+            if len(oldest) > 1:
+                self.oldest[variant].add(**percentiles(oldest))
             fresh = in_window(result, retries, self.sizes.fresh)
-            self.fresh[separate].add(**fresh)
+            self.fresh[variant].add(**fresh)
             p99 = f"{cuts['p99']:,.0f} ms" if cuts else "n/a"
             progress(
                 f"retries: {len(late):,}/{retries:,} ran, p99 late {p99}; "
@@ -408,13 +489,13 @@ class RetryPunctualityGroup:
             )
         progress("retries: baseline, the worker without retries")
         name = f"{self.topic}-r{n}-baseline"
-        base = self._run(stack, name, separate=False, window_at=window_at)
+        base = self._run(stack, name, "priority", window_at=window_at)
         values = in_window(base, 0, self.sizes.fresh)
         self.baseline.add(**values)
         progress(f"retries: baseline fresh {values['rate']:,.0f}/s")
 
     def rows(self) -> list[Row]:
-        return [*self.lateness.values(), *self.fresh.values(), self.baseline]
+        return [*self.lateness.values(), *self.oldest.values(), *self.fresh.values(), self.baseline]
 
     def summary(self) -> list[str]:
         return [
@@ -426,7 +507,10 @@ class RetryPunctualityGroup:
             "worker starts; warm_s = the worker's first grant to the first due time. "
             "Scheduler settings are the defaults (WORKER_RETRY__POLL_INTERVAL_MS 250, "
             "__CLAIM_BATCH 200, __LEASE_MS 60000; at most WORKER_MAX_IN_FLIGHT/4 retries in "
-            "flight).",
+            "flight). The oldest due retry's lateness: Redis's now minus the earliest due, "
+            "unclaimed item's due time, sampled 4/s over the window. Late retries' priority: "
+            "WORKER_RETRY__PRIORITY_AFTER_MS (default 50; 0 in the priority-off run), "
+            "__PRIORITY_MAX_PAUSE_MS (default 2000).",
             "retries: fresh records/s = ledger growth minus the retries that left the queue, "
             "over the due times' span (window_s; shorter if the backlog ran out); cpu_us = "
             "worker CPU per grant there (fresh and retries; both processes when the scheduler "
@@ -435,11 +519,16 @@ class RetryPunctualityGroup:
         ]
 
 
+def oldest_row(label: str) -> Row:
+    """The oldest due, unclaimed retry's lateness over the window, sampled 4/s."""
+    return Row(label, "ms")
+
+
 def lateness_row(label: str) -> Row:
     return Row(
         label,
         "ms",
-        targets=[Target("p99", 250.0)],
+        targets=[Target("p99", 100.0)],
         units={
             "run": "retries",
             "behind_max": "retries",

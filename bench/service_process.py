@@ -26,6 +26,7 @@ import psutil
 import redis
 from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.redis.keys import effect_key
 from reliable_consumer.engine.settings import Settings
 
@@ -96,6 +97,8 @@ class ServiceRun:
     ``env`` adds or overrides WORKER_* variables (e.g. a shorter session timeout). The
     process's log goes to ``log_path`` (default: discarded) so a pipe never fills.
     ``command="retry-scheduler"`` runs only the retry scheduler (``service retry-scheduler``).
+    ``module`` is what ``python -m`` runs (bench/worker_variant.py for the memory row's
+    comparisons).
     """
 
     def __init__(
@@ -109,6 +112,8 @@ class ServiceRun:
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
         command: str = "run",
+        args: tuple[str, ...] = (),
+        module: str = "reliable_consumer",
     ) -> None:
         self.redis_url = redis_url
         self.topic = topic
@@ -126,29 +131,33 @@ class ServiceRun:
         }
         self.log_path = log_path
         self.command = command  # `service <command>`: run, or retry-scheduler
+        self.args = args  # after the command, e.g. ("--processes", "2")
+        self.module = module
         self._log: IO[bytes] | None = None
         self.popen: subprocess.Popen[bytes] | None = None
         self.process: psutil.Process | None = None
 
     def topics(self) -> list[str]:
-        """The dead-letter and outcomes topics of this run (the worker never creates them)."""
+        """The dead-letter and outcomes topics of this run, and the topics the payments
+        handler emits to (the worker never creates them, and refuses to start without)."""
         settings = Settings(
             kafka={"bootstrap_servers": self.env["WORKER_KAFKA__BOOTSTRAP_SERVERS"],
                    "group_id": self.env["WORKER_KAFKA__GROUP_ID"]},
             redis={"url": self.redis_url},
             topics={"payments": self.topic},
         )  # fmt: skip
-        return [settings.dead_letter_topic(self.topic), settings.outcomes_topic() or ""]
+        emitted = Registry.from_settings(settings.topics).emitted_topics
+        return [settings.dead_letter_topic(self.topic), settings.outcomes_topic() or "", *emitted]
 
     def start(self) -> Self:
-        """Create its dead-letter and outcomes topics (6 partitions), then start it."""
+        """Create its dead-letter, outcomes and emitted topics (6 partitions), then start it."""
         bootstrap = self.env["WORKER_KAFKA__BOOTSTRAP_SERVERS"]
         asyncio.run(create_topics(bootstrap, {t: 6 for t in self.topics() if t}))
         out: IO[bytes] | int = subprocess.DEVNULL
         if self.log_path is not None:
             self._log = out = self.log_path.open("ab")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "reliable_consumer", self.command],
+            [sys.executable, "-m", self.module, self.command, *self.args],
             env=self.env,
             stdout=out,
             stderr=out,
@@ -182,8 +191,16 @@ class ServiceRun:
         return float(times.user + times.system)
 
     def rss_bytes(self) -> int:
+        """The process's RSS, with its workers' under `--processes N`."""
         assert self.process is not None
-        return int(self.process.memory_info().rss)
+        family = [self.process, *self.process.children()]
+        return sum(int(p.memory_info().rss) for p in family)
+
+    def workers(self) -> dict[str, psutil.Process]:
+        """The process, and each worker it supervises under `--processes N`, by name."""
+        assert self.process is not None
+        children = self.process.children()
+        return {"worker": self.process, **{f"worker{i}": p for i, p in enumerate(children)}}
 
     def granted(self) -> int:
         return granted(self.redis_url, self.prefix)

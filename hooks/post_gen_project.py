@@ -92,7 +92,20 @@ def load(path: Path) -> ModuleType:
     return module
 
 
+def remove_rendered_copy() -> None:
+    """Delete this file when it is the copy cookiecutter rendered into the temp dir.
+
+    cookiecutter runs a hook from a rendered copy it writes there and never removes, so
+    every generation (a refused one too) would leave one per hook; the template's own hook
+    file (in hooks/) is never touched. Python has read the file already: running goes on.
+    """
+    me = Path(__file__).resolve()
+    if me.parent == Path(tempfile.gettempdir()).resolve() and me.name.startswith("tmp"):
+        me.unlink(missing_ok=True)
+
+
 def main() -> int:
+    remove_rendered_copy()
     context = json.loads(CONTEXT_JSON)
     with tempfile.TemporaryDirectory(prefix="service-template-") as scratch:
         try:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 # cookiecutter renders this string with the answers as JSON (which never holds three " in a row).
 ANSWERS_JSON = r"""{{ {
@@ -247,7 +249,20 @@ def templated_answers(given: Mapping[str, object], answers: Mapping[str, object]
     return problems
 
 
+def remove_rendered_copy() -> None:
+    """Delete this file when it is the copy cookiecutter rendered into the temp dir.
+
+    cookiecutter runs a hook from a rendered copy it writes there and never removes, so
+    every generation (a refused one too) would leave one per hook; the template's own hook
+    file (in hooks/) is never touched. Python has read the file already: running goes on.
+    """
+    me = Path(__file__).resolve()
+    if me.parent == Path(tempfile.gettempdir()).resolve() and me.name.startswith("tmp"):
+        me.unlink(missing_ok=True)
+
+
 def main() -> int:
+    remove_rendered_copy()
     answers = json.loads(ANSWERS_JSON)
     templated = templated_answers(json.loads(GIVEN_JSON), answers)
     fields = {problem.split(":", 1)[0] for problem in templated}

@@ -7,9 +7,11 @@ from reliable_consumer import (
     Effects,
     Handler,
     PermanentError,
+    RegistryAvro,
     RetryableError,
     RetryPolicy,
     handler,
+    header,
 )
 
 __all__ = [
@@ -18,7 +20,9 @@ __all__ = [
     "Effects",
     "Handler",
     "PermanentError",
+    "RegistryAvro",
     "RetryPolicy",
     "RetryableError",
     "handler",
+    "header",
 ]

@@ -7,6 +7,13 @@ that step leaves nothing behind (the payment is redelivered and granted then); a
 crash after it leaves the done-marker, so the redelivery is a no-op. The ledger is
 deliberately not deduplicated itself: if anything ever granted twice, it would show.
 
+Each applied grant or refund is also told to the rest of the company: a
+``purchase.granted`` or ``refund.applied`` event on the example's own topic
+(``EVENTS_TOPIC``), queued with ``ctx.emit`` so it is written with the effects and published
+by the relay, keyed by the user so a refund's event follows its grant's. Every copy of one
+event carries the same ``event-id`` header: a consumer dedupes it with
+``dedupe_key=header("event-id")``.
+
 A refund is the same notification with ``status: "refunded"``, on the same Kafka key
 (the user), so it lands in the payment's partition after it. The engine keeps per-key
 order across retries: a refund waits behind its payment while the payment waits in the
@@ -87,6 +94,39 @@ def ledger_entry_key(entry: Mapping[str, str]) -> str | None:
     return payment_id if kind == "grant" else f"{payment_id}.{kind}"
 
 
+# The example's own topic for what it did, created wherever the payments topic is
+# (`service deploy sync` derives it from the handlers' emits=).
+EVENTS_TOPIC = "purchase-events"
+GRANTED = "purchase.granted"
+REFUNDED = "refund.applied"
+
+
+class PurchaseEvent(BaseModel):
+    """What a grant or a refund tells the rest of the company."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["purchase.granted", "refund.applied"]
+    payment_id: str
+    user_id: str
+    product_id: str
+    amount_minor: int
+    currency: str
+
+
+def emit_purchase_event(payment: PaymentSucceeded, ctx: Context) -> None:
+    """Queue the payment's event; it is written only if the grant or refund applies."""
+    event = PurchaseEvent(
+        type=REFUNDED if payment.status == "refunded" else GRANTED,
+        payment_id=payment.payment_id,
+        user_id=payment.user_id,
+        product_id=payment.product_id,
+        amount_minor=payment.amount_minor,
+        currency=payment.currency,
+    )
+    ctx.emit(EVENTS_TOPIC, event, key=payment.user_id, headers={"type": event.type})
+
+
 # Effects-only: the grant is nothing but the queued writes below, so deliveries skip the
 # claim and the done-marker script alone decides which delivery's grant is written.
 # Its effects write the ledger and the entitlements, namespaces other than its own name.
@@ -97,6 +137,7 @@ def ledger_entry_key(entry: Mapping[str, str]) -> str | None:
     dedupe_key=notification_key,
     effects_only=True,
     writes=("ledger", "entitlements"),
+    emits=(EVENTS_TOPIC,),
 )
 def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
     if payment.currency not in SUPPORTED_CURRENCIES:
@@ -123,3 +164,4 @@ def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
         ctx.effects.command("HDEL", entitlements, payment.product_id)
     else:
         ctx.effects.hset(entitlements, {payment.product_id: payment.payment_id})
+    emit_purchase_event(payment, ctx)

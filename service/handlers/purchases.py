@@ -10,16 +10,19 @@ duplicate. The schema is service/migrations/0001_purchases.sql (``service db mig
 The notification, its dedupe key and its currencies are the Redis example's
 (service/handlers/payments.py): the same topic can be bound to either handler. The table
 deliberately has no unique constraint on payment_id: if anything ever granted twice, it
-would show as two rows.
+would show as two rows. Its ``purchase.granted`` / ``refund.applied`` event is the Redis
+example's too; here it is a row of ``kafka_outbox`` inserted in the same transaction.
 """
 
 from __future__ import annotations
 
 from service import Context, handler
 from service.handlers.payments import (
+    EVENTS_TOPIC,
     SUPPORTED_CURRENCIES,
     PaymentSucceeded,
     UnsupportedCurrency,
+    emit_purchase_event,
     notification_key,
 )
 
@@ -34,6 +37,7 @@ VALUES (%s, %s, %s, %s, %s, %s, %s)
     model=PaymentSucceeded,
     dedupe_key=notification_key,
     store="postgres",
+    emits=(EVENTS_TOPIC,),
 )
 async def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
     if payment.currency not in SUPPORTED_CURRENCIES:
@@ -51,3 +55,4 @@ async def grant_purchase(payment: PaymentSucceeded, ctx: Context) -> None:
             f"{ctx.topic}/{ctx.partition}/{ctx.offset}",
         ),
     )
+    emit_purchase_event(payment, ctx)

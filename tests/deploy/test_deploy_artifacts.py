@@ -86,7 +86,15 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "worker_circuit_held_records": ("gauge", frozenset({"circuit"})),
     "worker_postgres_transactions_total": ("counter", frozenset({"result"})),
     "worker_postgres_commit_seconds": ("histogram", frozenset()),
+    "worker_schema_registry_requests_total": ("counter", frozenset({"result"})),
+    "worker_schema_registry_seconds": ("histogram", frozenset()),
     "worker_memory_limit_bytes": ("gauge", frozenset()),
+    "worker_outbox_pending": ("gauge", frozenset({"store"})),
+    "worker_outbox_oldest_age_seconds": ("gauge", frozenset({"store"})),
+    "worker_outbox_published_total": ("counter", frozenset({"store"})),
+    "worker_outbox_publish_failures_total": ("counter", frozenset({"store"})),
+    "worker_retry_priority_active": ("gauge", frozenset()),
+    "worker_retry_priority_paused_seconds_total": ("counter", frozenset()),
     # prometheus-client's process collector, in the worker's registry beside its own.
     "process_resident_memory_bytes": ("gauge", frozenset()),
     "process_virtual_memory_bytes": ("gauge", frozenset()),
@@ -743,9 +751,11 @@ def test_compose_worker() -> None:
 def test_compose_topic_init_creates_the_contract_topics() -> None:
     settings = load_settings_from(compose_worker_env())
     partitions = compose_partitions()
-    source_topics = set(deploy_bindings(ROOT).topics)  # every bound topic, postgres ones too
+    bindings = deploy_bindings(ROOT)
+    source_topics = set(bindings.topics)  # every bound topic, postgres ones too
     expected = source_topics | {settings.dead_letter_topic(t) for t in source_topics}
     expected.add(settings.outcomes_topic() or "")
+    expected.update(bindings.emitted)  # where the relay publishes what the handlers emit
     assert set(partitions) == expected
     assert partitions[PAYMENTS_TOPIC] == 6
     kafka_env = compose()["services"]["kafka"]["environment"]

@@ -8,9 +8,12 @@ PostgreSQL, migrated with the engine's inbox and this service's migrations
 
 from __future__ import annotations
 
+import json
+
 import psycopg
 from reliable_consumer.testing import HandlerTestKit
 
+from service.handlers.payments import EVENTS_TOPIC
 from service.handlers.purchases import grant_purchase
 
 PAYMENT = {
@@ -55,3 +58,21 @@ async def test_an_unsold_currency_is_dead_lettered_and_writes_no_row(postgres_ur
         result = await kit.send({**PAYMENT, "currency": "CHF"}, key="u1")
         assert result.dead_lettered and result.reason == "permanent"
     assert await purchases(postgres_url) == []
+
+
+async def test_a_grant_and_its_refund_emit_one_event_each_and_a_redelivery_none(
+    postgres_url: str,
+) -> None:
+    async with HandlerTestKit(grant_purchase, postgres_url=postgres_url) as kit:
+        assert (await kit.send(PAYMENT, key="u1")).granted
+        assert (await kit.send({**PAYMENT, "status": "refunded"}, key="u1")).granted
+        assert (await kit.send(PAYMENT, key="u1")).duplicate  # emits nothing again
+        failed = await kit.send({**PAYMENT, "payment_id": "p2", "currency": "CHF"}, key="u1")
+        assert failed.dead_lettered  # refused before it emits: nothing written
+        events = await kit.emitted()
+    assert [(e.topic, e.key, dict(e.headers)["type"]) for e in events] == [
+        (EVENTS_TOPIC, b"u1", b"purchase.granted"),
+        (EVENTS_TOPIC, b"u1", b"refund.applied"),
+    ]
+    assert [json.loads(e.value)["payment_id"] for e in events] == ["p1", "p1"]
+    assert len({e.event_id for e in events}) == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,22 @@ BILLING = {
     "image_name": "ghcr.io/acme/invoice-settlement",
     "effects_store": "postgres",
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_write_temp_files_here(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every cookiecutter, cruft and git these tests start writes its temporary files (each
+    hook's rendered copy, which an older release's hooks never delete) under the session's
+    own temporary directory, which pytest removes, not in the machine's /tmp."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("children-tmp"))
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -62,18 +62,22 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_cookiecutter(
-    out: Path, answers: dict[str, str], template: Path = ROOT
+    out: Path, answers: dict[str, str], template: Path = ROOT, temp_dir: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``cookiecutter TEMPLATE --no-input -o OUT key=value ...``, as a user types it."""
+    """``cookiecutter TEMPLATE --no-input -o OUT key=value ...``, as a user types it;
+    ``temp_dir`` is its TMPDIR (where it writes each hook's rendered copy)."""
     out.mkdir(parents=True, exist_ok=True)
     args = [f"{key}={value}" for key, value in answers.items()]
+    env = clean_env(COOKIECUTTER_CONFIG=str(cookiecutter_config(out.parent)))
+    if temp_dir is not None:
+        env["TMPDIR"] = str(temp_dir)
     return subprocess.run(
         [sys.executable, "-m", "cookiecutter", str(template), "--no-input", "-o", str(out), *args],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
-        env=clean_env(COOKIECUTTER_CONFIG=str(cookiecutter_config(out.parent))),
+        env=env,
     )
 
 

@@ -101,16 +101,19 @@ import asyncio, json, sys
 from fakeredis import FakeAsyncRedis
 from service import Context, Effects
 from service.app import app
+from reliable_consumer.engine.handlers.emissions import Emissions
 from reliable_consumer.engine.handlers.registry import Registry
 
 topic, key, value = sys.argv[1:4]
 handler = Registry.from_settings(app.topics, app).for_topic(topic)
 event = handler.model.model_validate_json(value)
+dedupe_key = handler.key_of(event)
 ctx = Context(
     topic=topic, partition=0, offset=0, key=key.encode(), headers=(), timestamp_ms=0,
-    attempt=1, dedupe_key=handler.key_of(event), redis=FakeAsyncRedis(),
+    attempt=1, dedupe_key=dedupe_key, redis=FakeAsyncRedis(),
     effects=Effects(prefix=app.redis_key_prefix, namespaces=handler.namespaces),
     key_prefix=app.redis_key_prefix,
+    emissions=Emissions(handler.name, frozenset(handler.emits), dedupe_key),
 )
 asyncio.run(handler(event, ctx))
 print(json.dumps({"handler": handler.name, "keys": [c[1] for c in ctx.effects.commands]}))

@@ -184,6 +184,19 @@ def test_failed_post_generation_leaves_nothing(tmp_path: Path) -> None:
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize("answers", [{}, {"project_slug": "9lives"}], ids=["made", "refused"])
+def test_generation_leaves_no_copy_of_its_hooks_in_the_temp_dir(
+    answers: dict[str, str], tmp_path: Path
+) -> None:
+    """cookiecutter runs each hook from a rendered copy it writes to the temp dir and never
+    removes: every generation (a refused one too) left a tmp*.py per hook in /tmp."""
+    temp_dir = tmp_path / "tmp"
+    temp_dir.mkdir()
+    result = run_cookiecutter(tmp_path / "out", answers, temp_dir=temp_dir)
+    assert result.returncode == (0 if not answers else 1), result.stderr
+    assert sorted(p.name for p in temp_dir.iterdir()) == []
+
+
 def test_unknown_effects_store_is_refused_by_the_hook(tmp_path: Path) -> None:
     """cookiecutter checks a choice only when it applies `key=value`; a replay file (or a
     hand-edited .cruft.json) reaches the hook with any value, and the hook refuses it."""

@@ -109,16 +109,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+# The template's scopes that take minutes on one worker (`--durations`, run alone: the
+# generated projects' suites, a venv install from the index, the copy-to-library migration
+# and cruft), handed out before every other scope. xdist hands scopes out by their number of
+# tests, so these few-test modules went last (the one-test venv install the very last), and
+# one worker ran them while the others had nothing left. The library's heavy folders
+# (ONE_WORKER_FOLDERS) are many tests each: xdist's order starts them early already, and
+# they stay apart from one another (the chaos runs load both cores).
+LONGEST_FIRST = (
+    "hooks/tests/template/test_generate.py",
+    "hooks/tests/template/test_migration_from_copy.py",
+    "hooks/tests/template/test_upgrade_by_version.py",
+    "hooks/tests/template/test_cruft.py",
+)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Modules by module, ``ONE_WORKER_FOLDERS`` by folder: pytest-xdist's loadscope with
-    our scopes (its loadgroup marks no longer reach the scheduler under pytest 9.2)."""
+    our scopes (its loadgroup marks no longer reach the scheduler under pytest 9.2), and
+    ``LONGEST_FIRST`` at the head of its queue."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FolderScheduling(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
             return next((f for f in ONE_WORKER_FOLDERS if module.startswith(f)), module)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the queue is complete by the first assignment
+                for scope in reversed(LONGEST_FIRST):
+                    if scope in self.workqueue:
+                        self.workqueue.move_to_end(scope, last=False)
+                self.ordered = True
+            super()._assign_work_unit(node)
 
     return FolderScheduling(config, log)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from redis.typing import EncodableT, FieldT
+from reliable_consumer.engine.handlers.emissions import event_id
 from reliable_consumer.engine.kafka.outcome_events import (
     Event,
     encode_batch,
@@ -121,6 +122,12 @@ class Scenario:
     """Granted per the outcomes topic, but missing from the ledger."""
     ledger_only: frozenset[int] = frozenset()
     """Granted in the ledger, but with no outcome event (the worker's event never written)."""
+    event_copies: frozenset[int] = frozenset()
+    """Its emitted event published twice (the relay's at-least-once): one copy, no error."""
+    without_event: frozenset[int] = frozenset()
+    """Granted, but its emitted event never published."""
+    event_without_grant: frozenset[int] = frozenset()
+    """Not granted (lost, dead-lettered, ...), yet an event was published for it."""
 
 
 @dataclass
@@ -137,6 +144,7 @@ class Dataset:
     dead_letters: int = 0
     ledger_entries: int = 0
     malformed_entities: list[str] = field(default_factory=list)
+    emitted_events: int = 0
 
     def ids(self, indexes: Iterable[int]) -> set[str]:
         return {self.record_ids[i] for i in indexes}
@@ -185,12 +193,15 @@ async def produce_dataset(
     key_field: str = "record_id",
     handler: str = "records",
     old_layout_below: int = 0,
+    events_topic: str | None = None,
 ) -> Dataset:
     """Write `scenario` to existing topics (and the ledger stream, if `redis_url`).
 
     `key_field` names the dedupe key in the source JSON and the ledger entries, and `handler`
     the handler in outcomes and dead letters (reconcile reads neither name from the data).
     The events of records 0..`old_layout_below`-1 are written in layout 1 (a record each).
+    With `events_topic`, each grant's emitted event is published there (one partition), as
+    the relay would: an ``event-id`` header per ``emissions.event_id(handler, key, 0)``.
     """
     s = scenario
     ids = [record_id(i) for i in range(s.n)]
@@ -232,6 +243,16 @@ async def produce_dataset(
         # 2. Outcomes, dead letters and the ledger, as the worker would have written them.
         out = TopicWriter(producer, outcomes_topic, outcome_partitions)
         dlq = TopicWriter(producer, dlq_topic, 1)
+        emitted = TopicWriter(producer, events_topic, 1) if events_topic else None
+
+        async def publish_event(pid: str, at_ms: int, copies: int = 1) -> None:
+            if emitted is None:
+                return
+            headers = [("event-id", event_id(handler, pid, 0).encode())]
+            for _ in range(copies):
+                await emitted.append(0, pid.encode(), b"{}", at_ms, headers)
+                data.emitted_events += 1
+
         ledger: list[dict[FieldT, EncodableT]] = []
         # (source partition, finished_at) -> its events, in the order they happened.
         batches: dict[tuple[int, int], list[Event]] = {}
@@ -286,6 +307,8 @@ async def produce_dataset(
         for i, pid in enumerate(ids):
             ts = ts_of(i)
             done = (ts // BATCH_MS + 1) * BATCH_MS + latency_ms  # when its batch finished
+            if i in s.event_without_grant:  # whatever happens to the record below
+                await publish_event(pid, done)
             if i in s.lost:
                 continue
             if i in s.ledger_only:
@@ -311,6 +334,8 @@ async def produce_dataset(
                 await emit("succeeded", pid, i, attempt, None, done, ts)
                 if i not in s.without_ledger:
                     grant(pid, i, done)
+                    if i not in s.without_event:
+                        await publish_event(pid, done, 2 if i in s.event_copies else 1)
                 if i in s.doubled:
                     await emit("succeeded", pid, i, attempt + 1, None, done + 30, ts)
                     grant(pid, i, done + 30)
@@ -328,6 +353,8 @@ async def produce_dataset(
                 await out.append(partition_of(key, outcome_partitions), key, value, finished_at)
         await out.flush()
         await dlq.flush()
+        if emitted is not None:
+            await emitted.flush()
     finally:
         await producer.stop()
 

@@ -21,6 +21,7 @@ from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.declaration import location as app_location
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.handlers import registry
+from reliable_consumer.engine.handlers.emissions import event_id
 from reliable_consumer_pipeline.cli import pipeline_app
 from reliable_consumer_pipeline.reconcile import (
     DedupeField,
@@ -54,7 +55,8 @@ def write(
     **options: Any,
 ) -> Dataset:
     source, outcomes, dlq = name, f"{name}.outcomes", f"{name}.dlq"
-    make_topics({source: 3, outcomes: 2, dlq: 1})
+    events = options.get("events_topic")
+    make_topics({source: 3, outcomes: 2, dlq: 1, **({events: 1} if events else {})})
     return asyncio.run(
         produce_dataset(
             bootstrap,
@@ -130,6 +132,10 @@ def test_reconcile_finds_exactly_the_injected_problems(
         duplicate_without_grant=frozenset({18}),
         without_ledger=frozenset({19}),
         malformed=2,
+        # The handler emits: one event per grant, except these.
+        event_copies=frozenset({20}),
+        without_event=frozenset({21}),
+        event_without_grant=frozenset({5, 13}),  # lost, dead-lettered
     )
     # A topic written across the upgrade of issue 19: payments 0-11 (lost 5, doubled 9, stuck
     # 11) have their events a record each (layout 1), the rest a document per batch.
@@ -140,10 +146,13 @@ def test_reconcile_finds_exactly_the_injected_problems(
         redis_server.url,
         make_topics,
         old_layout_below=12,
+        events_topic=f"{unique_name}.events",
     )
-    report = run_reconcile(
-        spark, config(kafka_broker.bootstrap, data, tmp_path / "out", redis_server.url)
+    rc = config(kafka_broker.bootstrap, data, tmp_path / "out", redis_server.url)
+    rc = dataclasses.replace(
+        rc, events_topics=(f"{unique_name}.events",), emitters={data.source_topic: "records"}
     )
+    report = run_reconcile(spark, rc)
 
     # A "duplicate" with no grant behind it, checked against the ledger, is a lost payment;
     # so is a "succeeded" whose grant the ledger does not hold (19).
@@ -169,6 +178,15 @@ def test_reconcile_finds_exactly_the_injected_problems(
     assert report.latency_ms["p50"] is not None and report.latency_ms["max"] is not None
     assert 40 <= report.latency_ms["p50"] <= report.latency_ms["max"] <= 200
     assert not report.clean and report.exit_code == 1
+    # Every grant's event by its event id: one never published, two for no grant, one copy.
+    assert report.emitted_events == data.emitted_events
+    assert (report.grants_without_event, report.grants_without_event_keys) == (
+        1,
+        [data.record_ids[21]],
+    )
+    assert report.events_without_grant == 2 and report.event_copies == 1
+    ids = {event_id("records", data.record_ids[i], 0) for i in (5, 13)}
+    assert set(report.events_without_grant_ids) == ids
 
     table = spark.read.parquet(str(tmp_path / "out" / "records"))
     assert table.count() == report.records == 1500 + 2

@@ -15,8 +15,10 @@ from reliable_consumer.engine.declaration.ledger import Ledger
 from reliable_consumer.engine.declaration.samples import SampleRecord, Samples
 from reliable_consumer.engine.errors import PermanentError, RetryableError
 from reliable_consumer.engine.handlers.context import Context, Effects
+from reliable_consumer.engine.handlers.header_key import header
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.handlers.registry import Handler, handler
+from reliable_consumer.engine.schemas.avro import RegistryAvro
 
 try:
     __version__ = version("reliable-consumer")
@@ -31,10 +33,12 @@ __all__ = [
     "Handler",
     "Ledger",
     "PermanentError",
+    "RegistryAvro",
     "RetryPolicy",
     "RetryableError",
     "SampleRecord",
     "Samples",
     "__version__",
     "handler",
+    "header",
 ]

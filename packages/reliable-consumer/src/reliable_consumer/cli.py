@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -208,9 +209,33 @@ def _run_worker(consume: bool) -> None:
 
 
 @app.command()
-def run() -> None:
+def run(
+    processes: Annotated[
+        str | None,
+        typer.Option(
+            "--processes",
+            help="Worker processes in this container, each a member of the group, under one "
+            "supervisor with one health and metrics port: a number, or auto for the cores "
+            "the container may use (default: WORKER_SWARM__PROCESSES, else 1).",
+        ),
+    ] = None,
+) -> None:
     """Run the worker (consumer, retry scheduler, health and metrics)."""
-    _run_worker(consume=True)
+    if processes is not None:
+        os.environ["WORKER_SWARM__PROCESSES"] = processes
+    settings = _settings()
+    count = settings.swarm.processes
+    if count == "auto":
+        from reliable_consumer.engine.swarm.cores import usable_cores
+
+        count = usable_cores()
+    if count == 1:
+        _run_worker(consume=True)
+        return
+    from reliable_consumer.engine.swarm.supervisor import Supervisor
+
+    configure_logging(settings.log_level, settings.log_format)
+    raise typer.Exit(Supervisor(settings, count).run())
 
 
 @app.command("retry-scheduler")

@@ -4,7 +4,8 @@ The payments example is ``effects_only``: it never claims, so chaos runs of it a
 put the claim script, its lease, BUSY parking or a claim left by a dead worker under a
 fault. This handler grants the same payments (same model, same ledger) but is a plain
 ``async def`` handler that claims: the worker must never run two deliveries of one key at
-the same time.
+the same time. It also announces each grant (two events through the outbox, docs/outbox.md),
+so the relay is under the same faults.
 
 It checks that itself, outside the worker's bookkeeping: while it runs, it holds a run
 marker ``{prefix}:chaos:running:{payment_id}`` (SET NX with a PX shorter than the claim
@@ -19,12 +20,15 @@ Found by the chaos workers' app declaration (``tests/chaos/app.py``, run by
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import uuid
 from datetime import datetime
+from typing import Any
 
 from redis.exceptions import RedisError
+from tests.chaos.emitted import STEPS
 
 from service import Context, handler
 from service.handlers.payments import (
@@ -51,7 +55,17 @@ def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-@handler(NAME, model=PaymentSucceeded, dedupe_key="payment_id", writes=("ledger",))
+# The topic its grants are announced on: the run's own, set by tests/chaos/runs.py for its
+# workers (two events per grant, keyed by payment, so each key has an order to keep). Unset
+# (the other chaos tests), or a release from before the outbox (the rolling upgrade runs
+# one: its @handler takes no emits=), it announces nothing.
+EMIT_TOPIC = os.environ.get("CHAOS_EMIT_TOPIC") or None
+EMITTED_STEPS = STEPS  # what tests/chaos/emitted.py checks each grant announced
+EMITS = EMIT_TOPIC is not None and "emits" in inspect.signature(handler).parameters
+_ANNOUNCED: dict[str, Any] = {"emits": (EMIT_TOPIC,)} if EMITS else {}
+
+
+@handler(NAME, model=PaymentSucceeded, dedupe_key="payment_id", writes=("ledger",), **_ANNOUNCED)
 async def grant_with_claim(payment: PaymentSucceeded, ctx: Context) -> None:
     """Grant like the payments example, watching that no other run of the key is live."""
     if payment.currency not in SUPPORTED_CURRENCIES:
@@ -80,6 +94,13 @@ async def grant_with_claim(payment: PaymentSucceeded, ctx: Context) -> None:
                 "handler": NAME,
             },
         )
+        for step in EMITTED_STEPS if EMITS else ():
+            assert EMIT_TOPIC is not None
+            ctx.emit(
+                EMIT_TOPIC,
+                {"payment_id": payment.payment_id, "step": step},
+                key=payment.payment_id,
+            )
     finally:
         try:
             await ctx.redis.eval(_RELEASE, 1, marker, me)

@@ -28,7 +28,10 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from reliable_consumer.engine.kafka.outcome_events import decode_all
+from tests.chaos.emitted import Emitted, read_emitted
 
 Where = tuple[str, int, int]  # source topic, partition, offset
 TP = tuple[str, int]
@@ -146,7 +149,10 @@ class Outside:
         self.tps = [TopicPartition(t, p) for t, n in sorted(sources.items()) for p in range(n)]
         self.dead_letter_topics = dead_letter_topics
         self.outcomes_topic = outcomes_topic
-        self._redis = aioredis.from_url(redis_url)
+        # The run restarts Redis: a pooled connection opened before is closed by then, and a
+        # client without retries fails its next read on it instead of reconnecting. Reads
+        # only, so trying one again on a fresh connection changes nothing they see.
+        self._redis = aioredis.from_url(redis_url, retry=Retry(ExponentialBackoff(0.5, 0.05), 3))
         self._group: AIOKafkaConsumer | None = None
         self._dlq: _Tail | None = None
         self._outcomes: _Tail | None = None
@@ -263,6 +269,14 @@ class Outside:
     async def outcome_events(self) -> list[dict[str, Any]]:
         assert self._outcomes is not None
         return decode_all([r.value for r in await self._outcomes.catch_up()])
+
+    async def outbox_length(self) -> int:
+        """Emitted records the relay has not yet published (the Redis outbox stream)."""
+        return int(await self._redis.xlen(f"{self.prefix}:outbox"))
+
+    async def emitted(self, topic: str, partitions: int) -> list[Emitted]:
+        """Every record of the topic the claiming handler emits to, per partition in order."""
+        return await read_emitted(self.bootstrap, topic, partitions)
 
     async def high_watermarks(self, ends: dict[TP, int]) -> dict[TP, int]:
         """Each source partition's high watermark, from fetch responses at `ends`.

@@ -10,20 +10,26 @@ never through the worker, so a check cannot share the worker's mistakes.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from reliable_consumer.engine.handlers.emissions import event_id
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
+from tests.chaos.emitted import Emitted, EmittedCheck, Parsed, check_emitted, read_emitted
 from tests.helpers import await_until
 from tests.integration.harness import purchases_settings
 
 from service import sample
+from service.handlers.payments import EVENTS_TOPIC, GRANTED, REFUND_SUFFIX, REFUNDED
+
+PURCHASES = "purchases"  # the handler's name: the first part of its events' ids
 
 Where = tuple[int, int]  # (partition, offset) in the purchases topic
 
@@ -150,9 +156,10 @@ async def pg_state(settings: Settings, postgres_url: str) -> PgState:
     grants: Counter[str] = Counter()
     granted_at: set[Where] = set()
     async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
-        cur = await conn.execute("SELECT payment_id, source FROM purchases WHERE kind = 'grant'")
-        for payment_id, source in await cur.fetchall():
-            grants[str(payment_id)] += 1
+        cur = await conn.execute("SELECT payment_id, kind, source FROM purchases")
+        for payment_id, kind, source in await cur.fetchall():
+            # A refund's row counts under its record's key, as the sample names it.
+            grants[str(payment_id) + ("" if kind == "grant" else REFUND_SUFFIX)] += 1
             _topic, partition, offset = str(source).rsplit("/", 2)
             granted_at.add((int(partition), int(offset)))
         cur = await conn.execute("SELECT count(*) FROM kafka_inbox")
@@ -290,6 +297,61 @@ async def outcome_events(settings: Settings) -> list[dict[str, Any]]:
     topic = settings.outcomes_topic()
     assert topic is not None
     return audit.outcome_events(await audit.read_all(settings.kafka, topic))
+
+
+async def outbox_waiting(postgres_url: str) -> int:
+    """Rows of ``kafka_outbox`` the relay has not yet marked published (migration 0003)."""
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT count(*) FROM kafka_outbox WHERE published_at IS NULL")
+        row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+
+def purchase_event_of(payments: set[str]) -> Callable[[dict[str, Any]], Parsed | None]:
+    """Reads the example's purchase events of ``payments`` (its topic is the session's)."""
+
+    def parse(value: dict[str, Any]) -> Parsed | None:
+        payment_id = str(value.get("payment_id"))
+        return (payment_id, str(value.get("type")), 0) if payment_id in payments else None
+
+    return parse
+
+
+def announced_steps(state: PgState) -> dict[str, Sequence[str]]:
+    """The events the rows in ``purchases`` must have published: a payment's grant, then its
+    refund's when it was refunded (keyed by the user, so in that order)."""
+    granted = {p for p in state.grants if not p.endswith(REFUND_SUFFIX)}
+    return {
+        p: (GRANTED, REFUNDED) if p + REFUND_SUFFIX in state.grants else (GRANTED,) for p in granted
+    }
+
+
+def purchase_event_id(e: Emitted) -> str:
+    """The id the purchases handler gives the event: its record's dedupe key, first emit."""
+    return event_id(PURCHASES, e.payment_id + (REFUND_SUFFIX if e.step == REFUNDED else ""), 0)
+
+
+async def emitted_check(
+    settings: Settings,
+    postgres_url: str,
+    state: PgState,
+    sent: list[Sent],
+    timeout: float,  # noqa: ASYNC109
+) -> EmittedCheck:
+    """Once the outbox has drained, the shared emit checks (tests/chaos/emitted.py) on the
+    example's events of this run's payments."""
+
+    async def drained() -> bool:
+        return await outbox_waiting(postgres_url) == 0
+
+    await await_until(drained, timeout, interval=0.2, message="the PostgreSQL outbox never drained")
+    payments = {
+        s.record.payment_id.removesuffix(REFUND_SUFFIX) for s in sent if s.record.payment_id
+    }
+    emitted = await read_emitted(
+        settings.kafka.bootstrap_servers, EVENTS_TOPIC, parse=purchase_event_of(payments)
+    )
+    return check_emitted(emitted, announced_steps(state), purchase_event_id)
 
 
 def slow_first_run(record: sample.SampleRecord) -> sample.SampleRecord:

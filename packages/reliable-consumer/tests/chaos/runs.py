@@ -43,10 +43,13 @@ from typing import Any, Literal
 
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
+from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.engine.handlers.emissions import event_id
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from tests.chaos import claiming
+from tests.chaos.emitted import STEPS, Emitted, EmittedCheck, check_emitted, every_step
 from tests.chaos.outside import TP, Outside, View, Where, wait_settled
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import make_settings, prepare_topics
@@ -402,6 +405,8 @@ class Verdict:
     succeeded_twice: list[str]
     overlaps: list[str]  # two runs of one claimed key at once (tests/chaos/claiming.py)
     overlaps_excused: int  # met a marker its holder reported left behind
+    emitted_events: int  # distinct events the claiming handler's grants published
+    emitted_duplicates: int  # their copies beyond the first (at least once + event-id)
     problems: list[str]
 
     @property
@@ -462,6 +467,8 @@ class ChaosReport:
             "dead-lettered by reason": dict(sorted(v.dead_by_reason.items())),
             "dead-letter extra copies": v.dead_extra_copies,
             "overlapping runs of a claimed key": len(v.overlaps),
+            "emitted events": v.emitted_events,
+            "emitted duplicate copies": v.emitted_duplicates,
             "duration s": round(self.duration_s, 1),
             "throughput rec/s": round(self.throughput, 1),
         }
@@ -558,7 +565,10 @@ class Pool:
     def __init__(self, settings: Settings, work_dir: Path, name: str) -> None:
         self.procs: list[WorkerProcess] = [
             ChaosWorkerProcess(
-                settings, work_dir / f"w{i}.log", WORKER_KAFKA__CLIENT_ID=f"{name}-w{i}"
+                settings,
+                work_dir / f"w{i}.log",
+                WORKER_KAFKA__CLIENT_ID=f"{name}-w{i}",
+                CHAOS_EMIT_TOPIC=emit_topic(settings),
             )
             for i in range(MAX_WORKERS)
         ]
@@ -677,6 +687,14 @@ def make_outside(settings: Settings, cfg: ChaosConfig) -> Outside:
         dead_letter_topics={t: f"{t}.dlq" for t in settings.topics.values()},
         outcomes_topic=outcomes,
     )
+
+
+EMIT_PARTITIONS = 3
+
+
+def emit_topic(settings: Settings) -> str:
+    """The run's topic the claiming handler announces its grants on (its own per run)."""
+    return f"{settings.topics[CLAIMED]}-granted"
 
 
 def source_partitions(settings: Settings, cfg: ChaosConfig) -> dict[str, int]:
@@ -902,9 +920,14 @@ class EndState:
     events: list[dict[str, Any]]
     overlaps: list[str]
     overlaps_excused: int
+    # The claiming handler's announced grants; None when the run's workers emit nothing
+    # (a rolling upgrade from releases without the outbox).
+    emitted: list[Emitted] | None = None
 
 
-async def read_end_state(outside: Outside, ends: dict[TP, int], logs: list[Path]) -> EndState:
+async def read_end_state(
+    outside: Outside, ends: dict[TP, int], logs: list[Path], emitted_topic: str | None = None
+) -> EndState:
     markers, claims = await outside.idempotency_markers()
     overlaps, excused = overlapping_runs(logs)
     return EndState(
@@ -914,6 +937,9 @@ async def read_end_state(outside: Outside, ends: dict[TP, int], logs: list[Path]
         events=await outside.outcome_events(),
         overlaps=overlaps,
         overlaps_excused=excused,
+        emitted=(
+            None if emitted_topic is None else await outside.emitted(emitted_topic, EMIT_PARTITIONS)
+        ),
     )
 
 
@@ -947,9 +973,11 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
     outcome_missing = sorted(p.where for p in placed if p.where not in seen)
     succeeded = Counter(e.get("dedupe_key") for e in end.events if e.get("event") == "succeeded")
     succeeded_twice = sorted(str(k) for k, n in succeeded.items() if n > 1)
-    claimed_grants = sum(
-        1 for p in placed if p.record.handler == CLAIMED and p.record.payment_id in state.grants
-    )
+    claimed_granted = {
+        str(p.record.payment_id)
+        for p in placed
+        if p.record.handler == CLAIMED and p.record.payment_id in state.grants
+    }
 
     problems = list(problems)
     if lost:
@@ -983,6 +1011,10 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         )
     if succeeded_twice:
         problems.append(f"`succeeded` emitted twice for {succeeded_twice[:10]}")
+    emitted = EmittedCheck(0, 0, [])
+    if end.emitted is not None:
+        emitted = check_emitted(end.emitted, every_step(claimed_granted), claimed_event_id)
+        problems.extend(emitted.problems)
     if end.overlaps:
         problems.append(
             f"{len(end.overlaps)} runs of a claimed key overlapped another run of it: "
@@ -990,7 +1022,7 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         )
     return Verdict(
         expected_grants=len(expected),
-        claimed_grants=claimed_grants,
+        claimed_grants=len(claimed_granted),
         lost=lost,
         doubled=doubled,
         unexpected_grants=unexpected,
@@ -1007,8 +1039,15 @@ def final_verdict(state: View, end: EndState, placed: list[Placed], problems: li
         succeeded_twice=succeeded_twice,
         overlaps=end.overlaps,
         overlaps_excused=end.overlaps_excused,
+        emitted_events=emitted.events,
+        emitted_duplicates=emitted.duplicates,
         problems=problems,
     )
+
+
+def claimed_event_id(e: Emitted) -> str:
+    """The id the claiming handler's grant must give this event, whichever copy it is."""
+    return event_id(claiming.NAME, e.payment_id, STEPS.index(e.step))
 
 
 # --- the run ---
@@ -1063,6 +1102,9 @@ class ChaosRun:
             partitions=cfg.partitions,
             partitions_of={CLAIMED: cfg.claimed_partitions},
         )
+        await create_topics(
+            self.settings.kafka.bootstrap_servers, {emit_topic(self.settings): EMIT_PARTITIONS}
+        )
         await self.outside.start()
         await self.producer.start()
         try:
@@ -1090,11 +1132,19 @@ class ChaosRun:
                 self.problems.append(f"the run did not settle: {exc}")
                 final = await self.outside.view()
             duration = time.monotonic() - self._t0
+            try:  # the relay publishes what FINISH wrote: the outbox empties once settled
+                await await_until(lambda: self._outbox_empty(), cfg.settle_timeout_s, interval=0.2)
+            except AssertionError:
+                self.problems.append(
+                    f"the outbox never drained: {await self.outside.outbox_length()} waiting"
+                )
             await self._settled_for_sigterm(self.pool.running_slots())
             for name, code in self.pool.stop_all().items():
                 if code != 0:
                     self.problems.append(f"{name} exited with {code} on the final SIGTERM")
-            end = await read_end_state(self.outside, ends, self.pool.logs)
+            end = await read_end_state(
+                self.outside, ends, self.pool.logs, emit_topic(self.settings)
+            )
             verdict = final_verdict(final, end, self.producer.placed, self.problems)
         finally:
             self.pool.stop_all()
@@ -1119,6 +1169,9 @@ class ChaosRun:
         )
 
     # -- waiting --
+
+    async def _outbox_empty(self) -> bool:
+        return await self.outside.outbox_length() == 0
 
     async def _wait(
         self,

@@ -6,6 +6,7 @@ its key, and the verdict turns what the outside reads into the problems a run re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from pathlib import Path
@@ -15,8 +16,15 @@ import redis.asyncio as aioredis
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.context import Context, Effects
 from tests.chaos import claiming
-from tests.chaos.outside import DeadLetter, View
-from tests.chaos.runs import EndState, Placed, Routed, final_verdict, overlapping_runs
+from tests.chaos.emitted import Emitted, EmittedCheck, check_emitted, every_step
+from tests.chaos.outside import DeadLetter, Outside, View
+from tests.chaos.runs import (
+    EndState,
+    Placed,
+    Routed,
+    final_verdict,
+    overlapping_runs,
+)
 
 from service import sample
 from service.handlers.payments import PaymentSucceeded
@@ -121,3 +129,81 @@ def test_verdict_holds_for_a_clean_run_and_names_each_broken_invariant() -> None
         [],
     )
     assert not overlap.ok and "overlapped" in overlap.problems[0]
+
+
+def test_the_emitted_check_fails_on_each_broken_promise_and_counts_duplicates() -> None:
+    def e(partition: int, offset: int, payment: str, step: str, event: str = "") -> Emitted:
+        return Emitted(partition, offset, event or f"{payment}:{step}", payment, step, b"k")
+
+    clean = [e(0, 0, "p1", "granted"), e(0, 1, "p1", "recorded")]
+    republished = [*clean, e(0, 2, "p1", "granted"), e(0, 3, "p1", "recorded")]
+    assert check_emitted(republished, every_step({"p1"})) == EmittedCheck(2, 2, [])
+    assert "without their events" in check_emitted(clean[:1], every_step({"p1"})).problems[0]
+    assert "not granted" in check_emitted(clean, every_step(set())).problems[0]
+    unlike = [*clean, e(0, 2, "p2", "granted", event="p1:granted")]
+    assert "differ" in check_emitted(unlike, every_step({"p1", "p2"})).problems[0]
+    swapped = [e(0, 0, "p1", "recorded"), e(0, 1, "p1", "granted")]
+    assert "out of order" in check_emitted(swapped, every_step({"p1"})).problems[0]
+    p1 = every_step({"p1"})
+    wrong_id = check_emitted(clean, p1, lambda c: f"{c.payment_id}:{c.step}:other")
+    assert "without their grant's event id" in wrong_id.problems[0]
+    assert check_emitted(clean, p1, lambda c: f"{c.payment_id}:{c.step}").problems == []
+
+
+def test_the_emitted_check_keeps_the_order_of_a_keys_grants_by_first_copies() -> None:
+    def e(partition: int, offset: int, payment: str, step: str, seq: int) -> Emitted:
+        return Emitted(partition, offset, f"{payment}:{step}", payment, step, b"user", seq)
+
+    p1 = [e(0, 0, "p1", "granted", 0), e(0, 1, "p1", "recorded", 0)]
+    p2 = [e(0, 2, "p2", "granted", 1), e(0, 3, "p2", "recorded", 1)]
+    # p1's batch published again after p2's: the first copies are still in order.
+    again = [*p1, *p2, e(0, 4, "p1", "granted", 0), e(0, 5, "p1", "recorded", 0)]
+    assert check_emitted(again, every_step({"p1", "p2"})) == EmittedCheck(4, 2, [])
+    # p1's first copy after p2's (a failed send whose later sends went through).
+    late = [e(0, 0, "p2", "granted", 1), e(0, 1, "p2", "recorded", 1), *again[4:]]
+    assert "out of order" in check_emitted(late, every_step({"p1", "p2"})).problems[0]
+    moved = [*p1, e(1, 0, "p2", "granted", 1), e(1, 1, "p2", "recorded", 1)]
+    assert "several partitions" in check_emitted(moved, every_step({"p1", "p2"})).problems[0]
+
+
+def test_the_emitted_check_takes_each_grants_own_steps_and_orders_only_what_is_ordered() -> None:
+    def e(offset: int, payment: str, step: str) -> Emitted:
+        return Emitted(0, offset, f"{payment}:{step}", payment, step, b"user")
+
+    # One key, two payments with no order between them (seq 0); one refunded after its grant.
+    granted = {"p1": ("purchase.granted", "refund.applied"), "p2": ("purchase.granted",)}
+    events = [
+        e(0, "p1", "purchase.granted"),
+        e(1, "p2", "purchase.granted"),
+        e(2, "p1", "refund.applied"),
+    ]
+    assert check_emitted(events, granted).problems == []
+    refund_first = [events[2], events[1], events[0]]
+    refund_first = [e(i, x.payment_id, x.step) for i, x in enumerate(refund_first)]
+    assert "out of order" in check_emitted(refund_first, granted).problems[0]
+    assert "without their events" in check_emitted(events[:2], granted).problems[0]
+
+
+async def test_the_outside_reads_on_after_a_redis_restart_closed_its_pooled_connections(
+    redis_server: RedisServer,
+) -> None:
+    """The run restarts Redis; connections the checker's pool opened before stay in it."""
+    outside = Outside(
+        bootstrap="127.0.0.1:1",  # not used: only Redis is read here
+        redis_url=redis_server.url,
+        prefix="chk",
+        group="g",
+        sources={},
+        dead_letter_topics={},
+        outcomes_topic="o",
+    )
+    try:
+        # Reads at once, as the driver and the producer's progress polls do: several
+        # pooled connections, all closed by the restart.
+        await asyncio.gather(*(outside.ledger_length() for _ in range(4)))
+        redis_server.kill()
+        redis_server.restart()
+        for _ in range(4):
+            assert await outside.ledger_length() == 0
+    finally:
+        await outside.close()

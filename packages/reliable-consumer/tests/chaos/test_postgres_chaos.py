@@ -10,7 +10,12 @@ worker joining, a SIGKILL inside a transaction while two workers share the group
 graceful PostgreSQL restart, and the second worker leaving. After every kill, what is
 below the committed offsets is durable; at the end every expected payment has exactly one
 row, the inbox one row per grant, the offsets are at the high watermarks and the retry
-queue is empty.
+queue is empty. The handler emits each grant's and refund's event to the PostgreSQL outbox
+(``kafka_outbox``, in the wave's transaction), which the workers' relay publishes through
+all of it: once the outbox has drained, the chaos suite's emit checks
+(tests/chaos/emitted.py) hold on the example's topic: every grant and refund announced,
+with its record's event id, nothing for a payment not granted, a refund's event after its
+grant's (both keyed by the user).
 
 The second test aims at the one window the inbox exists for: the wave committed in
 PostgreSQL, the worker dies before the Redis FINISH (the `crash-after-commit` fault). The
@@ -31,6 +36,7 @@ from reliable_consumer.engine.handlers import faults
 from tests.chaos.postgres import (
     Producer,
     durable_problems,
+    emitted_check,
     final_problems,
     open_writing_transactions,
     outcome_events,
@@ -99,7 +105,7 @@ async def test_purchases_are_granted_once_through_kills_restarts_and_rebalances(
     )
     topic = settings.topics["purchases"]
     await prepare_topics(settings, partitions=PARTITIONS)
-    mix = sample.Mix(transient=0.1, permanent=0.02, malformed=0.02, duplicate=0.04)
+    mix = sample.Mix(transient=0.1, permanent=0.02, malformed=0.02, duplicate=0.04, refund=0.04)
     records = sample.generate(7 * CHUNK, mix, seed=seed, prefix="pgc")
     kill_chunks = {1, 4}
     chunks = iter(_chunks(records, kill_chunks))
@@ -219,6 +225,11 @@ async def test_purchases_are_granted_once_through_kills_restarts_and_rebalances(
             await producer.send(next(chunks))
             assert next(chunks, None) is None
             state = await wait_pg_settled(settings, postgres_url, timeout=90)
+            # What the grants and refunds emitted, once the relay has published it all.
+            checking = time.monotonic()
+            emitted = await emitted_check(settings, postgres_url, state, producer.sent, STEP_S)
+            figures["emit check s"] = round(time.monotonic() - checking, 1)
+            problems.extend(emitted.problems)
             figures["duration s"] = round(time.monotonic() - started, 1)
         finally:
             await producer.stop()
@@ -235,6 +246,8 @@ async def test_purchases_are_granted_once_through_kills_restarts_and_rebalances(
         "kills": 2,
         "postgres restarts": 2,
         "redis restarts": 1,
+        "emitted events": emitted.events,
+        "emitted duplicate copies": emitted.duplicates,
     }
     print(figures)
     assert not problems, "\n".join(problems)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from reliable_consumer.engine.observation.http import HealthState, HttpServer
+from reliable_consumer.engine.observation.http import HealthState, HttpServer, make_app
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.settings import Settings
 from tests.helpers import wait_until
@@ -31,7 +31,7 @@ from tests.helpers import wait_until
 def serving(**kwargs: Any) -> Iterator[HttpServer]:
     state = HealthState()
     state.mark_started()
-    server = HttpServer(state, Metrics(), "127.0.0.1", 0, **kwargs)
+    server = HttpServer(make_app(state, Metrics()), "127.0.0.1", 0, **kwargs)
     server.start()
     try:
         yield server
@@ -143,4 +143,4 @@ def test_port_in_use_is_a_configuration_error_naming_the_setting() -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(ConfigurationError, match="WORKER_HTTP__PORT"):
-            HttpServer(HealthState(), Metrics(), "127.0.0.1", port)
+            HttpServer(make_app(HealthState(), Metrics()), "127.0.0.1", port)

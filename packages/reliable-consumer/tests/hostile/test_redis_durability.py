@@ -577,3 +577,23 @@ async def test_wait_aof_holds_writes_loudly_while_redis_has_aof_switched_off(
     finally:
         await client.aclose()
         admin.close()
+
+
+async def test_a_redis_cluster_node_is_refused_at_start_naming_the_setting(
+    redis_server_factory: Factory,
+) -> None:
+    """Pointed at a Redis Cluster node, the worker refused nothing at start and every batch's
+    script failed with CROSSSLOT or MOVED instead: say so once, naming the setting."""
+    server = redis_server_factory(
+        "cluster-node",
+        extra_config={"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"},
+    )
+    redis_settings = RedisSettings(url=server.url)
+    client = make_client(redis_settings)
+    try:
+        with pytest.raises(ConfigurationError) as err:
+            await check_persistence(client, redis_settings)
+    finally:
+        await client.aclose()
+    message = str(err.value)
+    assert "WORKER_REDIS__URL" in message and "Redis Cluster" in message, message

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.servers.broker import create_topics
-from reliable_consumer.engine.handlers.registry import Registry
+from reliable_consumer.engine.handlers.registry import Registry, discover
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
@@ -85,6 +85,13 @@ def make_settings(
 LARGE_RECORDS = {"max.message.bytes": str(8 * 1024 * 1024)}
 
 
+def emitted_by_bound(settings: Settings) -> set[str]:
+    """The topics the app's handlers bound in ``settings`` emit to (the worker refuses to
+    start without them). Handlers a test binds from elsewhere are its own business."""
+    bound = set(settings.topics)
+    return {topic for h in discover() if h.name in bound for topic in h.emits}
+
+
 async def prepare_topics(
     settings: Settings,
     partitions: int = 3,
@@ -103,6 +110,8 @@ async def prepare_topics(
     outcomes = settings.outcomes_topic()
     if outcomes:
         topics[outcomes] = 1
+    for emitted in emitted_by_bound(settings):
+        topics.setdefault(emitted, 3)
     if source_configs:
         await create_topics_with_configs(settings.kafka.bootstrap_servers, sources, source_configs)
     await create_topics(settings.kafka.bootstrap_servers, topics)  # waits for every leader

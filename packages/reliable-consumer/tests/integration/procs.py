@@ -75,9 +75,19 @@ def settings_env(settings: Settings, *, only_set: bool = False) -> dict[str, str
 class WorkerProcess:
     """One `python -m reliable_consumer run` with its stdout and stderr appended to a log file."""
 
-    def __init__(self, settings: Settings, log_path: Path, **overrides: str) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        log_path: Path,
+        *,
+        args: tuple[str, ...] = (),
+        pass_fds: tuple[int, ...] = (),
+        **overrides: str,
+    ) -> None:
         self.settings = settings
         self.log_path = log_path
+        self.args = args  # after `run`, e.g. ("--processes", "2")
+        self.pass_fds = pass_fds  # descriptors the process inherits (a listening socket)
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("WORKER_")},
             **settings_env(settings),
@@ -90,7 +100,7 @@ class WorkerProcess:
 
     def command(self) -> list[str]:
         """What runs: the worker as the image runs it."""
-        return [sys.executable, "-m", "reliable_consumer", "run"]
+        return [sys.executable, "-m", "reliable_consumer", "run", *self.args]
 
     def start(self) -> WorkerProcess:
         assert not self.running, "already running"
@@ -106,6 +116,7 @@ class WorkerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                pass_fds=self.pass_fds,
                 preexec_fn=die_with_parent_preexec(),
             )
         return self

@@ -92,7 +92,10 @@ def test_make_run_with_the_postgres_example_grants_into_postgresql(state_dir: Pa
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    applied = "engine/0001_inbox.sql, engine/0002_inbox_guard.sql, project/0001_purchases.sql"
+    applied = (
+        "engine/0001_inbox.sql, engine/0002_inbox_guard.sql, engine/0003_outbox.sql, "
+        "project/0001_purchases.sql"
+    )
     assert f"service db migrate: applied {applied}" in output, output
     assert re.search(r"effects counted in +│ PostgreSQL, the table purchases", output), output
 

@@ -88,6 +88,7 @@ async def _ignore_cancellation_until_released() -> None:
     model=PaymentSucceeded,
     dedupe_key="payment_id",
     writes=("ledger", "entitlements"),
+    emits=payments.grant_purchase.emits,
 )
 async def grants_or_ignores_cancellation(payment: PaymentSucceeded, ctx: Context) -> None:
     """The payments example's grant; a record marked stuck queues it, then will not end."""
@@ -102,7 +103,13 @@ async def grants_or_ignores_cancellation(payment: PaymentSucceeded, ctx: Context
         probe.refused_after += 1
 
 
-@handler("purchases", model=PaymentSucceeded, dedupe_key="payment_id", store="postgres")
+@handler(
+    "purchases",
+    model=PaymentSucceeded,
+    dedupe_key="payment_id",
+    store="postgres",
+    emits=purchases.grant_purchase.emits,
+)
 async def grants_in_sql_or_ignores_cancellation(payment: PaymentSucceeded, ctx: Context) -> None:
     """The postgres example's grant; a record marked stuck writes it, then will not end."""
     await purchases.grant_purchase.func(payment, ctx)  # type: ignore[misc]

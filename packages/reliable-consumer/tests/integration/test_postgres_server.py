@@ -139,3 +139,35 @@ def test_a_lost_port_race_is_retried_on_another_port(
             assert server.port != taken_port
             assert "postgres" in database_names(server.url)
         assert "Address already in use" in server.log_path.read_text()
+
+
+def test_servers_made_from_one_cluster_run_no_initdb_and_share_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test kit's way (one initdb per session, a copy per test): each copy starts
+    without initdb, and what one server writes the other never sees."""
+    template = PostgresServer(tmp_path / "template")
+    template.prepare_cluster()
+    calls = before_initdb(monkeypatch, lambda args: args)
+    try:
+        with PostgresServer(tmp_path / "first", copy_of=template.cluster_dir) as first:
+            with psycopg.connect(first.url, autocommit=True) as conn:
+                conn.execute("CREATE DATABASE only_in_first")
+            assert "only_in_first" in database_names(first.url)
+        with PostgresServer(tmp_path / "second", copy_of=template.cluster_dir) as second:
+            assert "only_in_first" not in database_names(second.url)
+            assert "postgres" in database_names(second.url)
+        assert calls == [], "a copied cluster ran initdb"
+    finally:
+        template.close()
+
+
+def test_a_cluster_that_is_not_whole_is_not_copied(tmp_path: Path) -> None:
+    """A template without its completion mark (initdb interrupted) is refused, naming it."""
+    half_made = tmp_path / "half-made"
+    (half_made / "pgdata").mkdir(parents=True)
+    (half_made / "pgdata" / "PG_VERSION").write_text("16\n")
+    server = PostgresServer(tmp_path / "postgres", copy_of=half_made)
+    with pytest.raises(DevStackError, match="no complete cluster to copy"):
+        server.start()
+    server.close()

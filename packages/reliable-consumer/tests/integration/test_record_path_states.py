@@ -63,6 +63,7 @@ CLAIMING = Handler(
     func=grant_purchase.func,
     effects_only=False,
     writes=grant_purchase.writes,
+    emits=grant_purchase.emits,
 )
 TOPICS = {"payments": "pay", "claiming": "claimed"}
 

@@ -26,6 +26,7 @@ from reliable_consumer.ops.audit import read_all
 from tests.helpers import await_until
 from tests.integration.harness import (
     assert_invariants,
+    emitted_by_bound,
     make_settings,
     produce,
     running_worker,
@@ -90,7 +91,7 @@ async def bound(acl_kafka: ApacheKafkaCluster, redis_url: str, unique_name: str)
 async def test_the_worker_and_the_operator_work_with_exactly_their_printed_acls(
     acl_kafka: ApacheKafkaCluster, bound: Settings
 ) -> None:
-    await acl_kafka.grant(f"User:{WORKER}", worker_acls(bound))
+    await acl_kafka.grant(f"User:{WORKER}", worker_acls(bound, emitted_by_bound(bound)))
     admin = settings_as(acl_kafka, None, bound)
     records = sample.generate(40, sample.Mix(transient=0.2, permanent=0.1, malformed=0.05))
     assert any(r.expect_dead_letter for r in records)
@@ -117,7 +118,7 @@ async def test_each_missing_worker_acl_is_named_at_start(
     acl_kafka: ApacheKafkaCluster, bound: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
     principal = f"User:{WORKER}"
-    acls = worker_acls(bound)
+    acls = worker_acls(bound, emitted_by_bound(bound))
     await acl_kafka.grant(principal, acls)
     for acl in acls:
         await acl_kafka.revoke(principal, [acl])

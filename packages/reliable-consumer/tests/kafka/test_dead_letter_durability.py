@@ -14,6 +14,7 @@ from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import (
     assert_invariants,
+    emitted_by_bound,
     make_settings,
     running_worker,
     wait_settled,
@@ -50,9 +51,15 @@ async def test_dead_letter_is_not_acknowledged_with_two_of_three_brokers_down(
     topic = settings.topics["payments"]
     dead_letters = settings.dead_letter_topic(topic)
     outcomes = settings.outcomes_topic()
-    # Source and outcomes: replicated, but writable on one broker (min.insync.replicas=1,
-    # the cluster's default). The dead-letter topic wants 2 in-sync replicas.
-    await cluster.create_topics({topic: 3, **({outcomes: 1} if outcomes else {})})
+    # Source, outcomes and the emitted events: replicated, but writable on one broker
+    # (min.insync.replicas=1, the cluster's default). The dead-letter topic wants 2 in sync.
+    await cluster.create_topics(
+        {
+            topic: 3,
+            **({outcomes: 1} if outcomes else {}),
+            **dict.fromkeys(emitted_by_bound(settings), 3),
+        }
+    )
     await cluster.create_topics({dead_letters: 1}, configs={"min.insync.replicas": "2"})
     # Wave 1 has no dead letters: it shows the group, its commits and the source topic
     # working on the one broker left. Wave 2 has records bound for the dead-letter topic.

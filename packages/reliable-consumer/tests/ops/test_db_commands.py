@@ -26,7 +26,7 @@ from tests.ops.cli import service_cli
 
 pytestmark = pytest.mark.timeout(180)
 
-ENGINE = ["engine/0001_inbox.sql", "engine/0002_inbox_guard.sql"]
+ENGINE = ["engine/0001_inbox.sql", "engine/0002_inbox_guard.sql", "engine/0003_outbox.sql"]
 ENGINE_AND_PROJECT = [*ENGINE, "project/0001_purchases.sql"]
 
 

@@ -25,6 +25,7 @@ from reliable_consumer.engine.declaration.location import current_app
 from typer.testing import CliRunner
 
 import service
+from service.handlers.payments import EVENTS_TOPIC
 
 PROJECT = Path(service.__file__).resolve().parents[1]
 # This project's first binding (payments -> payments here; another in a generated project).
@@ -261,6 +262,41 @@ def test_a_postgres_handler_is_scaffolded_with_its_table_and_a_real_database_tes
     handler.write_text(original)
 
 
+def test_an_avro_handler_declares_its_reader_schema_and_its_test_reads_a_written_value(
+    project: Path,
+) -> None:
+    """`--format avro`: the module declares the schema it reads registry-framed values with
+    beside its model; the generated test passes as written and the module is lint clean (a
+    schema that no longer gives the model a field is refused at declaration:
+    tests/unit/test_registry_avro.py)."""
+    done = scaffold.new_handler(project, "orders_avro", "orders.avro", value_format="avro")
+    original = (project / done.handler_module).read_text()
+    assert "value_format=RegistryAvro(SCHEMA)" in original
+    assert "from service import Context, RegistryAvro, handler" in original
+
+    def run_test() -> subprocess.CompletedProcess[str]:
+        return run_in(
+            project, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(done.test_module)
+        )
+
+    result = run_test()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+    ruff = Path(sys.executable).with_name("ruff")
+    files = [str(done.handler_module), str(done.test_module)]
+    for command in (["check"], ["format", "--check"]):
+        linted = subprocess.run(
+            [str(ruff), *command, "--config", str(PROJECT / "pyproject.toml"), *files],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert linted.returncode == 0, linted.stdout + linted.stderr
+    with pytest.raises(scaffold.ScaffoldError, match="--format avro"):
+        scaffold.new_handler(project, "pg_avro", "pg.avro", store="postgres", value_format="avro")
+
+
 def test_an_unknown_store_is_refused(project: Path) -> None:
     before = snapshot(project)
     with pytest.raises(scaffold.ScaffoldError, match="--store 'mongo'"):
@@ -299,8 +335,9 @@ def test_a_second_topic_reaches_every_deploy_file_and_gets_its_own_keda_trigger(
     deployed: Path,
 ) -> None:
     """`service new-handler`, one topic per store: both topics are created (each with its
-    dead-letter topic) and scaled on; the base files bind the Redis handler, the postgres
-    overlays both. Nothing is left to edit by hand."""
+    dead-letter topic, and the topics the bound handlers emit to) and scaled on; the base
+    files bind the Redis handler, the postgres overlays both. Nothing is left to edit by
+    hand."""
     runner = CliRunner()
     for name, topic, store in (
         ("refunds", "billing.refunds", "redis"),
@@ -318,6 +355,8 @@ def test_a_second_topic_reaches_every_deploy_file_and_gets_its_own_keda_trigger(
     script = "\n".join(compose["services"]["kafka-init"]["entrypoint"])
     created = set(re.findall(r"^\s*create\s+(\S+)\s+\d+\s*$", script, re.M))
     assert {*topics, *(f"{t}.dlq" for t in topics)} <= created
+    # The example's handlers emit to a topic of their own: the relay needs it there too.
+    assert EVENTS_TOPIC in created
     overlay = yaml_docs(deploy / "docker-compose.postgres.yml")[0]["services"]
     for service_name in ("worker", "console"):
         bindings = json.loads(overlay[service_name]["environment"]["WORKER_TOPICS"])

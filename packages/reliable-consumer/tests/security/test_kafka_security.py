@@ -28,7 +28,13 @@ from reliable_consumer.dev.servers.process import LOOPBACK, free_port
 from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer.engine.kafka.clients import connection_kwargs, make_consumer, make_producer
 from reliable_consumer.engine.settings import KafkaSettings, Settings
-from tests.integration.harness import assert_invariants, make_settings, running_worker, wait_settled
+from tests.integration.harness import (
+    assert_invariants,
+    emitted_by_bound,
+    make_settings,
+    running_worker,
+    wait_settled,
+)
 from tests.security.pki import CLIENT_KEY_PASSWORD, Pki, make_pki
 
 from service import sample
@@ -228,6 +234,7 @@ async def create_topics_over(settings: Settings, partitions: int = 2) -> None:
             settings.dead_letter_topic(topic): 1,
             settings.outcomes_topic() or "": 1,
         }
+        names.update(dict.fromkeys(emitted_by_bound(settings), partitions))
         await admin.create_topics([NewTopic(n, p, 1) for n, p in names.items()])
     finally:
         await admin.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 from reliable_consumer.cli import app
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.acls import operator_acls, worker_acls
 from reliable_consumer.engine.settings import load_settings
 from reliable_consumer.ops.commands.acls import default_principals, render
@@ -42,6 +43,14 @@ def test_every_binding_brings_its_topic_dead_letters_and_the_group() -> None:
         operator
     )
     assert all(a.why for a in worker_acls(settings) + operator_acls(settings))
+
+
+def test_each_topic_a_bound_handler_emits_to_needs_write_and_no_more() -> None:
+    settings = load_settings(topics={"payments": "pay"}, kafka={"group_id": "g"})
+    emitted = Registry.from_settings(settings.topics).emitted_topics
+    assert emitted, "the example's payments handler emits its events"
+    added = _entries(worker_acls(settings, emitted)) - _entries(worker_acls(settings))
+    assert added == {("Topic", topic, "Write") for topic in emitted}
 
 
 def test_no_outcomes_and_no_durability_check_need_no_acls_for_them() -> None:
@@ -89,6 +98,7 @@ def test_service_acls_prints_the_lists_and_refuses_an_unknown_format() -> None:
 
 def test_security_md_holds_the_examples_list_as_service_acls_prints_it() -> None:
     settings = load_settings()
-    printed = render(settings, "text", *default_principals(settings))
+    emitted = Registry.from_settings(settings.topics).emitted_topics
+    printed = render(settings, "text", *default_principals(settings), emitted)
     doc = (Path(__file__).resolve().parents[4] / "docs" / "security.md").read_text()
     assert printed.rstrip("\n") in doc, "regenerate docs/security.md 6.3 with `service acls`"

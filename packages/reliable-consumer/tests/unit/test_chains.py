@@ -310,7 +310,14 @@ async def test_mark_dead_of_the_head_releases_the_next(env: Env) -> None:
     key = env.idem.key("payments", "p1")
     await env.idem.claim(claim(key, "R"))
     await env.idem.mark_dead(
-        DeadRequest(key=key, token="R", fingerprint="fp1", retry_id=run.retry_id, chain=run.chain)
+        DeadRequest(
+            key=key,
+            token="R",
+            fingerprint="fp1",
+            retry_id=run.retry_id,
+            chain=run.chain,
+            retry_lease=run.retry_lease,
+        )
     )
     assert text(await env.redis.get(key) or b"").startswith("x|fp1|")
     assert await env.where(a.retry_id) == (False, False, False)
@@ -357,6 +364,7 @@ async def test_a_resent_mark_dead_releases_nothing_twice(env: Env) -> None:
         fingerprint="fp1",
         retry_id=run.retry_id,
         chain=run.chain,
+        retry_lease=run.retry_lease,
     )
     await env.idem.mark_dead(request)
     (b_run,) = await env.queue.claim_due(lease_ms=60_000, limit=10)

@@ -4,7 +4,6 @@ one-minute buckets, and how it is drawn (inline SVG, no script)."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -73,12 +72,15 @@ async def test_the_member_reporter_appends_a_sample_each_interval_for_the_charts
         await reporter.report_once()
         await reporter.report_once()
         assert await client.xlen(history_key(PREFIX)) == 2
-        now_ms = int(time.time() * 1000)
-        history = await read_history(client, PREFIX, now_ms + 1000)
+        # Read as of the last sample's own time, so its minute is the last bucket (as of a
+        # second later, a run within a second of a minute's end found that bucket empty).
+        ((last_id, _),) = await client.xrevrange(history_key(PREFIX), count=1)
+        at_ms = int(last_id.decode().split("-", 1)[0])
+        history = await read_history(client, PREFIX, at_ms)
         assert history.lag[-1] == 5 and history.retry_depth[-1] == 2
         # A sample another process wrote badly is skipped, not a failed chart.
         await client.xadd(history_key(PREFIX), {"m": "x", "c": "not json"})
-        assert (await read_history(client, PREFIX, now_ms + 1000)).lag[-1] == 5
+        assert (await read_history(client, PREFIX, at_ms)).lag[-1] == 5
     finally:
         await client.aclose()
 

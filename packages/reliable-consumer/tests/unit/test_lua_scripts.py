@@ -16,6 +16,7 @@ from reliable_consumer.engine.redis.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
+    DeadStatus,
     FinishRequest,
     FinishStatus,
     Idempotency,
@@ -398,8 +399,66 @@ async def test_mark_dead_of_a_retry_drops_it_everywhere(env: Env) -> None:
     d = delivery()
     await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
     (run,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
-    await env.idem.mark_dead(DeadRequest(key="", token="", fingerprint="", retry_id=run.retry_id))
+    dead = DeadRequest(
+        key="", token="", fingerprint="", retry_id=run.retry_id, retry_lease=run.retry_lease
+    )
+    assert await env.idem.mark_dead(dead) is DeadStatus.MARKED
     assert await env.structures(run.retry_id) == (False, False, False)
+
+
+async def test_a_dead_letter_marked_after_its_retry_lease_ran_out_leaves_the_item_to_its_new_run(
+    env: Env,
+) -> None:
+    """The chaos run of seed 381002875: the dead letter's ack came after the retry's claim
+    and lease had ended, and another run had taken both; MARK_DEAD kept that run's claim but
+    dropped its item, so its PARK found the lease lost and the key ended unmarked."""
+    d = delivery()
+    await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    (first,) = await env.queue.claim_due(lease_ms=0, limit=1)  # its lease ends at once
+    key = env.idem.key("payments", "p1")
+    assert await env.idem.claim(claim(key, "A")) is ClaimStatus.CLAIMED
+    await env.idem.release(key, "A")  # its claim's lease ran out too
+    assert await env.queue.reap() == 1
+    (second,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
+    assert await env.idem.claim(claim(key, "B")) is ClaimStatus.CLAIMED
+
+    late = DeadRequest(key, "A", "fp1", first.retry_id, retry_lease=first.retry_lease)
+    assert await env.idem.mark_dead(late) is DeadStatus.LOST_LEASE
+    assert (await env.redis.get(key) or b"").startswith(b"c|B|"), "the holder's claim is kept"
+    assert await env.structures(d.retry_id) == (False, True, True), "the item is the holder's"
+    again = ParkRequest(delivery=second, delay_ms=0, idem_key=key, token="B")
+    assert await env.queue.park(again) is ParkStatus.PARKED
+    # The next run dead-letters it too (at least once) and marks the key.
+    (third,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
+    assert await env.idem.claim(claim(key, "C")) is ClaimStatus.CLAIMED
+    last = DeadRequest(key, "C", "fp1", third.retry_id, retry_lease=third.retry_lease)
+    assert await env.idem.mark_dead(last) is DeadStatus.MARKED
+    assert (await env.redis.get(key) or b"").startswith(b"x|fp1|C")
+    assert await env.structures(d.retry_id) == (False, False, False)
+
+
+async def test_a_late_mark_dead_still_marks_a_free_key_and_leaves_the_item(env: Env) -> None:
+    """A lost lease changes only what becomes of the item: a free key is marked dead (the
+    dead letter is acknowledged), and the run that holds the item finds it dead."""
+    d = delivery()
+    await env.queue.park(ParkRequest(delivery=d, delay_ms=0, idem_key="", token=""))
+    (first,) = await env.queue.claim_due(lease_ms=0, limit=1)
+    assert await env.queue.reap() == 1
+    (second,) = await env.queue.claim_due(lease_ms=60_000, limit=1)
+    key = env.idem.key("payments", "p1")
+    late = DeadRequest(key, "A", "fp1", first.retry_id, retry_lease=first.retry_lease)
+    assert await env.idem.mark_dead(late) is DeadStatus.LOST_LEASE
+    assert (await env.redis.get(key) or b"").startswith(b"x|fp1|A")
+    assert await env.structures(d.retry_id) == (False, True, True)
+    assert await env.idem.claim(claim(key, "B")) is ClaimStatus.DEAD
+    stale = FinishRequest(key, "B", "fp1", second.retry_id, [])
+    assert await env.idem.finish(stale) == (FinishStatus.DEAD, None)
+    assert await env.structures(d.retry_id) == (False, False, False)
+
+
+def test_a_retry_is_marked_dead_only_with_its_lease() -> None:
+    with pytest.raises(ValueError, match="needs its lease"):
+        DeadRequest("k", "A", "fp1", "payments/1/5")
 
 
 async def test_unreadable_item_stays_in_flight(env: Env) -> None:

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import pytest
 from reliable_consumer.engine.handlers.context import Context, EffectArg, Effects
+from reliable_consumer.engine.handlers.emissions import Emissions
 from reliable_consumer.engine.redis.idempotency import fingerprint
 
 from service import sample
@@ -59,6 +60,7 @@ def test_an_unknown_status_is_refused_at_decode() -> None:
 def _effects_of(payload: dict[str, object], offset: int) -> list[tuple[EffectArg, ...]]:
     payment = PaymentSucceeded.model_validate_json(json.dumps(payload))
     effects = Effects(prefix="p", namespaces=grant_purchase.namespaces)
+    dedupe_key = grant_purchase.key_of(payment)
     ctx = Context(
         topic="payments",
         partition=0,
@@ -67,10 +69,11 @@ def _effects_of(payload: dict[str, object], offset: int) -> list[tuple[EffectArg
         headers=(),
         timestamp_ms=0,
         attempt=1,
-        dedupe_key=grant_purchase.key_of(payment),
+        dedupe_key=dedupe_key,
         effects=effects,
         redis=cast(Any, None),  # the handler reads nothing
         key_prefix="p",
+        emissions=Emissions(grant_purchase.name, frozenset(grant_purchase.emits), dedupe_key),
     )
     grant_purchase.run_sync(payment, ctx)
     return effects.commands

@@ -176,7 +176,7 @@ async def test_mark_dead_leased_changes_nothing_once_the_lease_is_lost(env: Env)
     assert taken.retry_lease is not None
     script = env.redis.register_script(lua_claims.MARK_DEAD_LEASED)
     idem = env.keys.idempotency("payments", "p1")
-    record = orjson.dumps([[idem, "op-token", "fp", taken.retry_id, chain]])
+    record = orjson.dumps([[idem, "op-token", "fp", taken.retry_id, chain, taken.retry_lease]])
     queue_keys = [env.keys.retry_inflight, env.keys.retry_due, env.keys.retry_items]
 
     stale = await script(keys=queue_keys, args=["", record, taken.retry_lease - 1])

@@ -207,7 +207,7 @@ async def test_a_record_waiting_in_its_chain_is_blocked_until_it_leaves(env: Env
     assert await env.queue.breakdown() == {("payments", "blocked"): 1}
     run = await claim_one(env)
     assert run.offset == 2
-    await env.idem.mark_dead(DeadRequest("", "", "", run.retry_id, chain))
+    await env.idem.mark_dead(DeadRequest("", "", "", run.retry_id, chain, run.retry_lease))
     assert await env.queue.breakdown() == {}
 
 
@@ -223,7 +223,7 @@ async def test_finish_and_mark_dead_drop_the_count_and_its_fields(env: Env) -> N
     done = FinishRequest(key, "T", "fp", first.retry_id, [], "")
     assert (await env.idem.finish(done))[0] is FinishStatus.OK
     assert await env.queue.breakdown() == {("payments", "RetryableError"): 1}
-    dead = DeadRequest("", "", "", second.retry_id)
+    dead = DeadRequest("", "", "", second.retry_id, retry_lease=second.retry_lease)
     await env.idem.mark_dead(dead)
     assert await env.queue.breakdown() == {}
     # A field at 0 is deleted, not left behind, and the class entries go with the items.
@@ -244,11 +244,16 @@ async def test_counts_never_go_negative(env: Env) -> None:
     await env.redis.hdel(env.keys.retry_class, old.retry_id)  # as if parked before
     await env.redis.hincrby(env.keys.retry_counts, "payments|RetryableError", -1)
     assert await env.queue.breakdown() == {("payments", "RetryableError"): 1}
-    await env.idem.mark_dead(DeadRequest("", "", "", old.retry_id))
+    runs = {d.retry_id: d for d in await env.queue.claim_due(lease_ms=60_000, limit=2)}
+
+    def dead(d: Delivery) -> DeadRequest:  # the run's MARK_DEAD, under its lease
+        return DeadRequest("", "", "", d.retry_id, retry_lease=runs[d.retry_id].retry_lease)
+
+    await env.idem.mark_dead(dead(old))
     assert await env.queue.breakdown() == {("payments", "RetryableError"): 1}
     # A count already at 0 (e.g. edited by hand) does not go below: the field is deleted.
     await env.redis.hset(env.keys.retry_counts, "payments|RetryableError", 0)
-    await env.idem.mark_dead(DeadRequest("", "", "", new.retry_id))
+    await env.idem.mark_dead(dead(new))
     assert await env.raw_counts() == {}
     assert await env.queue.breakdown() == {}
 

@@ -48,20 +48,28 @@ ROOMS = (
     "kafka",
     "postgres",
     "observation",
+    "outbox",
+    "swarm",
+    "schemas",
 )
 # Where each may import from, besides itself: a room, "lifecycle", "shared", or one module of
 # the root by name ("errors"). The arrows of the engine's tree point down this table's rows.
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "lifecycle": frozenset({"lifecycle", "shared", *ROOMS}),
-    "batch": frozenset({"shared", "handlers", "redis", "kafka", "postgres", "observation"}),
+    "batch": frozenset(
+        {"shared", "handlers", "redis", "kafka", "postgres", "outbox", "observation", "schemas"}
+    ),
     "observation": frozenset({"shared", "handlers", "redis", "kafka"}),
     "kafka": frozenset({"shared", "redis", "handlers"}),
     "postgres": frozenset({"shared", "declaration"}),
-    "handlers": frozenset({"shared", "declaration", "redis", "observation"}),
+    "handlers": frozenset({"shared", "declaration", "redis", "observation", "schemas"}),
     "redis": frozenset({"shared", "redis.lua", "handlers"}),
     "redis.lua": frozenset(),
     "shared": frozenset({"shared", "declaration", "handlers", "redis", "kafka", "observation"}),
     "declaration": frozenset({"errors"}),
+    "outbox": frozenset({"shared", "handlers", "redis", "kafka", "postgres", "observation"}),
+    "swarm": frozenset({"shared", "observation"}),
+    "schemas": frozenset({"shared", "observation"}),
 }
 
 

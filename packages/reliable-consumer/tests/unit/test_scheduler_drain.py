@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from reliable_consumer.engine.records import Delivery
-from reliable_consumer.engine.redis.delay_queue import RetryScheduler
+from reliable_consumer.engine.redis.delay_queue import Claim, RetryScheduler
 from reliable_consumer.engine.settings import RetrySettings
 
 RECORD = Delivery("payments", 0, 7, b"k", b"{}", (), 0, retry_lease=1)
@@ -34,10 +34,10 @@ class SlowClaimQueue:
     async def due_in_ms(self) -> int | None:
         return None
 
-    async def claim_due(self, *, lease_ms: int, limit: int) -> list[Delivery]:
+    async def claim(self, *, lease_ms: int, limit: int) -> Claim:
         self.claiming.set()
         await self.answer.wait()
-        return [RECORD]
+        return Claim([RECORD], 0)
 
 
 async def test_drain_waits_for_a_batch_claimed_while_stopping() -> None:

@@ -34,6 +34,10 @@ is not read. Either way the grants become the same ledger rows, so the report is
 PostgreSQL store adds its inbox cross-checks (grant rows no inbox row vouches for, inbox
 rows without a grant).
 
+Where a bound handler emits (`@handler(emits=...)`), the topics it emits to are checked too
+(events.py): every grant has its event, matched by the `event-id` header, no event exists
+without its grant, and copies of one event (the relay publishes at least once) are counted.
+
 The heavy lifting is Spark DataFrame work (parse, groupBy, full outer joins); the driver only
 reads the grant log (a Redis stream or a table) and collects the small summary.
 
@@ -50,6 +54,7 @@ The steps, one module each; each imports only modules above it here, never this 
 | postgres_grants.py | the grants of the PostgreSQL table, checked against the inbox |
 | grants.py | which store to read for which topics |
 | records.py | the per-record table: the join and each record's final state |
+| events.py | every grant of an emitting handler has its event, no event is without its grant |
 | summary.py | the report's figures from the written table, and `summary/` |
 | printing.py | `print_report` |
 | job.py | `run_reconcile`: the steps in the order that makes the answer true |

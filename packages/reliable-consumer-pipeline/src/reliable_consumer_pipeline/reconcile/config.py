@@ -52,7 +52,7 @@ def dedupe_fields(registry: Registry) -> dict[str, DedupeField]:
     """
     out: dict[str, DedupeField] = {}
     for topic, h in registry.items():
-        if callable(h.dedupe_key):
+        if not isinstance(h.dedupe_key, str):  # a callable, or header(...): no JSON field
             out[topic] = DedupeField(None, None)
             continue
         info = h.model.model_fields[h.dedupe_key]
@@ -113,6 +113,12 @@ class ReconcileConfig:
     kafka_options: Mapping[str, str] = field(default_factory=dict)
     source: str = DEFAULT_SOURCE
     """Spark source to read Kafka with: `kafka` (Spark's official) or `kafka_py` (ours)."""
+    events_topics: tuple[str, ...] | None = None
+    """Topics the handlers emit to (`@handler(emits=...)`), checked against the grants; None
+    means those of the handlers the worker binds (none when `fields` is given)."""
+    emitters: Mapping[str, str] | None = None
+    """Source topic -> the name of its handler that emits (its events' ids name it); None
+    asks the handler registry the worker builds, like `fields`."""
 
     @property
     def dead_letter_topics(self) -> tuple[str, ...]:
@@ -151,6 +157,22 @@ class ReconcileConfig:
                 "grants from PostgreSQL need its URL: set WORKER_POSTGRES__URL or pass "
                 "--postgres-url (or --grants redis)"
             )
+
+    def emitted(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The topics to check events in, and source topic -> its emitting handler."""
+        if self.events_topics is not None and self.emitters is not None:
+            return self.events_topics, dict(self.emitters)
+        if self.fields is not None and self.events_topics is None:
+            return (), {}
+        from reliable_consumer.engine.handlers.registry import Registry
+        from reliable_consumer.engine.settings import load_settings
+
+        registry = Registry.from_settings(load_settings().topics)
+        emitters = {t: h.name for t, h in registry.items() if h.emits and t in self.topics}
+        topics = self.events_topics
+        if topics is None:
+            topics = tuple(sorted({t for _, h in registry.items() if h.emits for t in h.emits}))
+        return topics, dict(self.emitters) if self.emitters is not None else emitters
 
     def key_fields(self) -> dict[str, DedupeField]:
         """Each source topic's DedupeField; a clear error for a topic no handler is bound to."""

@@ -35,6 +35,7 @@ __all__ = [
     "OUTCOME_SCHEMA",
     "as_written",
     "end_offsets",
+    "header_value",
     "parse_dead_letters",
     "parse_outcomes",
     "parse_source",
@@ -116,6 +117,11 @@ def _header(name: str) -> Column:
 
     matching = F.filter("headers", lambda h: h["key"] == F.lit(name))
     return F.try_element_at(matching, F.lit(-1))["value"].cast("string")
+
+
+def header_value(name: str) -> Column:
+    """The last value of header ``name`` as a string (for the other steps' topics)."""
+    return _header(name)
 
 
 def as_written(key: Column) -> Column:

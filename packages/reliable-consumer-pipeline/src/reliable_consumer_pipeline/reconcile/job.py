@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from reliable_consumer_pipeline.kafka_reader import KafkaConfig
 from reliable_consumer_pipeline.reconcile.config import ReconcileConfig
+from reliable_consumer_pipeline.reconcile.events import EventsCheck, check_events, read_event_ids
 from reliable_consumer_pipeline.reconcile.grants import read_grants
 from reliable_consumer_pipeline.reconcile.inputs import (
     end_offsets,
@@ -67,6 +68,11 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
     source_end = end_offsets(kafka, rc.topics, required=True)
     outcomes_end = end_offsets(kafka, [rc.outcomes_topic], required=False)
     dlq_end = end_offsets(kafka, rc.dead_letter_topics, required=False)
+    # Before the grants: an event read was published from an outbox row committed with its
+    # grant, so that grant is read too (an event without one is real). A grant whose event
+    # the relay has not published yet shows as without one: rerun once its outbox drained.
+    events_topics, emitters = rc.emitted()
+    events_end = end_offsets(kafka, events_topics, required=False) if emitters else None
     phases.done("snapshot")
     ledger_rows, pg, store, ledger_topics = read_grants(rc, fields)
     phases.done("ledger")
@@ -113,6 +119,17 @@ def run_reconcile(spark: SparkSession, rc: ReconcileConfig) -> ReconcileReport:
     report.grants_store = store
     if pg is not None:
         _add_inbox_checks(report, pg)
+    if emitters and (events_end is None or ledger_rows is None):
+        log.warning(
+            "events not checked: %s",
+            "no grants were read to match them to"
+            if ledger_rows is None
+            else f"the emitted topics {', '.join(events_topics)} do not exist",
+        )
+    elif emitters:
+        ids = read_event_ids(spark, rc, events_end)
+        _add_events_check(report, check_events(ids, ledger_rows or [], emitters, rc.max_listed))
+        phases.done("events")
     report.timings = phases.timings
     report.elapsed_s = round(time.monotonic() - phases.started, 3)
     write_summary(spark, report, out)
@@ -141,6 +158,16 @@ def _reference_time(rc: ReconcileConfig, counts: Row) -> int:
         return rc.as_of_ms
     newest = counts["newest"]
     return int(newest) if newest is not None else int(time.time() * 1000)
+
+
+def _add_events_check(report: ReconcileReport, events: EventsCheck) -> None:
+    """Every grant's event and no event without its grant, into the report."""
+    report.emitted_events = events.events
+    report.event_copies = events.event_copies
+    report.grants_without_event = events.grants_without_event
+    report.events_without_grant = events.events_without_grant
+    report.grants_without_event_keys = events.grants_without_event_keys
+    report.events_without_grant_ids = events.events_without_grant_ids
 
 
 def _add_inbox_checks(report: ReconcileReport, pg: PostgresGrants) -> None:

@@ -59,6 +59,22 @@ def print_report(report: ReconcileReport, console: Console | None = None, listed
                 False,
             ),
         ]
+    if report.emitted_events is not None:  # the emitting handlers' events
+        rows += [
+            (
+                "grants without their emitted event",
+                report.grants_without_event,
+                report.grants_without_event_keys,
+                True,
+            ),
+            (
+                "emitted events without their grant",
+                report.events_without_grant,
+                report.events_without_grant_ids,
+                True,
+            ),
+            ("event copies (same event id, deduped downstream)", report.event_copies, [], False),
+        ]
     for name, count, examples, fatal in rows:
         style = ("red" if fatal else "yellow") if count else "green"
         shown = ", ".join(examples[:listed]) + (" ..." if len(examples) > listed else "")

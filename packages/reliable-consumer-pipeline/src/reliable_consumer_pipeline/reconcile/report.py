@@ -61,6 +61,16 @@ class ReconcileReport:
     """Inbox rows (records marked done) whose grant row is missing."""
     grants_without_inbox_ids: list[str] = field(default_factory=list)
     inbox_without_grant_keys: list[str] = field(default_factory=list)
+    emitted_events: int | None = None
+    """Records read from the topics the handlers emit to (None: no events were checked)."""
+    event_copies: int = 0
+    """Records repeating an event id: the relay's at-least-once copies, deduped downstream."""
+    grants_without_event: int = 0
+    """Grants of an emitting handler with no event published for them: the event is lost."""
+    events_without_grant: int = 0
+    """Events whose id names no grant: published for effects that never applied."""
+    grants_without_event_keys: list[str] = field(default_factory=list)
+    events_without_grant_ids: list[str] = field(default_factory=list)
 
     @property
     def ledger_available(self) -> bool:
@@ -68,8 +78,10 @@ class ReconcileReport:
 
     @property
     def clean(self) -> bool:
-        """Nothing lost and nothing granted twice: the two promises of the worker."""
-        return self.lost == 0 and self.doubled == 0
+        """Nothing lost and nothing granted twice, the two promises of the worker; and,
+        where events were checked, every grant's event published and none without its grant."""
+        events = self.grants_without_event == 0 and self.events_without_grant == 0
+        return self.lost == 0 and self.doubled == 0 and events
 
     @property
     def exit_code(self) -> int:

@@ -43,9 +43,11 @@ from rich.text import Text
 
 from reliable_consumer.dev.demo_grants import (
     OUTAGE_RECORDS,
+    EmittedEvents,
     Grants,
     Lane,
     OutcomeGrants,
+    emitted_events,
     grants_for,
     migrate,
     uses_postgres,
@@ -56,6 +58,7 @@ from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.dev.stack import DEFAULT_BROKER, DevStack, DevStackInfo, stop_hint
 from reliable_consumer.engine.declaration.app import App
 from reliable_consumer.engine.declaration.samples import SampleRecord
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.worker import Worker
@@ -67,6 +70,8 @@ CIRCUIT_STATES = {0: "closed", 1: "half-open", 2: "open"}
 OUTAGE_S = 8.0
 # How long the outage may take to settle before the demo says so and moves on.
 OUTAGE_DEADLINE_S = 90.0
+# How long the summary waits for the relay to publish the events of the records applied.
+EVENTS_DEADLINE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -339,6 +344,8 @@ async def _demo(
     topics = {settings.outcomes_topic() or "": 1}
     for lane in plan.lanes:
         topics |= {lane.topic: 6, settings.dead_letter_topic(lane.topic): 1}
+    for emitted in Registry.from_settings(plan.topics, plan.app).emitted_topics:
+        topics.setdefault(emitted, 6)  # where the relay publishes what the handlers emit
     await create_topics(info.bootstrap, topics)
 
     run_id = uuid.uuid4().hex[:6]
@@ -430,6 +437,24 @@ async def _demo(
     await task
     console.print("stopped gracefully: in-flight records finished, offsets committed.")
     return 0
+
+
+async def _published(
+    settings: Settings,
+    handler: str,
+    topics: list[str],
+    expected: set[str],
+    ours: set[str],
+) -> EmittedEvents:
+    """The lane's events read back from the topics it emits to, once the relay published
+    one for every expected record or ``EVENTS_DEADLINE_S`` passed (the summary then shows
+    how many are still missing)."""
+    deadline = time.monotonic() + EVENTS_DEADLINE_S
+    while True:
+        events = await emitted_events(settings.kafka, topics, handler, expected, ours)
+        if events.published == events.expected or time.monotonic() >= deadline:
+            return events
+        await asyncio.sleep(0.5)
 
 
 def _grants(plan: DemoPlan, lane: Lane, settings: Settings, info: DevStackInfo) -> Grants:
@@ -621,6 +646,10 @@ async def _summary(
         sent_twice = sum(1 for r in batch if r.kind == "duplicate")
         table.add_row("records delivered twice (a duplicate each)", str(sent_twice))
     table.add_row("keys applied more than once", str(sum(1 for v in granted.values() if v > 1)))
+    handler = Registry.from_settings(plan.topics, plan.app).by_name(lane.handler)
+    if handler is not None and handler.emits:
+        events = await _published(settings, lane.handler, sorted(handler.emits), expected, ours)
+        table.add_row("events published for applied records", events.line())
     if watch is not None:
         table.add_row(
             "ordered pair, its first failing twice",

@@ -15,14 +15,15 @@ samples' handlers runs, bound for the demo.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from reliable_consumer.dev.servers.process import DevStackError
 from reliable_consumer.engine.declaration.app import App
 from reliable_consumer.engine.declaration.ledger import Ledger
 from reliable_consumer.engine.declaration.samples import Samples
+from reliable_consumer.engine.handlers.emissions import EVENT_ID_HEADER, event_id
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.outcome_events import decode_all
 from reliable_consumer.engine.records import Outcome
@@ -170,6 +171,59 @@ class OutcomeGrants:
         for event in decode_all([r.value for r in records]):
             if event.get("handler") == self.handler and event.get("event") == Outcome.SUCCEEDED:
                 self._applied.append(str(event.get("dedupe_key")))
+
+
+@dataclass(frozen=True)
+class EmittedEvents:
+    """What the relay published for a lane's records, read back from the emitted topics."""
+
+    published: int  # the expected keys with at least one event
+    expected: int
+    copies: int  # records that repeat an event id already read: a consumer dedupes them
+    strays: int  # events of this run for a key that was not expected to apply
+
+    def line(self) -> str:
+        return (
+            f"{self.published} of {self.expected}, copies with the same event id: "
+            f"{self.copies}, events without their grant: {self.strays}"
+        )
+
+
+def count_events(
+    records: Iterable[Any], handler: str, expected: Collection[str], ours: Collection[str]
+) -> EmittedEvents:
+    """Match each published record to its record's dedupe key by its ``event-id`` (the
+    handler's name and the key's digest: emissions.event_id), among ``ours`` (this run's
+    keys); ``expected`` are those whose effects should have applied."""
+    prefixes = {event_id(handler, key, 0).rsplit(":", 1)[0] + ":": key for key in ours}
+    seen: set[str] = set()
+    copies = 0
+    keys: set[str] = set()
+    for record in records:
+        identity = audit.header(record, EVENT_ID_HEADER)
+        key = prefixes.get(identity.rsplit(":", 1)[0] + ":") if identity else None
+        if identity is None or key is None:
+            continue  # another run's, or another producer's
+        if identity in seen:
+            copies += 1
+        seen.add(identity)
+        keys.add(key)
+    wanted = set(expected)
+    return EmittedEvents(len(keys & wanted), len(wanted), copies, len(keys - wanted))
+
+
+async def emitted_events(
+    kafka: KafkaSettings,
+    topics: Iterable[str],
+    handler: str,
+    expected: Collection[str],
+    ours: Collection[str],
+) -> EmittedEvents:
+    """``count_events`` over everything now in ``topics``."""
+    records: list[Any] = []
+    for topic in topics:
+        records += await audit.read_all(kafka, topic)
+    return count_events(records, handler, expected, ours)
 
 
 def grants_for(

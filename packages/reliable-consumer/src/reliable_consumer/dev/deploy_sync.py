@@ -12,7 +12,9 @@ binding is derived from it here, so adding a topic never means editing six files
 - ``WORKER_TOPICS`` of the postgres overlays (deploy/docker-compose.postgres.yml, twice, and
   deploy/k8s/postgres/configmap-topics.yaml): every binding, a Redis handler replaced by its
   postgres twin when it has one.
-- compose's topic creation (``kafka-init``): each bound topic and its dead-letter topic.
+- compose's topic creation (``kafka-init``): each bound topic and its dead-letter topic, and
+  each topic a bound handler emits to (``@handler(emits=...)``): the relay publishes there,
+  so it must exist wherever the worker runs.
 - KEDA (deploy/k8s/keda-scaledobject.yaml): one kafka trigger per bound topic (KEDA scales on
   the largest), each a copy of the first with its topic; a topic's existing trigger is kept.
 
@@ -78,6 +80,7 @@ class Declared:
 
     store: str
     model: str | None
+    emits: tuple[str, ...] = ()  # the topics its ``emits=`` names
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,7 @@ class Derived:
     postgres: dict[str, str]
     topics: tuple[str, ...]  # every bound topic: compose creates them, the component scales
     base_needs_postgres: bool
+    emitted: tuple[str, ...] = ()  # what the bound handlers (and twins) emit: created too
 
     @property
     def base_topics(self) -> tuple[str, ...]:
@@ -107,19 +111,57 @@ class Change:
 def declared_handlers(root: Path) -> dict[str, Declared]:
     """Handler name -> its store and model, from the ``@handler`` calls in service/handlers/."""
     found: dict[str, Declared] = {}
+    trees = []
     for module in sorted((root / HANDLERS_DIR).rglob("*.py")):
         try:
-            tree = ast.parse(module.read_text(encoding="utf-8"))
+            trees.append(ast.parse(module.read_text(encoding="utf-8")))
         except SyntaxError as exc:
             raise DeploySyncError(f"{module.relative_to(root)}: {exc}") from None
+    constants = _string_constants(trees)
+    for tree in trees:
         for node in ast.walk(tree):
-            declared = _declaration(node)
+            declared = _declaration(node, constants)
             if declared is not None:
                 found[declared[0]] = declared[1]
     return found
 
 
-def _declaration(node: ast.AST) -> tuple[str, Declared] | None:
+def _string_constants(trees: list[ast.Module]) -> dict[str, str]:
+    """``NAME = "text"`` at the top of the handler modules: what ``emits=(NAME,)`` names (a
+    module importing the constant from another handler module finds it by the same name)."""
+    constants: dict[str, str] = {}
+    for tree in trees:
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                constants[node.targets[0].id] = node.value.value
+    return constants
+
+
+def _emits(node: ast.expr | None, constants: Mapping[str, str]) -> tuple[str, ...]:
+    """The topics of an ``emits=`` tuple or list of strings and string constants."""
+    if not isinstance(node, ast.Tuple | ast.List):
+        return ()
+    topics: list[str] = []
+    for item in node.elts:
+        if isinstance(item, ast.Constant) and isinstance(item.value, str):
+            topics.append(item.value)
+        elif isinstance(item, ast.Name) and item.id in constants:
+            topics.append(constants[item.id])
+        else:
+            raise DeploySyncError(
+                f"emits= names {ast.unparse(item)}: write a topic as a string, or a string "
+                "constant of a handler module"
+            )
+    return tuple(topics)
+
+
+def _declaration(node: ast.AST, constants: Mapping[str, str]) -> tuple[str, Declared] | None:
     if not (isinstance(node, ast.Call) and _called(node.func) == "handler" and node.args):
         return None
     name = node.args[0]
@@ -131,6 +173,7 @@ def _declaration(node: ast.AST) -> tuple[str, Declared] | None:
     return name.value, Declared(
         store=str(store.value) if isinstance(store, ast.Constant) else "redis",
         model=_called(model) if model is not None else None,
+        emits=_emits(keywords.get("emits"), constants),
     )
 
 
@@ -165,11 +208,14 @@ def derive(root: Path) -> Derived:
     base = {n: t for n, t in base.items() if store(n) != "postgres"}
     postgres = {twin(n, "postgres"): t for n, t in bindings.items()}
     needs_postgres = not base and bool(bindings)
+    bound = [*base, *postgres, *bindings]
+    emitted = [t for n in bound if n in handlers for t in handlers[n].emits]
     return Derived(
         base=base or dict(bindings),
         postgres=postgres,
         topics=tuple(dict.fromkeys(bindings.values())),
         base_needs_postgres=needs_postgres,
+        emitted=tuple(t for t in dict.fromkeys(emitted) if t not in bindings.values()),
     )
 
 
@@ -177,7 +223,9 @@ def changes(root: Path) -> list[Change]:
     """The deploy files that disagree with the bindings (none: they agree)."""
     derived = derive(root)
     rewrites: dict[Path, Callable[[str], str]] = {
-        COMPOSE: lambda text: _init_topics(_topics(text, derived.base), derived.topics),
+        COMPOSE: lambda text: _init_topics(
+            _topics(text, derived.base), derived.topics, derived.emitted
+        ),
         COMPOSE_POSTGRES: lambda text: _topics(text, derived.postgres),
         CONFIGMAP: lambda text: _topics(text, derived.base),
         CONFIGMAP_POSTGRES: lambda text: _topics(text, derived.postgres),
@@ -213,9 +261,10 @@ def sync(root: Path) -> list[Change]:
 def _what(relative: Path, derived: Derived) -> str:
     topics = ", ".join(derived.topics)
     if relative == COMPOSE:
+        emitted = f", and {', '.join(derived.emitted)} (emitted to)" if derived.emitted else ""
         return (
             f"WORKER_TOPICS '{_json(derived.base)}'; kafka-init creates {topics} and "
-            "their dead-letter topics"
+            f"their dead-letter topics{emitted}"
         )
     if relative in (COMPOSE_POSTGRES, CONFIGMAP_POSTGRES):
         return f"WORKER_TOPICS '{_json(derived.postgres)}'"
@@ -248,8 +297,9 @@ def _topics(text: str, bindings: Mapping[str, str]) -> str:
     return WORKER_TOPICS.sub(one, text)
 
 
-def _init_topics(text: str, topics: tuple[str, ...]) -> str:
-    """kafka-init's ``create TOPIC N`` lines of the bound topics, between the markers.
+def _init_topics(text: str, topics: tuple[str, ...], emitted: tuple[str, ...] = ()) -> str:
+    """kafka-init's ``create TOPIC N`` lines of the bound topics (and of the topics their
+    handlers emit to), between the markers.
 
     The first time (no markers yet) the block replaces the ``create`` lines of the bound
     topics and their dead-letter topics, where the first of them stood.
@@ -279,6 +329,8 @@ def _init_topics(text: str, topics: tuple[str, ...]) -> str:
         dead = DEAD_LETTER.format(topic=topic)
         block.append(f"{pad}create {topic} {partitions.get(topic, PARTITIONS)}\n")
         block.append(f"{pad}create {dead} {partitions.get(dead, DEAD_LETTER_PARTITIONS)}\n")
+    for topic in emitted:
+        block.append(f"{pad}create {topic} {partitions.get(topic, PARTITIONS)}\n")
     block.append(f"{pad}{INIT_END}\n")
     lines[begin : end + 1] = block
     return "".join(lines)

@@ -105,8 +105,15 @@ def bind(root: Path, name: str, topic: str) -> Path:
     return APP_FILE
 
 
-def new_handler(root: Path, name: str, topic: str, store: str = "redis") -> Scaffolded:
+def new_handler(
+    root: Path, name: str, topic: str, store: str = "redis", value_format: str = "json"
+) -> Scaffolded:
     """Write the handler module, its test and its binding; all of them or none.
+
+    ``value_format="avro"``: the topic's values are Avro written by a schema registry's
+    serializer; the module declares the reader schema beside the model
+    (``value_format=RegistryAvro(SCHEMA)``; docs/schemas.md), and its test checks that the
+    schema gives the model what it needs.
 
     ``store="postgres"``: the handler writes a row of its own table on ``ctx.db`` (its
     migration in service/migrations/, the next number), and its test runs on a real,
@@ -118,6 +125,10 @@ def new_handler(root: Path, name: str, topic: str, store: str = "redis") -> Scaf
     """
     if store not in ("redis", "postgres"):
         raise ScaffoldError(f"--store {store!r}: 'redis' or 'postgres'")
+    if value_format not in ("json", "avro"):
+        raise ScaffoldError(f"--format {value_format!r}: 'json' or 'avro'")
+    if value_format == "avro" and store != "redis":
+        raise ScaffoldError("--format avro is scaffolded with --store redis")
     _check_request(root, name, topic)
     postgres = store == "postgres"
     handler_path = HANDLERS_DIR / f"{name}.py"
@@ -131,6 +142,11 @@ def new_handler(root: Path, name: str, topic: str, store: str = "redis") -> Scaf
             handler_path: render_postgres_handler(name, migration.name),
             test_path: render_postgres_test(name, topic),
             migration: POSTGRES_MIGRATION.substitute(name=name),
+        }
+    elif value_format == "avro":
+        files = {
+            handler_path: render_avro_handler(name),
+            test_path: render_avro_test(name, topic),
         }
     else:
         files = {
@@ -348,6 +364,102 @@ async def test_invalid_payload_is_dead_lettered() -> None:
 ''')
 
 
+AVRO_HANDLER_TEMPLATE = Template('''\
+"""Handler `$name`.
+
+TODO: say what it does for the business, and which field identifies an event.
+
+Scaffolded by `service new-handler --format avro`; bound to its topic in service/app.py.
+The topic's values are Avro written by a schema registry's serializer (magic byte, schema
+id, payload): the worker fetches each writer's schema from WORKER_SCHEMA_REGISTRY__URL
+once, resolves it to SCHEMA below (fields the writer lacks take SCHEMA's defaults) and
+hands the handler a validated $model (docs/schemas.md). The handler queues its Redis
+writes on ``ctx.effects``: applied once per dedupe key, with the record's done-marker.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service import Context, RegistryAvro, handler
+
+NAMESPACE = "$name"
+
+# The schema this handler reads with: the producers' schema, or an evolution of it that
+# Avro can resolve theirs to. TODO: the real record.
+SCHEMA = {
+    "type": "record",
+    "name": "$model",
+    "fields": [
+        {"name": "event_id", "type": "string"},
+    ],
+}
+
+
+class $model(BaseModel):
+    """One record of this handler's topic, as SCHEMA reads it. TODO: the real fields."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # The event's business identity: a redelivery or a retry carries the same value.
+    event_id: str = Field(min_length=1, max_length=128)
+
+
+@handler(
+    "$name",
+    model=$model,
+    dedupe_key="event_id",
+    value_format=RegistryAvro(SCHEMA),
+)
+async def handle_$name(
+    event: $model,
+    ctx: Context,
+) -> None:
+    # The business effect goes here. Queue Redis writes on ctx.effects (applied exactly once,
+    # together with the done-marker). Raise RetryableError to retry later, PermanentError
+    # to dead-letter the record now.
+    ctx.effects.hset(
+        ctx.redis_key(NAMESPACE, event.event_id),
+        {"source": f"{ctx.topic}/{ctx.partition}/{ctx.offset}"},
+    )
+''')
+
+AVRO_TEST_TEMPLATE = Template('''\
+"""Scaffolded tests: the handler is declared and bound, and its schema gives its model what it
+needs. Add a test per business case (docs/schemas.md: the records of a real registry)."""
+
+from __future__ import annotations
+
+import io
+
+import fastavro
+
+from service.app import app
+from service.handlers.$name import (
+    $model,
+    handle_$name,
+)
+
+HANDLER = handle_$name
+MODEL = $model
+TOPIC = "$topic"$topic_noqa
+
+
+def test_declared_and_bound_to_its_topic() -> None:
+    assert app.topics[HANDLER.name] == TOPIC
+    assert HANDLER.value_format is not None
+
+
+def test_a_value_written_with_its_schema_reads_into_the_model() -> None:
+    avro = HANDLER.value_format
+    assert avro is not None
+    written = io.BytesIO()
+    fastavro.schemaless_writer(written, avro.parsed, {"event_id": "evt-1"})
+    event = MODEL.model_validate(avro.decode(avro.parsed, written.getvalue()))
+    assert HANDLER.key_of(event) == "evt-1"
+''')
+
+
 POSTGRES_HANDLER_TEMPLATE = Template('''\
 """Handler `$name`.
 
@@ -480,6 +592,17 @@ def render_postgres_test(name: str, topic: str) -> str:
     )
 
 
+def render_avro_handler(name: str) -> str:
+    return AVRO_HANDLER_TEMPLATE.substitute(name=name, model=model_name(name))
+
+
+def render_avro_test(name: str, topic: str) -> str:
+    long = len(f'TOPIC = "{topic}"') > MAX_LINE
+    return AVRO_TEST_TEMPLATE.substitute(
+        name=name, model=model_name(name), topic=topic, topic_noqa="  # noqa: E501" if long else ""
+    )
+
+
 def render_handler(name: str) -> str:
     return HANDLER_TEMPLATE.substitute(name=name, model=model_name(name))
 
@@ -510,10 +633,18 @@ def new_handler_command(
             "with a migration for its table).",
         ),
     ] = "redis",
+    value_format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="How its values are written: json, or avro (a schema registry's wire format, "
+            "read with a schema the module declares).",
+        ),
+    ] = "json",
 ) -> None:
     """Scaffold a handler for a topic: module, payload model, binding, and a passing test."""
     try:
-        done = new_handler(root, name, topic, store)
+        done = new_handler(root, name, topic, store, value_format)
     except ScaffoldError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -535,6 +666,11 @@ def new_handler_command(
         )
         raise typer.Exit(1) from None
     deploy_sync.echo_changes(synced, "updated")
+    if value_format == "avro":
+        typer.echo(
+            "avro: install the library's avro extra (reliable-consumer[avro] in pyproject.toml) "
+            "and set WORKER_SCHEMA_REGISTRY__URL where the worker runs (docs/schemas.md)"
+        )
     typer.echo(
         "\nnext:\n"
         f"  1. fill in {model} and the effect in {done.handler_module}\n"

@@ -5,6 +5,9 @@ partition's records go to a task per batch, which waits for an earlier batch of 
 partition only when their Kafka keys overlap (per-key order). When an in-flight limit
 (records or bytes) is reached the loop waits for room, pauses partitions only when
 starved, and keeps polling, so the group never evicts the worker for a missed poll.
+While the oldest due retry is late by more than a bound, ``RetryPriority`` holds every
+partition paused (polling goes on), so the retries' batches get the event loop and the
+core; it lets fresh records in again once the retries are on time, or after a bounded pause.
 The worker (worker.py) owns the lifecycle, commits and rebalances around it.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -36,6 +40,75 @@ CAPACITY_WAIT_S = 1.0
 
 # A batch of deliveries, and when to give up on it: True once every record has a fate.
 Process = Callable[[list[Delivery], Callable[[], bool]], Awaitable[bool]]
+
+
+class RetryPriority:
+    """Whether fresh fetches wait so that late retries run first, and for how long.
+
+    A retry was promised a moment (due at 12:00:05); a fresh backlog is late anyway. So
+    while the oldest due retry is later than ``after_ms`` the intake fetches nothing new.
+    It fetches again once that lateness is down to half the bound (hysteresis: one episode,
+    not a flapping pair, per burst), or after ``max_pause_ms`` of one episode; then fresh
+    records get at least as long again before the next episode may start, so a flood of
+    retries holds fresh records back for at most half the time. An episode only starts on
+    a reading: with no new reading (the scheduler stalled) it ends at the time bound.
+    """
+
+    def __init__(
+        self,
+        after_ms: int | None,
+        max_pause_ms: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[bool, str, float], None] | None = None,
+    ) -> None:
+        """``on_change(active, why, paused_s)`` hears of each start and end of an episode."""
+        self._after_ms = after_ms or None  # 0 and None: off
+        self._max_pause_s = max_pause_ms / 1000
+        self._clock = clock
+        self._on_change = on_change
+        self._since: float | None = None  # the start of the running episode
+        self._fresh_until = 0.0  # no episode starts before this moment
+        self._late_ms = 0
+        self.paused_s = 0.0  # in all ended episodes
+
+    def observe(self, oldest_due_late_ms: int) -> None:
+        """A reading of the scheduler: how late the oldest due retry is, by Redis's clock."""
+        self._late_ms = oldest_due_late_ms
+        now = self._clock()
+        self._settle(now)
+        if (
+            self._since is None
+            and self._after_ms is not None
+            and oldest_due_late_ms > self._after_ms
+            and now >= self._fresh_until
+        ):
+            self._since = now
+            if self._on_change:
+                self._on_change(True, f"oldest due retry {oldest_due_late_ms} ms late", 0.0)
+
+    def active(self) -> bool:
+        """True while fresh fetches are held back; ends an episode past its time bound."""
+        if self._since is not None:
+            self._settle(self._clock())
+        return self._since is not None
+
+    def _settle(self, now: float) -> None:
+        if self._since is None or self._after_ms is None:
+            return
+        if self._late_ms * 2 <= self._after_ms:
+            self._end(now, "retries on time")
+        elif now - self._since >= self._max_pause_s:
+            self._end(now, "pause limit reached")
+            self._fresh_until = now + self._max_pause_s
+
+    def _end(self, now: float, why: str) -> None:
+        assert self._since is not None
+        paused = now - self._since
+        self.paused_s += paused
+        self._since = None
+        if self._on_change:
+            self._on_change(False, why, paused)
 
 
 class Intake:
@@ -72,6 +145,8 @@ class Intake:
         # Topics whose handler's circuit is open (the worker sets it once the breakers
         # exist): their partitions stay paused, so nothing more piles up behind the gate.
         self.held_topics: Callable[[], set[str]] = set
+        # True while late retries go first (RetryPriority.active): every partition paused.
+        self.retries_first: Callable[[], bool] = lambda: False
 
     async def run(self, consumer: AIOKafkaConsumer, process: Process) -> None:
         """Poll until the stop event; every batch goes to ``process`` (``process_reliably``)."""
@@ -235,8 +310,10 @@ class Intake:
         """Pause what is over its limit, resume what is under; polling never stops."""
         assert self._consumer is not None
         assigned = set(self._consumer.assignment()) - self.revoking
-        if self._starved and self.room() <= 0:
-            want = assigned  # full for a whole wait: pause everything, keep polling
+        if (self._starved and self.room() <= 0) or self.retries_first():
+            # Full for a whole wait, or late retries go first: pause everything, keep polling
+            # (heartbeats and commits go on; a newly assigned partition is paused here too).
+            want = assigned
         else:
             limit = self._settings.max_in_flight_per_partition
             want = {tp for tp in assigned if self._tracker.in_flight(tp) >= limit}

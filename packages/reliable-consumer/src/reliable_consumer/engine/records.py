@@ -93,6 +93,9 @@ class Delivery:
     # The Redis key of its Kafka key's chain when it waits in order behind earlier records
     # of that key (RedisKeys.retry_chain), '' when its retries keep no order.
     chain: str = ""
+    # This process's monotonic time the retry lease surely lasts to (from the send time of
+    # the call that took or stretched it); 0.0 when unknown. Local only: never stored.
+    leased_until: float = 0.0
 
     @property
     def retry_id(self) -> str:

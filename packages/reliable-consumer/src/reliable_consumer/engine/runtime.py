@@ -65,18 +65,16 @@ def tune_gc() -> None:
 async def collect_periodically(interval_s: float = GC_INTERVAL_S) -> None:
     """A full collection every ``interval_s``: what bounds the garbage ``tune_gc`` leaves.
 
-    aiokafka (0.14) keeps a fetched partition's records in a ``PartitionRecords`` whose
-    ``_unpack_records`` generator refers back to it, a cycle broken only when the records
-    are read to the end. Each time the consumer drops a fetch before that (a paused
-    partition: the intake pauses one that holds its share of the records in flight; a
-    seek; a rebalance) the pair becomes cyclic garbage holding the whole fetch, up to
-    ``max_partition_fetch_bytes``. A handful of objects per megabyte barely moves the
-    young generation's count: under the 50,000 threshold alone the collector ran about
-    once a minute and a worker draining a backlog grew by ~200 MB per million records
-    (bench/memory.py). What a collection scans is mostly the records in flight (the
-    start-up heap is frozen): 60-90 ms of CPU with 5,000 of them. Every 5 s that is under
-    2% of a core while a backlog drains, and at most 5 s of dropped fetches wait to be
-    freed (a few MB at the bench's rates).
+    The record path itself leaves no cyclic garbage (the testing kit's records, checked
+    with the collector off), and aiokafka's dropped fetches no longer do either
+    (``kafka.fetched_records``): the one cycle that grew the worker by ~200 MB per million
+    records (bench/memory.py). What remains are cycles of a few objects made now and then
+    by the clients (an error raised while a Redis connection says hello keeps its
+    traceback's frames), and whatever a handler or a future client version makes. Under
+    the 50,000-object threshold alone, garbage of a few objects holding much memory would
+    wait for a full collection that may come once a minute or never; every 5 s it waits
+    at most that long. A collection scans mostly the records in flight (the start-up heap
+    is frozen): 60-90 ms of CPU with 5,000 of them, under 2% of a core.
     """
     while True:
         await asyncio.sleep(interval_s)

@@ -149,6 +149,12 @@ class RetrySettings(BaseModel):
     claim_batch: int = Field(default=200, ge=1, le=10_000)
     # A fresh delivery that finds its key claimed elsewhere is parked this long.
     busy_delay_ms: int = Field(default=2_000, ge=0)
+    # While the oldest due retry is later than this, the worker's intake fetches no fresh
+    # records (its own scheduler measures it), so retries keep their moment under a fresh
+    # backlog; 0 or None: off. One such pause lasts at most priority_max_pause_ms, and fresh
+    # records then get as long again: a flood of retries holds them back half the time at most.
+    priority_after_ms: int | None = Field(default=50, ge=0, le=3_600_000)
+    priority_max_pause_ms: int = Field(default=2_000, ge=10, le=60_000)
 
     @model_validator(mode="after")
     def _delays_ordered(self) -> RetrySettings:
@@ -246,6 +252,36 @@ class DeadLetterSettings(BaseModel):
         return value
 
 
+class OutboxSettings(BaseModel):
+    """The relay that publishes handlers' emitted records from the outbox (docs/outbox.md)."""
+
+    # Entries read, published and acknowledged as one step.
+    batch_size: int = Field(default=500, ge=1, le=10_000)
+    # How long a relay's hold on a store lasts unless renewed: a killed relay's store is
+    # taken over by another worker after at most this long.
+    lease_ms: int = Field(default=10_000, ge=1000, le=600_000)
+    # How often an idle relay looks for entries another process wrote (FINISH in its own
+    # process wakes it at once), and how often a worker without the lease tries to take it.
+    poll_interval_ms: int = Field(default=500, ge=10, le=60_000)
+    # Entries kept in the trail of what was published (``service trace``), newest last.
+    published_trail: int = Field(default=100_000, ge=0, le=10_000_000)
+    # Consecutive failed publish rounds before the relay reports the outbox_relay_failing stall.
+    stall_after_failures: int = Field(default=3, ge=1, le=1000)
+    # Kafka's idempotent producer for the relay: "auto" uses it when the broker grants a
+    # producer id and else publishes with plain acks=all (one log line says why); "on"
+    # refuses to start without it; "off" never asks (engine/outbox/producer.py).
+    idempotence: Literal["auto", "on", "off"] = "auto"
+
+    @model_validator(mode="after")
+    def _lease_outlasts_poll(self) -> OutboxSettings:
+        if self.poll_interval_ms * 2 > self.lease_ms:
+            raise ValueError(
+                "WORKER_OUTBOX__LEASE_MS must be at least twice WORKER_OUTBOX__POLL_INTERVAL_MS "
+                "(the lease is renewed once per poll)"
+            )
+        return self
+
+
 class HttpSettings(BaseModel):
     """The health and metrics endpoint (no authentication: who may reach it is the network's
     business, see deploy/README.md)."""
@@ -262,6 +298,10 @@ class HttpSettings(BaseModel):
     max_connections: int = Field(default=64, ge=1, le=10_000)
     # Threads answering complete requests (a connection gets one only once its head is in).
     threads: int = Field(default=4, ge=1, le=64)
+    # A listening socket handed over by the process that started this one (the supervisor
+    # of `service run --processes N` gives each worker one on loopback): serve it instead
+    # of opening host:port, so no port is chosen in one process and bound in another.
+    fd: int | None = Field(default=None, ge=0)
 
     @field_validator("host")
     @classmethod
@@ -277,6 +317,33 @@ class HttpSettings(BaseModel):
                 f"{value!r}: use an IP address to listen on (127.0.0.1 loopback only, "
                 "0.0.0.0 or :: every interface) or localhost"
             ) from None
+        return value
+
+
+class SwarmSettings(BaseModel):
+    """`service run --processes N`: N workers in one container, each a member of the group.
+
+    One Python process uses one core; a pod given more runs more workers under one
+    supervisor, which restarts a worker that dies or stops answering its liveness probe,
+    and serves the pod's one health and metrics endpoint (engine/swarm/).
+    """
+
+    # How many workers: a number, or "auto" for the cores this container may use (its CPU
+    # affinity, bounded by its cgroup CPU quota: a pod's CPU limit).
+    processes: int | Literal["auto"] = 1
+    # A worker that died is started again after 1 s, doubling while it keeps dying, to this.
+    restart_backoff_max_s: float = Field(default=30.0, ge=1, le=3600)
+    # A worker that died this long ago or more without staying up, or whose liveness probe
+    # has failed this long, makes the pod's liveness fail (the kubelet restarts the pod).
+    unhealthy_after_s: float = Field(default=120.0, ge=5, le=86_400)
+    # A worker whose liveness probe has failed this long is stopped and started again.
+    restart_unlive_after_s: float = Field(default=30.0, ge=1, le=86_400)
+
+    @field_validator("processes")
+    @classmethod
+    def _bounded(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 64:
+            raise ValueError(f"{value}: between 1 and 64 worker processes, or auto")
         return value
 
 
@@ -338,6 +405,11 @@ class PostgresSettings(BaseModel):
     # means the app declaration's folder (service/migrations/; the engine's inbox schema
     # ships inside the package, reliable_consumer/engine/postgres/sql/).
     migrations_dir: str | None = None
+    # The outbox (kafka_outbox): a published row is kept this long for `service trace`, then
+    # deleted, at most ``outbox_prune_batch`` rows per relay round so a backlog of old rows
+    # never becomes one long DELETE.
+    outbox_retention_h: float = Field(default=24.0, ge=0, le=24 * 90)
+    outbox_prune_batch: int = Field(default=1000, ge=1, le=100_000)
 
     @field_validator("url", mode="before")
     @classmethod
@@ -363,6 +435,38 @@ class PostgresSettings(BaseModel):
         if self.pool_min > self.pool_max:
             raise ValueError("WORKER_POSTGRES__POOL_MIN must be <= WORKER_POSTGRES__POOL_MAX")
         return self
+
+
+class SchemaRegistrySettings(BaseModel):
+    """The schema registry of handlers reading registry-framed values (``RegistryAvro``).
+
+    Unset (no URL) unless a bound handler declares ``value_format=RegistryAvro(...)``; the
+    worker refuses to start such a handler without it. Needs the ``avro`` extra.
+    """
+
+    # The Confluent-compatible API's base URL, e.g. http://registry:8081 (Confluent) or
+    # http://registry:8080/apis/ccompat/v7 (Apicurio).
+    url: str | None = None
+    username: str | None = None
+    password: SecretStr | None = None
+    # One look-up's bound: a registry slower than this counts as not answering (retried,
+    # counted in worker_schema_registry_requests{result="timeout"}).
+    timeout_s: float = Field(default=5.0, gt=0, le=120)
+    # How long an id the registry does not know stays known as unknown (its records are
+    # dead-lettered ``malformed``) before it is asked again.
+    unknown_id_ttl_s: float = Field(default=60.0, ge=0, le=86_400)
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("url")
+    @classmethod
+    def _url_usable(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
 
 
 class Settings(BaseSettings):
@@ -391,8 +495,11 @@ class Settings(BaseSettings):
     outcomes: OutcomeSettings = OutcomeSettings()
     dead_letter: DeadLetterSettings = DeadLetterSettings()
     http: HttpSettings = HttpSettings()
+    swarm: SwarmSettings = SwarmSettings()
     console: ConsoleSettings = ConsoleSettings()
     postgres: PostgresSettings = PostgresSettings()
+    schema_registry: SchemaRegistrySettings = SchemaRegistrySettings()
+    outbox: OutboxSettings = OutboxSettings()
 
     # Handler name -> the topic it consumes; the default is the app declaration's topics
     # (service/app.py), where `service new-handler` binds new handlers.

@@ -32,16 +32,22 @@ from aiokafka.structs import OffsetAndMetadata, TopicPartition
 from reliable_consumer.engine.batch.processing import Processor
 from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.registry import Registry
-from reliable_consumer.engine.intake import Intake
+from reliable_consumer.engine.intake import Intake, RetryPriority
 from reliable_consumer.engine.kafka.clients import make_consumer, make_producer
 from reliable_consumer.engine.kafka.group_check import GROUP_JOIN_REFUSED, check_session_timeout
 from reliable_consumer.engine.kafka.offsets import OffsetTracker
 from reliable_consumer.engine.kafka.topic_check import check_topic_access, check_topic_durability
 from reliable_consumer.engine.memory_limit import memory_limit_bytes
-from reliable_consumer.engine.observation.http import HealthState, HttpServer
+from reliable_consumer.engine.observation.http import HealthState, HttpServer, make_app
 from reliable_consumer.engine.observation.member_report import INTERVAL_S, MemberReporter
 from reliable_consumer.engine.observation.membership import MembershipWatch, read_group_progress
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.outbox.postgres_store import postgres_outbox_store
+from reliable_consumer.engine.outbox.producer import relay_producer
+from reliable_consumer.engine.outbox.redis_store import RedisOutboxStore
+from reliable_consumer.engine.outbox.relay import OutboxRelay
+from reliable_consumer.engine.outbox.store import OutboxStore
+from reliable_consumer.engine.outbox.topics import check_emitted_topics
 from reliable_consumer.engine.postgres.checks import until_checked
 from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.records import Delivery
@@ -112,6 +118,9 @@ class Worker:
         self._producer: AIOKafkaProducer | None = None
         self._http: HttpServer | None = None
         self.scheduler: RetryScheduler | None = None
+        self.relay: OutboxRelay | None = None  # when a bound handler emits (engine/outbox/)
+        self._relay_task: asyncio.Task[None] | None = None
+        self._relay_producer: AIOKafkaProducer | None = None
         self.inbox: InboxStore | None = None  # the postgres effects store, when one is bound
         self.reporter: MemberReporter | None = None
         self.membership: MembershipWatch | None = None  # a consuming worker's, once subscribed
@@ -165,10 +174,10 @@ class Worker:
         s = self.settings
         if s.http.enabled:
             self._http = HttpServer(
-                self.health,
-                self.metrics,
+                make_app(self.health, self.metrics),
                 s.http.host,
                 s.http.port,
+                fd=s.http.fd,
                 read_timeout_s=s.http.read_timeout_s,
                 max_connections=s.http.max_connections,
                 threads=s.http.threads,
@@ -202,12 +211,15 @@ class Worker:
             )
             for warning in checked:
                 log.warning(warning)
-        access = until_answered(lambda: check_topic_access(s), self._stop, self.stalls)
+        emits = self.registry.emitted_topics
+        access = until_answered(lambda: check_topic_access(s, emits), self._stop, self.stalls)
         await self._unless_stopped(access, "checking the worker's access to its topics")
         durability = until_answered(lambda: check_topic_durability(s), self._stop)
         topics = await self._unless_stopped(durability, "checking the Kafka topics")
         for warning in topics.warnings:
             log.warning(warning)
+        emitted = until_answered(lambda: check_emitted_topics(s.kafka, self.registry), self._stop)
+        await self._unless_stopped(emitted, "checking the topics handlers emit to")
         self.processor = Processor.build(
             s,
             self.registry,
@@ -219,6 +231,8 @@ class Worker:
             inbox=self.inbox,
             outcomes_max_message_bytes=topics.outcomes_max_message_bytes,
         )
+        if self.registry.emits:
+            await self._start_relay()
         self.intake.held_topics = self.breakers.open_topics
         self.health.circuits = self.breakers.snapshot
         if self.consume:
@@ -264,6 +278,7 @@ class Worker:
                 s.retry,
                 max_in_flight=max(1, s.max_in_flight // 4),
                 on_gauges=self._set_retry_gauges,
+                on_lateness=self._retry_priority(s) if self.consume else None,
             )
             self._watch(asyncio.create_task(self.scheduler.run(), name="retries"))
         self.health.mark_started()
@@ -271,6 +286,41 @@ class Worker:
             "worker started",
             extra={"topics": self.registry.topics, "group": s.kafka.group_id},
         )
+
+    def outbox_stores(self) -> list[OutboxStore]:
+        """The outboxes the relay publishes from: one per effects store in use."""
+        stores: list[OutboxStore] = [
+            RedisOutboxStore(self.redis, RedisKeys(self.settings.redis.key_prefix))
+        ]
+        postgres = postgres_outbox_store(self.inbox, self.settings.postgres)
+        if postgres is not None:  # a bound handler keeps its effects in PostgreSQL
+            stores.append(postgres)
+        return stores
+
+    async def _start_relay(self) -> None:
+        """Publish what handlers emit: every worker runs the relay, one per store publishes."""
+        s = self.settings
+        producer = await self._unless_stopped(
+            until_answered(lambda: relay_producer(s.kafka, s.outbox.idempotence), self._stop),
+            "waiting for the broker to answer whether it grants producer ids",
+        )
+        self._relay_producer = producer
+        await self._unless_stopped(
+            until_answered(producer.start, self._stop),
+            "waiting for the outbox relay's Kafka producer",
+        )
+        self.relay = OutboxRelay(
+            self.outbox_stores(),
+            redis=self.redis,
+            keys=RedisKeys(s.redis.key_prefix),
+            producer=producer,
+            settings=s.outbox,
+            metrics=self.metrics,
+            stalls=self.stalls,
+        )
+        self.processor.on_emitted(self.relay.wake)
+        self._relay_task = asyncio.create_task(self.relay.run(self._stop), name="outbox-relay")
+        self._watch(self._relay_task)
 
     def _unless_stopped(self, step: Awaitable[T], waiting_for: str) -> Awaitable[T]:
         return unless_stopped(step, self._stop, waiting_for)
@@ -387,6 +437,25 @@ class Worker:
         self.health.redis_ok = False
         self.metrics.redis_errors.inc()
 
+    def _retry_priority(self, s: Settings) -> Callable[[int], None]:
+        """Late retries go before fresh fetches (intake.RetryPriority); returns its input."""
+        priority = RetryPriority(
+            s.retry.priority_after_ms,
+            s.retry.priority_max_pause_ms,
+            on_change=self._retry_priority_changed,
+        )
+        self.intake.retries_first = priority.active
+        return priority.observe
+
+    def _retry_priority_changed(self, active: bool, why: str, paused_s: float) -> None:
+        self.metrics.retry_priority_active.set(1 if active else 0)
+        if not active:  # one line per episode, when it ends (the gauge shows it meanwhile)
+            self.metrics.retry_priority_paused.inc(paused_s)
+            log.info(
+                "fresh fetches were held back for late retries",
+                extra={"paused_s": round(paused_s, 3), "ended": why},
+            )
+
     def _set_retry_gauges(self, gauges: QueueGauges) -> None:
         self.metrics.retry_depth.labels("due").set(gauges.due)
         self.metrics.retry_depth.labels("inflight").set(gauges.inflight)
@@ -494,12 +563,18 @@ class Worker:
             await steps.run("retry scheduler", self.scheduler.drain(timeout_s=steps.left()))
         if hasattr(self, "processor"):
             await steps.run("handler runners", self.processor.aclose())
+        if self._relay_task is not None:
+            # It ends its round (publish, ack, mark) and gives its leases up; one cut short
+            # is published again by the next holder (at least once, same event ids).
+            await steps.run("outbox relay", asyncio.wait({self._relay_task}))
         for task in self._background:
             task.cancel()
         if self._background:
             await steps.run("background loops", asyncio.wait(self._background))
         if self._producer is not None:
             await steps.run("producer flush", self._producer.stop())  # what is buffered
+        if self._relay_producer is not None:
+            await steps.run("outbox producer", self._relay_producer.stop())
         if self.inbox is not None:
             await steps.run("PostgreSQL close", self.inbox.close())
         if hasattr(self, "redis"):

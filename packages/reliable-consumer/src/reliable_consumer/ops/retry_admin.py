@@ -39,7 +39,12 @@ from reliable_consumer.engine.records import Delivery, Outcome
 from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.redis.client import RedisOps, make_client, reply_text
 from reliable_consumer.engine.redis.delay_queue import now_ms
-from reliable_consumer.engine.redis.idempotency import DeadRequest, TokenSource, fingerprint
+from reliable_consumer.engine.redis.idempotency import (
+    DeadRequest,
+    TokenSource,
+    dead_record,
+    fingerprint,
+)
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.lua import claims as lua_claims
 from reliable_consumer.engine.redis.lua.common import NOW
@@ -232,8 +237,8 @@ def dedupe_key_of(registry: Registry, delivery: Delivery, max_bytes: int) -> tup
     if isinstance(payload, DecodeFailure):
         return handler.name, None
     try:
-        key = handler.key_of(payload)
-    except Exception:  # a callable dedupe key refusing the payload
+        key = handler.key_of(payload, delivery.headers)
+    except Exception:  # a callable dedupe key refusing the payload, its header missing
         return handler.name, None
     return handler.name, key or None
 
@@ -541,10 +546,9 @@ class _Dropper:
             fingerprint=fp,
             retry_id=delivery.retry_id,
             chain=delivery.chain,
+            retry_lease=lease,
         )
-        record = [
-            [request.key, request.token, request.fingerprint, request.retry_id, request.chain]
-        ]
+        record = [dead_record(request)]
         ttl = settings.idempotency.ttl_s
         args = ["" if ttl is None else ttl, orjson.dumps(record), lease]
         queue_keys = [keys.retry_inflight, keys.retry_due, keys.retry_items]

@@ -11,9 +11,10 @@ read, and only the records that mention the key's JSON text are decoded.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer
@@ -21,9 +22,11 @@ from aiokafka.structs import TopicPartition
 
 from reliable_consumer.engine.declaration.ledger import Ledger
 from reliable_consumer.engine.declaration.location import current_app
+from reliable_consumer.engine.handlers.emissions import event_id
 from reliable_consumer.engine.handlers.registry import Handler, Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.outcome_events import UnreadableOutcome, decode, mentions
+from reliable_consumer.engine.outbox.redis_store import emission_of, stream_id_ms
 from reliable_consumer.engine.redis import long_keys
 from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.redis.keys import RedisKeys
@@ -58,6 +61,9 @@ class HandlerTrace:
     dead_letters: tuple[DeadLetter, ...]
     events: tuple[dict[str, Any], ...]  # outcome events, in the order they became durable
     state: str
+    # What it emitted for the key (docs/outbox.md): pending in the Redis outbox, and
+    # published (topic, partition, offset) as the relay's trail remembers, oldest first.
+    emitted: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -68,6 +74,7 @@ class HandlerTrace:
             "retries": [r.to_json() for r in self.retries],
             "dead_letters": [d.to_json() for d in self.dead_letters],
             "events": list(self.events),
+            "emitted": list(self.emitted),
         }
 
 
@@ -227,6 +234,60 @@ async def ledger_for(
     return out
 
 
+SCAN_PAGE = 5000
+Entry = tuple[bytes, dict[bytes, bytes]]
+
+
+async def _scan(
+    client: aioredis.Redis, stream: str
+) -> AsyncIterator[tuple[str, dict[bytes, bytes]]]:
+    """Every entry of ``stream``, oldest first, a page at a time (the outbox holds what
+    waits, the trail is capped: both bounded)."""
+    start = "-"
+    while True:
+        page = cast(list[Entry], await client.xrange(stream, start, "+", count=SCAN_PAGE))
+        for raw_id, fields in page:
+            yield raw_id.decode(), fields
+        if len(page) < SCAN_PAGE:
+            return
+        start = "(" + page[-1][0].decode()
+
+
+async def emitted_for(
+    client: aioredis.Redis, keys: RedisKeys, handler: str, dedupe_key: str
+) -> list[dict[str, Any]]:
+    """The records ``handler`` emitted for ``dedupe_key``: each event id's pending entry
+    in the Redis outbox, and every published copy the trail holds."""
+    prefix = event_id(handler, dedupe_key, 0).rpartition(":")[0] + ":"
+    out: list[dict[str, Any]] = []
+    async for position, fields in _scan(client, keys.outbox):
+        if fields.get(b"event", b"").decode().startswith(prefix):
+            emission, _ = emission_of(fields)
+            out.append(
+                {
+                    "event_id": emission.event_id,
+                    "state": "pending",
+                    "topic": emission.topic,
+                    "written": iso_ms(stream_id_ms(position)),
+                }
+            )
+    async for position, fields in _scan(client, keys.outbox_published):
+        event = fields.get(b"event", b"").decode()
+        if event.startswith(prefix):
+            out.append(
+                {
+                    "event_id": event,
+                    "state": "published",
+                    "store": fields.get(b"store", b"").decode(),
+                    "topic": fields.get(b"topic", b"").decode(),
+                    "partition": int(fields.get(b"partition", b"-1")),
+                    "offset": int(fields.get(b"offset", b"-1")),
+                    "published": iso_ms(stream_id_ms(position)),
+                }
+            )
+    return out
+
+
 async def trace(
     settings: Settings, registry: Registry, dedupe_key: str, *, handler: str | None = None
 ) -> Trace:
@@ -240,6 +301,11 @@ async def trace(
     client = make_client(settings.redis)
     try:
         markers = {h.name: await _marker_for(client, keys, h.name, dedupe_key) for _, h in bound}
+        emitted = {
+            h.name: tuple(await emitted_for(client, keys, h.name, dedupe_key))
+            for _, h in bound
+            if h.emits
+        }
     finally:
         await client.aclose()
     retries = await list_retries(
@@ -264,6 +330,7 @@ async def trace(
                 dead_letters=own_letters,
                 events=own_events,
                 state=summarise(marker, own_retries, own_letters),
+                emitted=emitted.get(h.name, ()),
             )
         )
     ledger = await ledger_for(settings, dedupe_key)

@@ -46,11 +46,13 @@ from reliable_consumer.engine.batch.processing import Processor
 from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.handlers.breaker import Breakers
+from reliable_consumer.engine.handlers.emissions import Emission
 from reliable_consumer.engine.handlers.policies import BreakerPolicy
 from reliable_consumer.engine.handlers.registry import Handler, Registry
 from reliable_consumer.engine.kafka.outcome_events import decode_all
 from reliable_consumer.engine.kafka.publisher import Publisher
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.outbox.postgres_store import emitted_by
 from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.records import Delivery, Outcome, clean_headers
 from reliable_consumer.engine.redis.client import RedisOps
@@ -245,11 +247,51 @@ class HandlerTestKit:
         None for a tombstone. ``key`` is the Kafka key (per-key order follows it).
         Headers in the worker's reserved namespace are dropped, as the worker drops them.
         """
+        (result,) = await self._run(
+            [self._delivery(payload, key, partition, headers, timestamp_ms)]
+        )
+        return result
+
+    async def send_batch(
+        self,
+        payloads: Sequence[Payload],
+        *,
+        key: bytes | str | None = None,
+        partition: int = 0,
+        headers: Sequence[tuple[str, bytes]] = (),
+    ) -> list[Result]:
+        """Fresh records through the path in ONE batch, as one poll delivers them (a
+        postgres handler's records then share one wave's transaction); their results."""
+        deliveries = [self._delivery(p, key, partition, headers, None) for p in payloads]
+        return await self._run(deliveries)
+
+    async def emitted(self) -> list[Emission]:
+        """What the handler's applied records emitted (``ctx.emit``), as the outbox holds
+        it, in the order the relay publishes it: published or not. A postgres handler's
+        come from the ``kafka_outbox`` table (only this handler's rows)."""
+        if self.inbox is None:
+            raise ValueError(
+                f"handler {self.handler.name!r} keeps its effects in Redis: the kit shows "
+                "the emissions of a postgres handler (store='postgres')"
+            )
+        if not self._inbox_open:
+            await self.inbox.open()
+            self._inbox_open = True
+        return await emitted_by(self.inbox.pool, self.handler.name)
+
+    def _delivery(
+        self,
+        payload: Payload,
+        key: bytes | str | None,
+        partition: int,
+        headers: Sequence[tuple[str, bytes]],
+        timestamp_ms: int | None,
+    ) -> Delivery:
         if not 0 <= partition < self._partitions:
             raise ValueError(f"partition {partition} is not one of the kit's {self._partitions}")
         offset = self._next_offset[partition]
         self._next_offset[partition] += 1
-        delivery = Delivery(
+        return Delivery(
             self.topic,
             partition,
             offset,
@@ -258,8 +300,6 @@ class HandlerTestKit:
             clean_headers(headers, fault_injection=self.settings.fault_injection),
             timestamp_ms if timestamp_ms is not None else int(time.time() * 1000),
         )
-        (result,) = await self._run([delivery])
-        return result
 
     async def run_due_retries(self, *, advance_s: float = 0.0) -> list[Result]:
         """Move the delay queue's clock ``advance_s`` on, then run what is due, as the

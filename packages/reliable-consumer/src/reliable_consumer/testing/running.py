@@ -219,6 +219,8 @@ class RunningService:
         # create them. create_topics returns once every partition has a leader.
         topics.update(dict.fromkeys(self._dead_letter_topics, 1))
         topics[self.outcomes_topic] = 1
+        for emitted in self.registry.emitted_topics:  # where the relay publishes
+            topics.setdefault(emitted, self._partitions)
         await create_topics(s.kafka.bootstrap_servers, topics)
         self._producer = AIOKafkaProducer(acks="all", **connection_kwargs(s.kafka))
         await self._producer.start()

@@ -593,6 +593,8 @@ class ApacheKafkaCluster:
             "-Xms64m",
             "-XX:+UseSerialGC",
             "-XX:TieredStopAtLevel=1",
+            # No /tmp/hsperfdata_<user> file: a broker the tests SIGKILL would leave it behind.
+            "-XX:-UsePerfData",
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.workdir / 'log4j2.properties'}",
             "-cp",

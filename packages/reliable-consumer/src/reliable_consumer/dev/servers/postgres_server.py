@@ -150,11 +150,15 @@ class PostgresServer(ManagedServer):
         bin_dir: Path | None = None,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         extra_config: dict[str, str] | None = None,
+        copy_of: Path | None = None,
     ) -> None:
         """``data_dir`` receives the server's log and initdb's output. The cluster lives in
         ``cluster_dir`` when given (kept: the dev stack's, which outlives the process), else
         in a directory made for this server under ``clusters_dir()`` at its first start and
-        removed by ``close()`` (restarts keep it)."""
+        removed by ``close()`` (restarts keep it). ``copy_of``, another server's complete
+        ``cluster_dir`` that no server runs on, is copied in place of initdb: the test kit
+        makes one cluster per session and gives each test's server a copy (initdb is seconds
+        on a loaded machine, the copy a fraction of one)."""
         self.bin_dir = bin_dir or find_postgres_bin()
         super().__init__(
             binary=self.bin_dir / "postgres",
@@ -164,6 +168,7 @@ class PostgresServer(ManagedServer):
         )
         self.extra_config = dict(extra_config or {})
         self._cluster_dir = cluster_dir.resolve() if cluster_dir is not None else None
+        self._copy_of = copy_of.resolve() if copy_of is not None else None
         self._remove_cluster_dir: weakref.finalize[..., PostgresServer] | None = None
 
     @property
@@ -203,7 +208,10 @@ class PostgresServer(ManagedServer):
             "--",
         ]
 
-    def _prepare(self) -> None:
+    def prepare_cluster(self) -> None:
+        """Make the cluster (initdb, or the copy of ``copy_of``) unless it is complete;
+        ``start()`` does this first. Alone, it makes a cluster for others to copy."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         root = self.cluster_dir
         root.mkdir(mode=0o700, exist_ok=True)
         if _as_root():
@@ -212,12 +220,39 @@ class PostgresServer(ManagedServer):
             os.chown(root, user.pw_uid, user.pw_gid)
         if self._complete():
             return
-        self._initdb()
+        if self._copy_of is not None:
+            self._copy_cluster(self._copy_of)
+        else:
+            self._initdb()
 
-    def _complete(self) -> bool:
-        return (self.cluster_dir / COMPLETE_MARK).is_file() and (
-            self.pgdata / "PG_VERSION"
-        ).is_file()
+    def _prepare(self) -> None:
+        self.prepare_cluster()
+
+    def _complete(self, cluster_dir: Path | None = None) -> bool:
+        root = cluster_dir or self.cluster_dir
+        return (root / COMPLETE_MARK).is_file() and (root / "pgdata" / "PG_VERSION").is_file()
+
+    def _copy_cluster(self, source: Path) -> None:
+        """Copy a complete cluster's ``pgdata`` in, as the user that runs the server (who
+        then owns every file, as after initdb); marked complete once the copy succeeded."""
+        if not self._complete(source):
+            raise DevStackError(f"{source} holds no complete cluster to copy (no {COMPLETE_MARK})")
+        (self.cluster_dir / COMPLETE_MARK).unlink(missing_ok=True)
+        if self.pgdata.exists():
+            shutil.rmtree(self.pgdata)
+        result = subprocess.run(
+            [*self._run_as(), "cp", "-a", "--", str(source / "pgdata"), str(self.pgdata)],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=self.cluster_dir,
+        )
+        if result.returncode != 0:
+            raise DevStackError(
+                f"copying the cluster {source} failed (exit {result.returncode}): "
+                f"{result.stderr.strip()[-1500:]}"
+            )
+        (self.cluster_dir / COMPLETE_MARK).write_text(f"copied from {source}\n")
 
     def _initdb(self) -> None:
         """Make the cluster anew; mark it complete only once initdb has succeeded.

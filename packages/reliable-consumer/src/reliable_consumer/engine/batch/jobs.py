@@ -15,7 +15,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from reliable_consumer.engine.handlers.context import Effects
+from reliable_consumer.engine.handlers.emissions import Emissions
 from reliable_consumer.engine.handlers.registry import Handler
+from reliable_consumer.engine.observation.tracing import RecordSpan
 from reliable_consumer.engine.records import Delivery, Outcome
 from reliable_consumer.engine.redis import long_keys
 
@@ -47,6 +49,8 @@ class Job:
     holds_claim: bool = False
     claim_until: float = 0.0  # monotonic time the claim surely lasts to (from its send time)
     effects: Effects | None = None
+    # What its handler emitted, written to the outbox with the effects (None: emits nothing).
+    emissions: Emissions | None = None
     fate: Fate | None = None
     reason: str | None = None  # dead-letter reason, retry error, or duplicate kind
     detail: str = ""  # dead-letter error text
@@ -64,6 +68,8 @@ class Job:
     # whether that row was an earlier delivery's (a duplicate) rather than this one's.
     committed: bool = False
     inbox_duplicate: bool = False
+    # Its processing span while tracing is on (observation/tracing.py, batch/traces.py).
+    span: RecordSpan | None = None
 
     @property
     def name(self) -> str:

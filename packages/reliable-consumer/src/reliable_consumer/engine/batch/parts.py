@@ -20,6 +20,7 @@ from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.redis.delay_queue import RetryQueue
 from reliable_consumer.engine.redis.idempotency import Idempotency
 from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.schemas.writer_schemas import WriterSchemas
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.stalls import Stalls
 
@@ -42,3 +43,5 @@ class Parts:
     # Hears of what holds progress back outside the records (the worker's, when it runs).
     stalls: Stalls | None
     keys: RedisKeys
+    # Writers' schemas fetched from the schema registry (None: no RegistryAvro handler bound).
+    schemas: WriterSchemas | None = None

@@ -57,6 +57,7 @@ from reliable_consumer.engine.handlers.stuck_calls import (
     fence,
     within,
 )
+from reliable_consumer.engine.outbox.postgres_store import write_emissions
 from reliable_consumer.engine.postgres.inbox import (
     STALL,
     Entered,
@@ -229,7 +230,14 @@ class PostgresWaves:
             tx.broken = error
             return None
         if error is None:
-            tx.release(row)  # its RELEASE goes with the next record's SAVEPOINT
+            try:
+                # Its emissions, queued in its savepoint: kept with its effects, or undone
+                # with them when the sync finds its statements failed.
+                await write_emissions(tx.conn, job.emissions)
+            except Exception as exc:
+                error = exc
+            else:
+                tx.release(row)  # its RELEASE goes with the next record's SAVEPOINT
         return Ran(job, entered, error, limit_s)
 
     async def _settle(self, tx: WaveTransaction, ran: list[Ran], waiting: list[Job]) -> list[Ran]:
@@ -328,7 +336,11 @@ class PostgresWaves:
         ``CallAbandoned`` raised. It still holds ``ctx.db``, so the wave's connection is
         closed at once: nothing it sends reaches any transaction, and it is never reused.
         """
-        call = asyncio.ensure_future(self._call(job, ctx))
+        if job.span is None:
+            call = asyncio.ensure_future(self._call(job, ctx))
+        else:  # the task starts with the record's span as its current context
+            with job.span.current():
+                call = asyncio.ensure_future(self._call(job, ctx))
         try:
             ended = await within(call, limit_s, self._grace_s)
         finally:

@@ -28,13 +28,16 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
 from redis.asyncio import Redis
 
+from reliable_consumer.engine.batch import traces
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.batch.gate import Gate, GaveUp
 from reliable_consumer.engine.batch.jobs import Fate, Job, key_waves, log_fields
+from reliable_consumer.engine.batch.leases import LeaseKeeper
 from reliable_consumer.engine.batch.parts import Parts
 from reliable_consumer.engine.batch.postgres_wave import PostgresWaves
 from reliable_consumer.engine.batch.runner import HandlerRunner
@@ -46,6 +49,7 @@ from reliable_consumer.engine.handlers.stuck_calls import StuckCalls
 from reliable_consumer.engine.kafka.clients import make_producer
 from reliable_consumer.engine.kafka.publisher import Publisher, document_bytes_for
 from reliable_consumer.engine.observation.metrics import Metrics
+from reliable_consumer.engine.observation.tracing import RecordTracer, record_tracer
 from reliable_consumer.engine.postgres.checks import until_checked
 from reliable_consumer.engine.postgres.inbox import InboxStore
 from reliable_consumer.engine.records import Delivery, Outcome
@@ -54,9 +58,14 @@ from reliable_consumer.engine.redis.delay_queue import RetryQueue
 from reliable_consumer.engine.redis.idempotency import Idempotency
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.persistence_check import check_persistence
+from reliable_consumer.engine.schemas.registry_client import RegistryClient
+from reliable_consumer.engine.schemas.writer_schemas import WaitAbandoned, WriterSchemas
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.stalls import Stalls
 from reliable_consumer.engine.until_done import until_done
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +91,11 @@ class Processor:
         breakers: Breakers | None = None,
         inbox: InboxStore | None = None,
         stalls: Stalls | None = None,
+        tracer_provider: TracerProvider | None = None,
+        schemas: WriterSchemas | None = None,
     ) -> None:
+        if schemas is None and registry.uses_schema_registry:
+            schemas = writer_schemas(settings, metrics, stalls)
         self.parts = Parts(
             settings,
             registry,
@@ -96,6 +109,7 @@ class Processor:
             stuck=StuckCalls(metrics, stalls),
             stalls=stalls,
             keys=RedisKeys(settings.redis.key_prefix),
+            schemas=schemas,
         )
         self._settings = settings
         self.decisions = Decisions(self.parts)
@@ -107,6 +121,8 @@ class Processor:
         self._sql: PostgresWaves | None = None
         if inbox is not None:
             self._sql = PostgresWaves(inbox, self.parts, self.decisions, self._runner)
+        # A span per record when tracing is on (observation/tracing.py); None costs nothing.
+        self.tracer: RecordTracer | None = record_tracer(settings.kafka.group_id, tracer_provider)
 
     @classmethod
     def build(
@@ -121,13 +137,15 @@ class Processor:
         breakers: Breakers | None = None,
         inbox: InboxStore | None = None,
         outcomes_max_message_bytes: int | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> Processor:
         """The record path over an open Redis client and a started producer.
 
         ``stalls`` hears of what holds progress back outside the records (the worker's,
         so readiness and ``worker_stalled`` see it), e.g. a dead-letter topic that is missing.
         ``outcomes_max_message_bytes``: the outcomes topic's limit, when the start-up check
-        read it; outcome documents are cut to fit it.
+        read it; outcome documents are cut to fit it. ``tracer_provider``: where the record
+        spans go (tests); by default the process's, when tracing is on.
         """
         keys = RedisKeys(settings.redis.key_prefix)
         idempotency = Idempotency(
@@ -156,6 +174,7 @@ class Processor:
             breakers,
             inbox,
             stalls,
+            tracer_provider,
         )
 
     async def process(self, delivery: Delivery) -> Outcome:
@@ -250,7 +269,22 @@ class Processor:
         ``GaveUp``) on shutdown or when the partition is revoked.
         """
         deliveries = await self.decisions.vet_redrives(deliveries)
+        try:
+            await self.decisions.fetch_writer_schemas(deliveries, give_up or _never)
+        except WaitAbandoned:
+            raise GaveUp from None  # left uncommitted, like a record held at an open circuit
         jobs = [self.decisions.prepare(d) for d in deliveries]
+        if self.tracer is None:
+            await self._decide(jobs, ordered, give_up)
+        else:
+            with traces.traced(self.tracer, jobs):  # a span per record, ended with the batch
+                await self._decide(jobs, ordered, give_up)
+        return [j.outcome or Outcome.DEAD_LETTERED for j in jobs]
+
+    async def _decide(
+        self, jobs: list[Job], ordered: bool, give_up: Callable[[], bool] | None
+    ) -> None:
+        """The batch's stages, every record to a durable fate."""
         live = [j for j in jobs if j.fate is None]
         ordering = self._settings.ordering if ordered else "none"
         if ordering == "partition":
@@ -262,30 +296,50 @@ class Processor:
         # Chains a record of this batch will park in: its key's later records wait behind it
         # (they park after it, in offset order, in the same PARK call).
         parking: set[str] = set()
-        for wave in waves:
-            if parking:
-                for job in wave:
-                    if job.chain in parking:
-                        job.park_behind()
-            pending = wave
-            while pending:
-                admitted, pending = await self._gate.admit(pending, give_up)
-                await self.decisions.claim(admitted)
-                live = [j for j in admitted if j.fate is None]
-                sql = [j for j in live if j.handler and j.handler.store == "postgres"]
-                if sql:
-                    live = [j for j in live if j.handler and j.handler.store != "postgres"]
-                await self._runner.run(live)
-                if sql:  # one transaction, committed before FINISH marks the keys done
-                    await self._postgres(sql)
-                await self.decisions.claim_failed(admitted)
-                await self.decisions.finish(admitted)
-                pending += await self._gate.held(admitted)
-            parking.update(j.chain for j in wave if j.chain and j.fate is Fate.PARK)
+        # Later waves wait for earlier ones, and parked records for the last: their leases
+        # are kept alive meanwhile (leases.py).
+        keeper = None
+        if len(waves) > 1:
+            keeper = LeaseKeeper(self.parts.idempotency, self._settings, jobs)
+        try:
+            for wave in waves:
+                if keeper is not None:
+                    await keeper.hand_over(wave)
+                await self._wave(wave, parking, give_up)
+        finally:
+            if keeper is not None:
+                await keeper.stop()
+        if self.tracer is not None:
+            traces.decided(jobs)
         await self.decisions.park([j for j in jobs if j.fate is Fate.PARK])
         await self.decisions.dead_letter([j for j in jobs if j.fate is Fate.DEAD_LETTER])
         await self.decisions.emit(jobs)
-        return [j.outcome or Outcome.DEAD_LETTERED for j in jobs]
+
+    async def _wave(
+        self, wave: list[Job], parking: set[str], give_up: Callable[[], bool] | None
+    ) -> None:
+        """One wave to its fate (FINISH for the succeeded; the parked wait for the batch)."""
+        if parking:
+            for job in wave:
+                if job.chain in parking:
+                    job.park_behind()
+        pending = wave
+        while pending:
+            admitted, pending = await self._gate.admit(pending, give_up)
+            await self.decisions.claim(admitted)
+            live = [j for j in admitted if j.fate is None]
+            sql = [j for j in live if j.handler and j.handler.store == "postgres"]
+            if sql:
+                live = [j for j in live if j.handler and j.handler.store != "postgres"]
+            await self._runner.run(live)
+            if sql:  # one transaction, committed before FINISH marks the keys done
+                await self._postgres(sql)
+            await self.decisions.claim_failed(admitted)
+            await self.decisions.finish(admitted)
+            if self.tracer is not None:
+                traces.held(admitted)
+            pending += await self._gate.held(admitted)
+        parking.update(j.chain for j in wave if j.chain and j.fate is Fate.PARK)
 
     async def _postgres(self, jobs: list[Job]) -> None:
         if self._sql is None:
@@ -297,13 +351,22 @@ class Processor:
             )
         await self._sql.run(jobs)
 
+    def on_emitted(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` whenever FINISH appended emitted records to the Redis outbox."""
+        self.parts.idempotency.on_emitted = wake
+
     def stop_retrying(self) -> None:
-        """Kafka writes give up after their current try (shutdown, past its grace)."""
+        """Kafka writes and schema look-ups give up after their current try (shutdown, past
+        its grace)."""
         self.parts.publisher.stopping = True
+        if self.parts.schemas is not None:
+            self.parts.schemas.stopping = True
 
     async def aclose(self) -> None:
         """Stop the handler runners (after the batches using them have ended)."""
         await self._runner.aclose()
+        if self.parts.schemas is not None:
+            await self.parts.schemas.aclose()
         if self.stuck:
             # asyncio cancels them once more at exit and waits for them: said, not hidden.
             log.error(
@@ -311,6 +374,35 @@ class Processor:
                 "they end, or when it is killed",
                 len(self.stuck),
             )
+
+
+def _never() -> bool:
+    return False
+
+
+def writer_schemas(settings: Settings, metrics: Metrics, stalls: Stalls | None) -> WriterSchemas:
+    """The cache of writers' schemas over a client of the configured registry."""
+    config = settings.schema_registry
+    if config.url is None:
+        from reliable_consumer.engine.errors import ConfigurationError
+
+        raise ConfigurationError(
+            "a bound handler reads schema-registry values (value_format=RegistryAvro): "
+            "set WORKER_SCHEMA_REGISTRY__URL"
+        )
+    client = RegistryClient(
+        config.url,
+        timeout_s=config.timeout_s,
+        metrics=metrics,
+        username=config.username,
+        password=config.password.get_secret_value() if config.password else None,
+    )
+    return WriterSchemas(
+        client,
+        stalls=stalls,
+        unknown_ttl_s=config.unknown_id_ttl_s,
+        outage_summary_interval_s=settings.outage_summary_interval_s,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -30,6 +30,7 @@ from reliable_consumer.engine.batch.parts import Parts
 from reliable_consumer.engine.handlers import faults
 from reliable_consumer.engine.handlers.breaker import BreakerState, Failure
 from reliable_consumer.engine.handlers.context import Context, Effects
+from reliable_consumer.engine.handlers.emissions import Emissions
 from reliable_consumer.engine.handlers.pool import HandlerPool, Slot
 from reliable_consumer.engine.handlers.redaction import describe_error
 from reliable_consumer.engine.handlers.stuck_calls import CallAbandoned, fence
@@ -86,7 +87,11 @@ class HandlerRunner:
                     continue
                 inline[handler.name] += 1
                 job.ran = True
-                handler.run_sync(payload, ctx)
+                if job.span is None:
+                    handler.run_sync(payload, ctx)
+                else:  # its calls become children of the record's span
+                    with job.span.current():
+                        handler.run_sync(payload, ctx)
                 untold[handler.name, job.delivery.attempt == 1] += 1
             except Exception as exc:
                 job.ran = True
@@ -124,6 +129,7 @@ class HandlerRunner:
         started = time.perf_counter()
         job.ran = True
         abandon = functools.partial(self._abandoned, job, ctx, limit_s, started)
+        traced = job.span.attach() if job.span is not None else None  # this runner's context
         try:
             with slot.deadline(limit_s, job.handler.name, abandon):
                 if hang:
@@ -139,6 +145,8 @@ class HandlerRunner:
         except Exception as exc:
             self.failed(job, exc)
         finally:
+            if traced is not None:
+                traced.detach()
             if not slot.abandoned:  # else measured when it was abandoned
                 self.observe(job.name, time.perf_counter() - started)
 
@@ -168,7 +176,7 @@ class HandlerRunner:
         effects = job.effects = Effects([], self._key_prefix, job.handler.namespaces)
         if job.handler.store == "postgres":
             effects.refusal = POSTGRES_EFFECTS_REFUSAL
-        return Context(  # positional: this runs once per record
+        ctx = Context(  # positional: this runs once per record
             d.topic,
             d.partition,
             d.offset,
@@ -181,6 +189,11 @@ class HandlerRunner:
             self._parts.redis,
             self._key_prefix,
         )
+        if job.handler.emits:
+            ctx.emissions = job.emissions = Emissions(
+                job.handler.name, job.handler.emits, job.dedupe_key or ""
+            )
+        return ctx
 
     def timeout_of(self, job: Job) -> float:
         """The call's deadline: its handler's own timeout, else the settings'."""
@@ -217,7 +230,8 @@ class HandlerRunner:
         if status is ExtendStatus.OK:
             job.claim_until = sent + claim_ms / 1000
             if lease is not None:  # the new fencing token: PARK must present this one
-                job.delivery = replace(job.delivery, retry_lease=lease)
+                leased_until = sent + request.retry_ms / 1000
+                job.delivery = replace(job.delivery, retry_lease=lease, leased_until=leased_until)
             return True
         busy_ms = settings.retry.busy_delay_ms
         if status is ExtendStatus.LOST_CLAIM:

@@ -12,11 +12,17 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reliable_consumer.engine.errors import PermanentError
+from reliable_consumer.engine.handlers.emissions import (
+    Emissions,
+    EmittedValue,
+    HeaderValue,
+    InvalidEmission,
+)
 from reliable_consumer.engine.redis.keys import ENGINE_NAMESPACES, effect_key
 
 if TYPE_CHECKING:
@@ -317,6 +323,8 @@ class Context:
     # A postgres handler's connection, inside the transaction that writes its inbox row
     # (under a savepoint of this record's own); None for Redis-effects handlers.
     db: AsyncConnection[Any] | None = None
+    # The records it emits through the outbox; None unless its handler declares ``emits``.
+    emissions: Emissions | None = None
 
     def redis_key(self, namespace: str, *parts: str) -> str:
         """A key in this service's ``namespace``, e.g. ``ctx.redis_key("ledger", "purchases")``.
@@ -327,6 +335,28 @@ class Context:
         handler's own name and the namespaces its ``@handler(writes=...)`` declares.
         """
         return effect_key(self.key_prefix, namespace, *parts)
+
+    def emit(
+        self,
+        topic: str,
+        value: EmittedValue,
+        *,
+        key: bytes | str | None = None,
+        headers: Mapping[str, HeaderValue] | Iterable[tuple[str, HeaderValue]] = (),
+    ) -> str:
+        """Publish a record to ``topic`` if, and only if, this record's effects apply.
+
+        It is written to the outbox with the effects, in the same atomic unit, and
+        published by the relay in order per key, with an ``event-id`` header (returned
+        here) that every copy of it carries. ``value`` is bytes, str, a pydantic model
+        or a JSON mapping; ``topic`` must be one the handler declares in ``emits``.
+        """
+        if self.emissions is None:
+            raise InvalidEmission(
+                f"this handler declares no topic it emits; to publish to {topic[:250]!r}, "
+                "declare it: @handler(..., emits=(...))"
+            )
+        return self.emissions.emit(topic, value, key=key, headers=headers)
 
     def header(self, name: str) -> bytes | None:
         for key, value in self.headers:

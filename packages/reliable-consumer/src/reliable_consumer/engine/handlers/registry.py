@@ -30,8 +30,11 @@ from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.declaration.naming import check_handler_name
 from reliable_consumer.engine.errors import ConfigurationError, PermanentError, RetryableError
 from reliable_consumer.engine.handlers.context import Context
+from reliable_consumer.engine.handlers.emissions import check_emits
+from reliable_consumer.engine.handlers.header_key import HeaderKey
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.redis.keys import ENGINE_NAMESPACES
+from reliable_consumer.engine.schemas.avro import RegistryAvro
 
 M = TypeVar("M", bound=BaseModel)
 # A handler is ``async def`` when it awaits I/O, or plain ``def`` when it only decides and
@@ -77,7 +80,7 @@ class Handler(Generic[M]):
 
     name: str
     model: type[M]
-    dedupe_key: str | Callable[[M], str]
+    dedupe_key: str | Callable[[M], str] | HeaderKey
     func: HandlerFunc[M]
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
@@ -99,6 +102,11 @@ class Handler(Generic[M]):
     # lets it overtake. None follows WORKER_ORDERING ("none" there means "none").
     ordering: Literal["key", "none"] | None = None
     store: Store = "redis"
+    # The topics its ``ctx.emit`` may publish to, through the outbox (handlers/emissions.py).
+    emits: frozenset[str] = frozenset()
+    # How the record value is written: None is JSON; ``RegistryAvro`` is Avro in the schema
+    # registry's wire format, read with the declared reader schema (engine/schemas/).
+    value_format: RegistryAvro | None = None
     # Its name and ``writes``: the only ``{prefix}:<namespace>`` its effects may touch.
     namespaces: frozenset[str] = field(init=False, default=frozenset())
 
@@ -106,9 +114,13 @@ class Handler(Generic[M]):
         """Refuse names and namespaces that would reach into the engine's keys."""
         object.__setattr__(self, "writes", tuple(self.writes))
         object.__setattr__(self, "namespaces", _check_namespaces(self.name, self.writes))
+        object.__setattr__(self, "emits", check_emits(self.name, self.emits))
 
-    def key_of(self, payload: M) -> str:
-        """The dedupe key: the idempotency identity of the business event."""
+    def key_of(self, payload: M, headers: Sequence[tuple[str, bytes]] = ()) -> str:
+        """The dedupe key: the idempotency identity of the business event, from the payload
+        or (``header(name)``) from the record's ``headers``."""
+        if isinstance(self.dedupe_key, HeaderKey):
+            return self.dedupe_key.of(headers)
         if callable(self.dedupe_key):
             return str(self.dedupe_key(payload))
         return str(getattr(payload, self.dedupe_key))
@@ -141,7 +153,7 @@ def handler(
     name: str,
     *,
     model: type[M],
-    dedupe_key: str | Callable[[M], str],
+    dedupe_key: str | Callable[[M], str] | HeaderKey,
     retry_on: Iterable[type[BaseException]] = (),
     fail_on: Iterable[type[BaseException]] = (),
     timeout_s: float | None = None,
@@ -152,6 +164,8 @@ def handler(
     dependency: str | None = None,
     ordering: Literal["key", "none"] | None = None,
     store: Store = "redis",
+    emits: Iterable[str] = (),
+    value_format: RegistryAvro | None = None,
 ) -> Callable[[HandlerFunc[M]], Handler[M]]:
     """Declare a handler; the decorated function becomes a :class:`Handler`.
 
@@ -177,8 +191,24 @@ def handler(
     savepoint of its own) and does its own SQL there; the worker writes its inbox row in
     the same transaction, so the effects and "this record is done" commit together
     (docs/postgres.md). Its ``ctx.effects`` refuses every command.
+
+    ``dedupe_key`` is a field of the model, a callable of the payload, or
+    ``header("event-id")``: the value of that header of the record (a record without it is
+    dead-lettered ``malformed``), how a consumer dedupes the events another service's outbox
+    published, each copy carrying the same ``event-id``.
+
+    ``emits`` names the topics the handler publishes to with ``ctx.emit(topic, value,
+    key=..., headers=...)``: those records are written to the outbox with its effects, only
+    when they apply, and published by the relay, each with an ``event-id`` header that is
+    the same on every copy (docs/outbox.md).
+
+    ``value_format=RegistryAvro(reader_schema)`` reads values a schema registry's serializer
+    wrote (magic byte, schema id, Avro): each is decoded with its writer's schema, fetched
+    from ``WORKER_SCHEMA_REGISTRY__URL`` once per id, resolved to ``reader_schema``, then
+    validated into ``model`` (docs/schemas.md). Without it a value is JSON.
     """
     writes = tuple(writes)
+    emitted_topics = check_emits(name, emits)
     _check_namespaces(name, writes)  # at declaration, before the function is even wrapped
 
     if retry is not None and not isinstance(retry, RetryPolicy):
@@ -206,6 +236,11 @@ def handler(
             f"handler {name!r}: dedupe_key {dedupe_key!r} is not a field of {model.__name__}"
         )
 
+    if value_format is not None:
+        if not isinstance(value_format, RegistryAvro):
+            raise ConfigurationError(f"handler {name!r}: value_format= takes a RegistryAvro")
+        value_format.check_model(name, model.model_fields)
+
     def wrap(func: HandlerFunc[M]) -> Handler[M]:
         if store == "postgres" and not inspect.iscoroutinefunction(func):
             raise ConfigurationError(
@@ -227,6 +262,8 @@ def handler(
             dependency=dependency,
             ordering=ordering,
             store=store,
+            emits=emitted_topics,
+            value_format=value_format,
         )
 
     return wrap
@@ -298,9 +335,25 @@ class Registry:
         return list(self._by_topic.items())
 
     @property
+    def emits(self) -> bool:
+        """Whether a bound handler emits records (the worker runs the outbox relay)."""
+        return any(h.emits for h in self._by_topic.values())
+
+    @property
+    def emitted_topics(self) -> list[str]:
+        """The topics the bound handlers emit to (``emits=``), sorted: the relay publishes
+        there, so whatever creates the bound topics creates these too."""
+        return sorted({t for h in self._by_topic.values() for t in h.emits})
+
+    @property
     def uses_postgres(self) -> bool:
         """Whether a bound handler keeps its effects in PostgreSQL (the worker needs it)."""
         return any(h.store == "postgres" for h in self._by_topic.values())
+
+    @property
+    def uses_schema_registry(self) -> bool:
+        """Whether a bound handler reads registry-framed values (the worker needs the URL)."""
+        return any(h.value_format is not None for h in self._by_topic.values())
 
     def check_stores(self, postgres_url_set: bool) -> None:
         """Refuse, before anything connects, a postgres handler bound without a database."""

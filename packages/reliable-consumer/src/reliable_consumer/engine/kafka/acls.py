@@ -2,12 +2,13 @@
 broker's refusal of one of them means.
 
 The list is computed, not written down: each bound topic, its dead-letter topic, the
-outcomes topic (when enabled), the consumer group and the start-up checks' reads all
-come from the settings and the app declaration, so a new binding brings its ACLs with
-it and ``service acls`` prints what to grant. Only what each operation needs is listed:
-Kafka's ``Read`` and ``Write`` imply ``Describe``, so ``Describe`` is never listed on
-its own; the producer is not idempotent and uses no transactions, so neither
-``IdempotentWrite`` nor a ``TransactionalId`` ACL is needed.
+outcomes topic (when enabled), the topics the bound handlers emit to (``emits=``), the
+consumer group and the start-up checks' reads all come from the settings and the app
+declaration, so a new binding brings its ACLs with it and ``service acls`` prints what to
+grant. Only what each operation needs is listed: Kafka's ``Read`` and ``Write`` imply
+``Describe``, so ``Describe`` is never listed on its own; no producer uses transactions, and
+the outbox relay's idempotent producer needs only ``Write`` on a topic (Kafka 3.0 and later),
+so neither ``IdempotentWrite`` nor a ``TransactionalId`` ACL is needed.
 
 A refusal (TOPIC/GROUP/CLUSTER_AUTHORIZATION_FAILED) is turned into ``AccessDenied``,
 which names the principal, the operation and the resource: the error a person can act
@@ -17,7 +18,7 @@ on, where Kafka's own says only which topic.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,8 +81,9 @@ def bound_topics(settings: Settings) -> list[str]:
     return sorted(set(settings.topics.values()))
 
 
-def worker_acls(settings: Settings) -> list[Acl]:
-    """What ``service run`` (and ``service retry-scheduler``) needs, in the order it uses it."""
+def worker_acls(settings: Settings, emitted: Iterable[str] = ()) -> list[Acl]:
+    """What ``service run`` (and ``service retry-scheduler``) needs, in the order it uses it;
+    ``emitted`` are the topics the bound handlers emit to (``Registry.emitted_topics``)."""
     group = settings.kafka.group_id
     acls = [
         Acl(
@@ -128,6 +130,10 @@ def worker_acls(settings: Settings) -> list[Acl]:
                     "max.message.bytes",
                 )
             )
+    for topic in sorted(set(emitted)):
+        acls.append(
+            Acl("Topic", topic, "Write", "publish the events handlers emit (the outbox relay)")
+        )
     acls.append(
         Acl(
             "Cluster",

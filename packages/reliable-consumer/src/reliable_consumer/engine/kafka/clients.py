@@ -11,6 +11,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.helpers import create_ssl_context
 
+from reliable_consumer.engine.kafka import fetched_records
 from reliable_consumer.engine.settings import KafkaSettings
 
 
@@ -43,7 +44,11 @@ def connection_kwargs(kafka: KafkaSettings) -> dict[str, Any]:
 
 
 def make_consumer(kafka: KafkaSettings) -> AIOKafkaConsumer:
-    """A consumer that never commits on its own: offsets are ours to commit."""
+    """A consumer that never commits on its own: offsets are ours to commit.
+
+    Its dropped fetches are freed by reference counting (``fetched_records``).
+    """
+    fetched_records.install()
     return AIOKafkaConsumer(
         group_id=kafka.group_id,
         enable_auto_commit=False,
@@ -63,6 +68,21 @@ def make_producer(kafka: KafkaSettings) -> AIOKafkaProducer:
     """A producer whose acknowledgement means every in-sync replica has the record."""
     return AIOKafkaProducer(
         acks="all",
+        linger_ms=kafka.producer_linger_ms,
+        max_batch_size=256 * 1024,
+        **connection_kwargs(kafka),
+    )
+
+
+def make_outbox_producer(kafka: KafkaSettings, *, idempotent: bool) -> AIOKafkaProducer:
+    """The outbox relay's producer: every replica acknowledges (acks=all) before an entry
+    is marked published; Kafka's idempotent producer when ``idempotent`` (a retried batch
+    is written once, and retried until Kafka takes it). Whether the broker grants it is
+    engine/outbox/producer.py's question: aiokafka's start() waits for ever when it does
+    not (Tansu)."""
+    return AIOKafkaProducer(
+        acks="all",
+        enable_idempotence=idempotent,
         linger_ms=kafka.producer_linger_ms,
         max_batch_size=256 * 1024,
         **connection_kwargs(kafka),

@@ -11,14 +11,15 @@ The same read gives the outcomes topic's ``max.message.bytes``, which outcome do
 cut to fit (the publisher also learns it from a refusal, for when the check is off).
 
 First, whatever the mode, ``check_topic_access`` asks for every topic the worker reads or
-writes by name: a broker with ACLs answers TOPIC_AUTHORIZATION_FAILED for one the worker's
-principal may not use, which becomes ``AccessDenied`` naming the missing ACL (without it,
-a consumer missing ``Read`` sat with no partitions, and a missing ``Write`` surfaced only
-at the first dead letter).
+writes by name (the topics its handlers emit to too): a broker with ACLs answers
+TOPIC_AUTHORIZATION_FAILED for one the worker's principal may not use, which becomes
+``AccessDenied`` naming the missing ACL (without it, a consumer missing ``Read`` sat with
+no partitions, and a missing ``Write`` surfaced only at the first dead letter or event).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from reliable_consumer.engine.kafka.acls import (
     access_denied,
     bound_topics,
     needed,
+    worker_acls,
 )
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.publisher import MIN_DOCUMENT_BYTES, TOPIC_LIMIT_ROOM
@@ -76,23 +78,31 @@ class TopicDurability:
         return None
 
 
-def used_topics(settings: Settings) -> dict[str, Acl]:
+def used_topics(settings: Settings, emitted: Sequence[str] = ()) -> dict[str, Acl]:
     """Topic -> the ACL the worker needs on it: Read on the bound topics, Write on the others
-    (each implies Describe, which a named metadata request is refused without)."""
-    out = {topic: needed(settings, "Topic", topic, "Read") for topic in bound_topics(settings)}
-    for topic in checked_topics(settings):
-        out[topic] = needed(settings, "Topic", topic, "Write")
+    and on the topics its handlers emit to (``emitted``); each implies Describe, which a
+    named metadata request is refused without."""
+
+    def listed(of: Settings) -> list[Acl]:
+        return worker_acls(of, emitted)
+
+    out = {
+        topic: needed(settings, "Topic", topic, "Read", of=listed)
+        for topic in bound_topics(settings)
+    }
+    for topic in (*checked_topics(settings), *emitted):
+        out.setdefault(topic, needed(settings, "Topic", topic, "Write", of=listed))
     return out
 
 
-async def check_topic_access(settings: Settings) -> None:
+async def check_topic_access(settings: Settings, emitted: Sequence[str] = ()) -> None:
     """Raise ``AccessDenied`` for the first topic the broker refuses to describe to us.
 
     One metadata request naming the topics, with auto-creation off (naming a topic may
     otherwise create it). Missing topics are left to the durability check and the
     publisher, which say so in their own words.
     """
-    uses = used_topics(settings)
+    uses = used_topics(settings, emitted)
     admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
     await admin.start()
     try:

@@ -28,6 +28,7 @@ from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.stalls import Stalls
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 log = logging.getLogger(__name__)
 
 
@@ -129,7 +130,7 @@ def _rounded(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 1)
 
 
-def make_app(state: HealthState, metrics: Metrics) -> Callable[..., Iterable[bytes]]:
+def make_app(state: HealthState, metrics: Metrics) -> WsgiApp:
     metrics_app = make_wsgi_app(metrics.registry)
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -195,6 +196,37 @@ class _WsgiHost:
         return self.application
 
 
+def _listener(host: str, port: int, fd: int | None, backlog: int) -> socket.socket:
+    """The socket to serve: the one handed over as ``fd``, else a new one on host:port."""
+    if fd is not None:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"WORKER_HTTP__FD={fd}: not a socket this process holds ({exc.strerror or exc})"
+            ) from None
+        if (
+            sock.type != socket.SOCK_STREAM
+            or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 1
+        ):
+            sock.detach()
+            raise ConfigurationError(f"WORKER_HTTP__FD={fd}: not a listening stream socket")
+        return sock
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server(
+            (host, port),
+            family=family,
+            backlog=backlog,
+            dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6(),
+        )
+    except OSError as exc:
+        raise ConfigurationError(
+            f"WORKER_HTTP__HOST={host} WORKER_HTTP__PORT={port}: cannot listen there "
+            f"({exc.strerror or exc}); choose a free port, or WORKER_HTTP__ENABLED=false"
+        ) from None
+
+
 class HttpServer:
     """/healthz, /readyz and /metrics; hostile or careless clients cost little.
 
@@ -210,31 +242,19 @@ class HttpServer:
 
     def __init__(
         self,
-        state: HealthState,
-        metrics: Metrics,
+        app: WsgiApp,
         host: str,
         port: int,
         *,
+        fd: int | None = None,
         read_timeout_s: float = 5.0,
         max_connections: int = 64,
         threads: int = 4,
     ) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            self._listener = socket.create_server(
-                (host, port),
-                family=family,
-                backlog=min(max_connections, 1024),
-                dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6(),
-            )
-        except OSError as exc:
-            raise ConfigurationError(
-                f"WORKER_HTTP__HOST={host} WORKER_HTTP__PORT={port}: cannot listen there "
-                f"({exc.strerror or exc}); choose a free port, or WORKER_HTTP__ENABLED=false"
-            ) from None
+        self._listener = _listener(host, port, fd, backlog=min(max_connections, 1024))
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
-        self._wsgi = _WsgiHost(make_app(state, metrics), host, self.port)
+        self._wsgi = _WsgiHost(app, host, self.port)
         self._read_timeout_s = read_timeout_s
         self._max_connections = max_connections
         self._selector = selectors.DefaultSelector()

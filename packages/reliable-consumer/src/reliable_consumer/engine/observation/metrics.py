@@ -50,6 +50,19 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
             registry=r,
         )
+        self.schema_registry_requests = Counter(
+            "worker_schema_registry_requests",
+            "Writer-schema look-ups sent to the schema registry, by result "
+            "(found, unknown, timeout, error)",
+            ["result"],
+            registry=r,
+        )
+        self.schema_registry_seconds = Histogram(
+            "worker_schema_registry_seconds",
+            "How long the schema registry took to answer a writer-schema look-up",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
         labels = ["topic", "partition"]
         self.committed_offset = Gauge(
             "worker_partition_committed_offset", "Last committed offset", labels, registry=r
@@ -85,6 +98,45 @@ class Metrics:
             "worker_retry_oldest_due_age_seconds",
             "How long the earliest due retry has been due, by Redis's clock (0: none due); "
             "growing: nothing takes due retries. Shared queue, same on every worker: use max()",
+            registry=r,
+        )
+        # This worker's own: whether its intake holds fresh fetches back for late retries.
+        self.retry_priority_active = Gauge(
+            "worker_retry_priority_active",
+            "1 while this worker fetches no fresh records because the oldest due retry is "
+            "late by more than WORKER_RETRY__PRIORITY_AFTER_MS",
+            registry=r,
+        )
+        self.retry_priority_paused = Counter(
+            "worker_retry_priority_paused_seconds",
+            "Seconds this worker held fresh fetches back for late retries (ended episodes)",
+            registry=r,
+        )
+        # The outbox relay (engine/outbox/relay.py), per store ("redis", "postgres").
+        self.outbox_pending = Gauge(
+            "worker_outbox_pending",
+            "Emitted records in the outbox not yet published; shared store, same on every "
+            "worker: use max()",
+            ["store"],
+            registry=r,
+        )
+        self.outbox_oldest_age = Gauge(
+            "worker_outbox_oldest_age_seconds",
+            "Age of the oldest unpublished emitted record, by the store's clock (0: none "
+            "waits); growing: no relay publishes. Use max()",
+            ["store"],
+            registry=r,
+        )
+        self.outbox_published = Counter(
+            "worker_outbox_published",
+            "Emitted records this worker's relay published and Kafka acknowledged",
+            ["store"],
+            registry=r,
+        )
+        self.outbox_failures = Counter(
+            "worker_outbox_publish_failures",
+            "Relay rounds that failed (reading the store, publishing, or marking), retried",
+            ["store"],
             registry=r,
         )
         self.end_to_end_seconds = Histogram(

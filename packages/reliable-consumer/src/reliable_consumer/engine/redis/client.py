@@ -84,8 +84,9 @@ class RedisOps:
         whether the new server has the first write or not: FINISH re-run with the same token finds
         its own done-marker and answers ``ok`` without applying the effects again (or, had
         another delivery completed the key there meanwhile, ``done``: one grant either way);
-        MARK_DEAD re-marks or keeps the key and drops the item again; a fresh PARK finds the
-        item (``exists``) or parks it; a PARK with a lease parks it, or answers
+        MARK_DEAD re-marks or keeps the key and drops the item while it is still in flight
+        under the retry's lease (gone already, or moved on: it stays its holder's); a fresh
+        PARK finds the item (``exists``) or parks it; a PARK with a lease parks it, or answers
         ``lost_lease`` when the item already moved (by the first PARK, or by the reaper),
         and in both cases the item is in the queue. The caller gets the re-sent call's
         reply: it describes the server that now holds the state.

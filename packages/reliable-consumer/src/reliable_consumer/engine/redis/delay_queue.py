@@ -84,6 +84,14 @@ class QueueGauges:
     oldest_due_age_s: float  # how long the earliest due item has been due; 0 when none
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one CLAIM_DUE call took, and how late the oldest item it left due is."""
+
+    deliveries: list[Delivery]
+    oldest_due_late_ms: int  # by Redis's clock, after the claim; 0 when nothing is due
+
+
 def now_ms() -> int:
     """This host's wall clock: for timestamps people read, never for due times or leases."""
     return int(time.time() * 1000)
@@ -111,18 +119,30 @@ class RetryQueue:
 
     async def claim_due(self, *, lease_ms: int, limit: int) -> list[Delivery]:
         """Move what is due by Redis's clock to in flight, leased for ``lease_ms``."""
+        return (await self.claim(lease_ms=lease_ms, limit=limit)).deliveries
+
+    async def claim(self, *, lease_ms: int, limit: int) -> Claim:
+        """``claim_due``, and how late the oldest item left due is, in the same round trip.
+
+        ``limit`` 0 claims nothing and only measures (a scheduler with no room left).
+        """
         keys = [self._keys.retry_due, self._keys.retry_inflight, self._keys.retry_items]
-        flat = await self._ops.call(lambda: self._claim_script(keys=keys, args=[lease_ms, limit]))
+        sent = time.monotonic()
+        reply = await self._ops.call(lambda: self._claim_script(keys=keys, args=[lease_ms, limit]))
+        flat, late_ms = reply[:-1], max(0, int(reply[-1]))
+        leased_until = sent + lease_ms / 1000
         out: list[Delivery] = []
         for i in range(0, len(flat), 3):
             lease = int(flat[i + 1])
             try:
-                out.append(Delivery.from_json(flat[i + 2], lease=lease))
+                delivery = Delivery.from_json(flat[i + 2], lease=lease)
+                delivery.leased_until = leased_until
+                out.append(delivery)
             except (ValueError, KeyError, TypeError):
                 # Not ours to drop silently: leave it in flight, the reaper re-queues it
                 # and the log says which id cannot be read.
                 log.error("unreadable retry item", extra={"retry_id": reply_text(flat[i])})
-        return out
+        return Claim(out, late_ms)
 
     async def reap(self, *, limit: int = 1000) -> int:
         """Re-queue items whose lease ended by Redis's clock (a host's may be off)."""
@@ -265,7 +285,10 @@ class RetryScheduler:
         max_in_flight: int,
         on_depth: Callable[[int, int, int], None] | None = None,
         on_gauges: Callable[[QueueGauges], None] | None = None,
+        on_lateness: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_lateness(ms)`` hears, after every claim, how late the oldest due item left
+        is (RetryPriority.observe: late retries then go before fresh records)."""
         self._queue = queue
         self._process = process
         self._policy = policy
@@ -275,6 +298,7 @@ class RetryScheduler:
         self._stop = asyncio.Event()
         self._on_depth = on_depth
         self._on_gauges = on_gauges
+        self._on_lateness = on_lateness
         # Set while run() is not running: no batch can start then.
         self._loop_ended = asyncio.Event()
         self._loop_ended.set()
@@ -312,12 +336,13 @@ class RetryScheduler:
                     self._on_depth(*await self._queue.sizes())
                 next_reap = loop_now + reap_every_s
             free = self._max_in_flight - self._in_flight
-            claimed: list[Delivery] = []
-            if free > 0:
-                claimed = await self._queue.claim_due(
-                    lease_ms=self._policy.lease_ms,
-                    limit=min(free, self._policy.claim_batch),
-                )
+            # With no room the call claims nothing and only measures the lateness.
+            claim = await self._queue.claim(
+                lease_ms=self._policy.lease_ms, limit=max(0, min(free, self._policy.claim_batch))
+            )
+            claimed = claim.deliveries
+            if self._on_lateness:
+                self._on_lateness(claim.oldest_due_late_ms)
             if claimed:
                 self._in_flight += len(claimed)
                 task = asyncio.create_task(self._run_batch(claimed))

@@ -14,12 +14,13 @@ while another delivery holds a claim, so a claimed run is never overtaken.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import os
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
@@ -29,6 +30,7 @@ from pydantic import BaseModel
 from redis.commands.core import AsyncScript
 
 from reliable_consumer.engine.handlers.context import EffectArg
+from reliable_consumer.engine.handlers.emissions import Emission
 from reliable_consumer.engine.redis.client import RedisOps, reply_text
 from reliable_consumer.engine.redis.errors import RedisRefused, is_refusal
 from reliable_consumer.engine.redis.keys import RedisKeys
@@ -59,6 +61,15 @@ class FinishStatus(StrEnum):
     BLOCKED = "blocked"  # nothing applied: an earlier record of its Kafka key still waits
 
 
+class DeadStatus(StrEnum):
+    MARKED = "marked"  # the key is dead-marked (or the record has none); its item dropped
+    SETTLED = "settled"  # a partial apply's done-marker settled: later deliveries duplicates
+    KEPT = "kept"  # another delivery completed or holds the key: it is left as it is
+    # The retry's lease ran out before MARK_DEAD: its item is another run's, which settles
+    # the key; the key was marked or kept as above.
+    LOST_LEASE = "lost_lease"
+
+
 @dataclass(slots=True, frozen=True)
 class RedriveTicket:
     """The ticket a redriven record must find to claim over its own dead-letter marker."""
@@ -86,6 +97,9 @@ class FinishRequest:
     # Fresh record: effects wait while the chain holds an earlier record. Retry: leaving the
     # queue releases the next record of the chain.
     chain: str = ""
+    # What its handler emitted: appended to the outbox stream only if it finishes 'ok'.
+    emissions: Sequence[Emission] = ()
+    emitted_by: str = ""  # the handler's name, kept on each outbox entry
 
 
 @dataclass(slots=True)
@@ -113,6 +127,16 @@ class DeadRequest:
     fingerprint: str
     retry_id: str
     chain: str = ""  # the retry's chain: dropping it releases the chain's next record
+    # The retry's fencing deadline (its delivery's ``retry_lease``): the item is dropped only
+    # while it is still in flight under it. None when the record is no retry.
+    retry_lease: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.retry_id and self.retry_lease is None:
+            raise ValueError(
+                f"MARK_DEAD of retry {self.retry_id!r} needs its lease (retry_lease): without "
+                "it the item could be another run's"
+            )
 
 
 def fingerprint(payload: BaseModel) -> str:
@@ -160,6 +184,9 @@ class Idempotency:
         self._extend_script: AsyncScript = client.register_script(lua_claims.EXTEND)
         self._max_batch = max_batch
         self.tokens = TokenSource()
+        # Called after a FINISH call appended to the outbox: the relay in this process
+        # wakes at once instead of at its next poll.
+        self.on_emitted: Callable[[], None] | None = None
 
     def key(self, handler: str, dedupe_key: str) -> str:
         return self._keys.idempotency(handler, dedupe_key)
@@ -170,8 +197,8 @@ class Idempotency:
     async def finish(self, request: FinishRequest) -> tuple[FinishStatus, str | None]:
         return (await self.finish_many([request]))[0]
 
-    async def mark_dead(self, request: DeadRequest) -> None:
-        await self.mark_dead_many([request])
+    async def mark_dead(self, request: DeadRequest) -> DeadStatus:
+        return (await self.mark_dead_many([request]))[0]
 
     async def release(self, key: str, token: str) -> None:
         await self.release_many([(key, token)])
@@ -196,9 +223,8 @@ class Idempotency:
     ) -> list[tuple[FinishStatus, str | None]]:
         return [s for chunk in self._chunks(requests) for s in await self._finish_chunk(chunk)]
 
-    async def mark_dead_many(self, requests: Sequence[DeadRequest]) -> None:
-        for chunk in self._chunks(requests):
-            await self._dead_chunk(chunk)
+    async def mark_dead_many(self, requests: Sequence[DeadRequest]) -> list[DeadStatus]:
+        return [s for chunk in self._chunks(requests) for s in await self._dead_chunk(chunk)]
 
     async def extend_many(
         self, requests: Sequence[ExtendRequest]
@@ -258,14 +284,23 @@ class Idempotency:
     async def _finish_chunk(
         self, batch: Sequence[FinishRequest]
     ) -> list[tuple[FinishStatus, str | None]]:
-        records = [
-            (r.key, r.token, r.fingerprint, r.retry_id, [_command(c) for c in r.effects], r.chain)
-            if r.effects
-            else (r.key, r.token, r.fingerprint, r.retry_id, (), r.chain)
-            for r in batch
+        fields: list[EffectArg] = []  # ARGV[3...]: the emissions' stream fields
+        records = []
+        for r in batch:
+            spans = []
+            for emission in r.emissions:
+                entry = outbox_fields(emission, r.emitted_by)
+                spans.append((len(fields) + 3, len(entry)))
+                fields.extend(entry)
+            effects = [_command(c) for c in r.effects] if r.effects else ()
+            records.append((r.key, r.token, r.fingerprint, r.retry_id, effects, r.chain, spans))
+        args: list[EffectArg] = [self._ttl_arg, _json(records), *fields]
+        keys = [
+            self._keys.retry_inflight,
+            self._keys.retry_due,
+            self._keys.retry_items,
+            self._keys.outbox,
         ]
-        args: list[EffectArg] = [self._ttl_arg, _json(records)]
-        keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
 
         async def finish() -> list[tuple[FinishStatus, str | None]]:
             replies = await self._finish_script(keys=keys, args=args)
@@ -278,13 +313,40 @@ class Idempotency:
                     raise RedisRefused(detail)
             return results
 
-        return await self._ops.call(finish, durable=True)
+        results = await self._ops.call(finish, durable=True)
+        if self.on_emitted is not None and any(
+            r.emissions and status is FinishStatus.OK
+            for r, (status, _) in zip(batch, results, strict=True)
+        ):
+            self.on_emitted()
+        return results
 
-    async def _dead_chunk(self, batch: Sequence[DeadRequest]) -> None:
-        records = [(r.key, r.token, r.fingerprint, r.retry_id, r.chain) for r in batch]
+    async def _dead_chunk(self, batch: Sequence[DeadRequest]) -> list[DeadStatus]:
+        records = [dead_record(r) for r in batch]
         args: list[EffectArg] = [self._ttl_arg, _json(records)]
         keys = [self._keys.retry_inflight, self._keys.retry_due, self._keys.retry_items]
-        await self._ops.call(lambda: self._dead_script(keys=keys, args=args), durable=True)
+        replies = await self._ops.call(
+            lambda: self._dead_script(keys=keys, args=args), durable=True
+        )
+        return [DeadStatus(reply_text(r)) for r in replies]
+
+
+def dead_record(r: DeadRequest) -> tuple[str, str, str, str, str, str]:
+    """One record of MARK_DEAD's batch (redis/lua/claims.py), as the script reads it."""
+    lease = "" if r.retry_lease is None else str(r.retry_lease)
+    return (r.key, r.token, r.fingerprint, r.retry_id, r.chain, lease)
+
+
+def outbox_fields(emission: Emission, handler: str) -> list[EffectArg]:
+    """One emission as the outbox stream entry's fields (engine/outbox/redis_store.py reads
+    them back): raw key and value bytes, the handler's headers as JSON with base64 values.
+    A record without a key has no ``key`` field (an empty key is a key)."""
+    headers = [(name, base64.b64encode(value).decode()) for name, value in emission.headers]
+    fields: list[EffectArg] = ["topic", emission.topic, "value", emission.value]
+    if emission.key is not None:
+        fields += ["key", emission.key]
+    fields += ["headers", _json(headers), "event", emission.event_id, "handler", handler]
+    return fields
 
 
 def _command(command: tuple[EffectArg, ...]) -> list[str]:

@@ -36,6 +36,7 @@ ENGINE_NAMESPACES = frozenset(
         "ticket",
         "tickets",
         "ops",
+        "outbox",
     }
 )
 
@@ -86,6 +87,22 @@ class RedisKeys:
         """
         digest = hashlib.sha256(b"%s\0%d\0%s" % (topic.encode(), partition, key)).hexdigest()
         return f"{self.prefix}:retry:chain:{digest[:40]}"
+
+    @property
+    def outbox(self) -> str:
+        """The stream FINISH appends a record's emissions to, with its effects (the Redis
+        outbox): the relay reads it oldest first and deletes what Kafka acknowledged."""
+        return f"{self.prefix}:outbox"
+
+    @property
+    def outbox_published(self) -> str:
+        """The capped stream of what the relay published (event id, topic, partition,
+        offset), from every store: the bounded trail ``service trace`` reads."""
+        return f"{self.prefix}:outbox:published"
+
+    def outbox_lease(self, store: str) -> str:
+        """The relay's lease on one outbox store: the one worker holding it publishes."""
+        return f"{self.prefix}:outbox:lease:{escape_part(store)}"
 
     @property
     def ops_audit(self) -> str:

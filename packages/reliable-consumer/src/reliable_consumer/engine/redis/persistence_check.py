@@ -40,6 +40,7 @@ async def check_persistence(client: aioredis.Redis, settings: RedisSettings) -> 
             ) from None
         return [message]
     warnings: list[str] = []
+    _check_not_a_cluster(await client.info("cluster"))
     _check_eviction(await client.info("memory"))
     aof_on = int(info.get("aof_enabled", 0)) == 1
     if not aof_on:
@@ -129,3 +130,16 @@ def _version(text: str) -> tuple[int, int]:
         return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
     except ValueError:
         return (0, 0)
+
+
+def _check_not_a_cluster(info: dict[str, Any]) -> None:
+    """Refuse a Redis Cluster node: the scripts touch keys of many hash slots in one call
+    (a batch's markers, the delay queue, a handler's effects), which a cluster answers with
+    CROSSSLOT or MOVED. Said at start, rather than as every batch's error."""
+    if int(info.get("cluster_enabled", 0)) == 1:
+        raise ConfigurationError(
+            "WORKER_REDIS__URL points at a Redis Cluster node (cluster_enabled:1): the worker "
+            "needs one Redis primary (with replicas and Sentinel for failover), because a "
+            "batch's scripts touch keys of many hash slots in one call; Redis Cluster is not "
+            "supported (docs/durability.md, *Redis Cluster: refused, and why*)"
+        )

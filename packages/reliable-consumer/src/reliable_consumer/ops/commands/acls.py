@@ -14,6 +14,7 @@ only writes them out, in three forms:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import typer
@@ -31,10 +32,16 @@ def default_principals(settings: Settings) -> tuple[str, str]:
     return f"User:{worker}", f"User:{group}-operator"
 
 
-def render(settings: Settings, form: Form, worker: str, operator: str) -> str:
-    """Both principals' lists in ``form``."""
+def render(
+    settings: Settings, form: Form, worker: str, operator: str, emitted: Sequence[str] = ()
+) -> str:
+    """Both principals' lists in ``form``; ``emitted``: the topics the bound handlers emit to."""
     lists = [
-        (worker, "the worker (service run, service retry-scheduler)", worker_acls(settings)),
+        (
+            worker,
+            "the worker (service run, service retry-scheduler)",
+            worker_acls(settings, emitted),
+        ),
         (
             operator,
             "the operator (status, dlq list/show, dlq redrive, offsets reset)",
@@ -131,6 +138,7 @@ def acls_command(
 ) -> None:
     """Print the Kafka ACLs the worker and the operator need, each with why."""
     from reliable_consumer.engine.errors import ConfigurationError
+    from reliable_consumer.engine.handlers.registry import Registry
     from reliable_consumer.engine.settings import load_settings
 
     if form not in ("text", "strimzi", "kafka-acls"):
@@ -138,11 +146,16 @@ def acls_command(
         raise typer.Exit(2)
     try:
         settings = load_settings()
+        emitted = Registry.from_settings(settings.topics).emitted_topics
     except ConfigurationError as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(2) from None
     default_worker, default_operator = default_principals(settings)
-    typer.echo(
-        render(settings, form, worker or default_worker, operator or default_operator),  # type: ignore[arg-type]
-        nl=False,
+    text = render(
+        settings,
+        form,  # type: ignore[arg-type]
+        worker or default_worker,
+        operator or default_operator,
+        emitted,
     )
+    typer.echo(text, nl=False)

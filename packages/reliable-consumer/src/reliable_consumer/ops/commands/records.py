@@ -3,6 +3,8 @@
 Every read command takes ``--json`` and then prints one JSON document, for scripts.
 Expected failures (Redis or Kafka unreachable, nothing at that id) go to stderr with exit
 code 1; bad settings or usage exit 2. ``reliable_consumer/cli.py`` mounts these functions.
+This module is long because its commands share one set of filters, parsers and tables (a
+retry item's table serves ``retries`` and ``trace`` alike); split, each would import the rest.
 """
 
 from __future__ import annotations
@@ -443,6 +445,18 @@ def trace_command(
             out.print(table)
         if h.retries:
             out.print(_retry_table(list(h.retries)))
+        if h.emitted:
+            table = Table("emitted event", "state", "topic", "partition/offset", "at")
+            for e in h.emitted:
+                placed = f"{e['partition']}/{e['offset']}" if e["state"] == "published" else "-"
+                table.add_row(
+                    escape(e["event_id"]),
+                    e["state"],
+                    escape(e["topic"]),
+                    placed,
+                    e.get("published") or e.get("written") or "-",
+                )
+            out.print(table)
         for d in h.dead_letters:
             out.print(
                 f"dead letter {d.partition}/{d.offset}: {escape(d.reason)} at "

@@ -138,16 +138,23 @@ return 1
 
 # KEYS: inflight, due, items
 # ARGV[1]: ttl_s ('' = no expiry);
-# ARGV[2]: [[idem_key ('' when undecodable), token, fingerprint, retry_id, chain], ...]
+# ARGV[2]: [[idem_key ('' when undecodable), token, fingerprint, retry_id, chain, lease], ...]
+#   lease: the fencing deadline of the retry's claim (its inflight score), '' when not a retry.
+# Returns per record: marked | settled | kept | lost_lease
 # Marks the key dead-lettered (unless someone completed it meanwhile), settles a partial
 # apply's marker ('|p' -> '|P'), drops the retry item and releases the next of its chain.
+# The item is dropped only while the lease is still the one presented (PARK's fence): when it
+# ran out, the reaper re-queued the item and another run may hold it and the key's claim.
+# That run settles the key; dropping its item would leave the key with neither a marker nor
+# a retry (its PARK answers lost_lease and releases the claim). lost_lease: the key was
+# marked or kept as usual, and the item left to its holder.
 MARK_DEAD = (
     PARSE
     + """
 local ttl = ARGV[1]
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[2])) do
-  local key, token, fp, retry_id, chain = r[1], r[2], r[3], r[4], r[5]
+  local key, token, fp, retry_id, chain, lease = r[1], r[2], r[3], r[4], r[5], r[6]
   local status = 'marked'
   if key ~= '' then
     local v = redis.call('GET', key)
@@ -166,7 +173,14 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
       status = 'kept'
     end
   end
-  drop_item(KEYS[1], KEYS[2], KEYS[3], retry_id, chain)
+  if retry_id ~= '' then
+    local held = redis.call('ZSCORE', KEYS[1], retry_id)
+    if held and tonumber(held) == tonumber(lease) then
+      drop_item(KEYS[1], KEYS[2], KEYS[3], retry_id, chain)
+    elseif redis.call('HEXISTS', KEYS[3], retry_id) == 1 then
+      status = 'lost_lease'
+    end
+  end
   out[#out + 1] = status
 end
 return out

@@ -74,26 +74,35 @@ return out
 """
 )
 
-# KEYS: due, inflight, items; ARGV: lease_ms, limit. Due and lease times are Redis's TIME.
-# Returns a flat list: id, lease deadline, item json, ...
+# KEYS: due, inflight, items; ARGV: lease_ms, limit (0: claim nothing, only measure). Due
+# and lease times are Redis's TIME.
+# Returns a flat list: id, lease deadline, item json, ..., and last how late (ms) the oldest
+# item still due after the claim is (0: none due). Heads released at score 0 by earlier
+# versions carry no moment and are left out of it, as the gauges leave them out.
 CLAIM_DUE = (
     NOW
     + """
 local now = now_ms()
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now),
-  'LIMIT', 0, ARGV[2])
-local deadline = string.format('%d', now + tonumber(ARGV[1]))
+local nowtext = string.format('%d', now)
 local out = {}
-for _, id in ipairs(ids) do
-  redis.call('ZREM', KEYS[1], id)
-  local item = redis.call('HGET', KEYS[3], id)
-  if item then
-    redis.call('ZADD', KEYS[2], deadline, id)
-    out[#out + 1] = id
-    out[#out + 1] = deadline
-    out[#out + 1] = item
+if tonumber(ARGV[2]) > 0 then
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', nowtext, 'LIMIT', 0, ARGV[2])
+  local deadline = string.format('%d', now + tonumber(ARGV[1]))
+  for _, id in ipairs(ids) do
+    redis.call('ZREM', KEYS[1], id)
+    local item = redis.call('HGET', KEYS[3], id)
+    if item then
+      redis.call('ZADD', KEYS[2], deadline, id)
+      out[#out + 1] = id
+      out[#out + 1] = deadline
+      out[#out + 1] = item
+    end
   end
 end
+local head = redis.call('ZRANGEBYSCORE', KEYS[1], '(0', nowtext, 'WITHSCORES', 'LIMIT', 0, 1)
+local late = 0
+if head[2] then late = now - tonumber(head[2]) end
+out[#out + 1] = late
 return out
 """
 )

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from reliable_consumer.engine.redis.lua.common import PARSE
 
-# KEYS: inflight, due, items
+# KEYS: inflight, due, items, outbox (the stream of emitted records, redis/keys.py)
 # ARGV[1]: ttl_s ('' = done-markers never expire);
-# ARGV[2]: [[idem_key, token, fingerprint, retry_id, [[cmd, arg...], ...], chain], ...]
+# ARGV[2]: [[idem_key, token, fingerprint, retry_id, [[cmd, arg...], ...], chain,
+#            [[first, count], ...]], ...]
+# ARGV[3...]: the emitted records' stream fields (name, value, ...), binary-safe: the record's
+# emissions are ARGV[first .. first + count - 1] each (JSON would not carry raw bytes).
 # Returns per record:
 #   ok | done | dead | conflict | superseded | blocked | error:<message> | partial:<message>
 # chain: the record's Kafka-key chain ('' for none). For a fresh record (retry_id ''), its
@@ -22,6 +25,10 @@ from reliable_consumer.engine.redis.lua.common import PARSE
 # error: nothing of the record was applied (the record is retried);
 # partial: an effect failed after another was applied. The done-marker is kept, flagged
 # '|p', so the effects are never applied again; the record is dead-lettered.
+# Emissions are appended to the outbox only for 'ok', after every effect applied, in
+# record order: never for a duplicate, a conflict, a blocked, an error or a partial record
+# (its effects are half applied and it is dead-lettered, so no event says it happened).
+# A re-sent call answers 'ok' from the marker and appends nothing again.
 FINISH = (
     PARSE
     + """
@@ -266,6 +273,30 @@ local function learn_types(cmds, applied)
   end
 end
 local ttl = ARGV[1]
+local outbox = KEYS[4]
+local outbox_type  -- asked once, only when a record emits
+local function outbox_error()
+  if not outbox_type then
+    local r = redis.pcall('TYPE', outbox)
+    if r.err then return r.err end
+    outbox_type = r['ok']
+  end
+  if outbox_type ~= 'none' and outbox_type ~= 'stream' then
+    return 'WRONGTYPE the outbox ' .. outbox .. ' holds a ' .. outbox_type .. ', not a stream'
+  end
+  return nil
+end
+-- emit(): append the record's emissions to the outbox; the error of the first that fails.
+local function emit(emissions)
+  for _, e in ipairs(emissions) do
+    local fields = {}
+    for i = e[1], e[1] + e[2] - 1 do fields[#fields + 1] = ARGV[i] end
+    local res = redis.pcall('XADD', outbox, '*', unpack(fields))
+    if type(res) == 'table' and res.err then return res.err end
+    outbox_type = 'stream'
+  end
+  return nil
+end
 local function set_marker(key, value)
   if ttl == '' then return redis.pcall('SET', key, value) end
   return redis.pcall('SET', key, value, 'EX', ttl)
@@ -273,6 +304,7 @@ end
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[2])) do
   local key, token, fp, retry_id, cmds, chain = r[1], r[2], r[3], r[4], r[5], r[6]
+  local emissions = r[7] or {}
   local v = redis.call('GET', key)
   local kind, f1, f2 = parse(v)
   local status
@@ -291,6 +323,7 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
     status = 'blocked'
   else
     local problem = effects_error(cmds)
+    if not problem and #emissions > 0 then problem = outbox_error() end
     if problem then
       status = 'error:' .. problem
     else
@@ -314,6 +347,13 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
               status = 'partial:' .. res.err
             end
             break
+          end
+        end
+        if status == 'ok' and #emissions > 0 then
+          local failed = emit(emissions)
+          if failed then  -- the effects are applied: kept once, dead-lettered, no event
+            redis.call('SET', key, done .. '|p', 'KEEPTTL')
+            status = 'partial:outbox: ' .. failed
           end
         end
         learn_types(cmds, status == 'ok')

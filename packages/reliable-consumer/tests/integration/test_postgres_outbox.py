@@ -1,0 +1,110 @@
+"""The PostgreSQL outbox on the embedded PostgreSQL: emissions commit with their wave.
+
+A postgres handler's ``ctx.emit`` rows are inserted in the record's savepoint after its
+handler returned (engine/outbox/postgres_store.py), so they share the fate of its effects
+and its inbox row: committed with the wave, rolled back with a failing record's savepoint,
+never written for a duplicate. ``PostgresOutboxStore`` hands the relay the unpublished rows
+in order, marks them, and deletes published rows past the retention in bounded batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool
+from pydantic import BaseModel
+from reliable_consumer.engine.handlers.emissions import event_id
+from reliable_consumer.engine.outbox.postgres_store import PostgresOutboxStore
+from reliable_consumer.engine.records import Outcome
+from reliable_consumer.testing import HandlerTestKit
+
+from service import Context, PermanentError, handler
+
+pytestmark = pytest.mark.asyncio
+
+EVENTS = "orders.accepted"
+
+
+class Order(BaseModel):
+    order_id: str
+    fail: bool = False
+
+
+@handler("emitting_orders", model=Order, dedupe_key="order_id", store="postgres", emits=(EVENTS,))
+async def accept_order(order: Order, ctx: Context) -> None:
+    """Writes its row and emits its event, then fails when told to: its savepoint must take
+    the event back with the row."""
+    assert ctx.db is not None
+    await ctx.db.execute(
+        "INSERT INTO purchases (payment_id, kind, user_id, product_id, amount_minor, currency,"
+        " source) VALUES (%s, 'grant', 'u', 'p', 1, 'EUR', 'test')",
+        (order.order_id,),
+    )
+    ctx.emit(EVENTS, {"order_id": order.order_id}, key=order.order_id, headers={"type": "x"})
+    if order.fail:
+        raise PermanentError("this order is refused after its row and event were written")
+
+
+async def test_emissions_commit_with_their_wave_and_none_for_a_rolled_back_record_or_a_duplicate(
+    postgres_url: str,
+) -> None:
+    orders = [Order(order_id=f"o{i}", fail=i == 2) for i in range(5)]
+    async with HandlerTestKit(accept_order, postgres_url=postgres_url) as kit:
+        results = await kit.send_batch(orders)  # one wave: one transaction, a savepoint each
+        assert [r.outcome for r in results] == [
+            *[Outcome.SUCCEEDED] * 2,
+            Outcome.DEAD_LETTERED,
+            *[Outcome.SUCCEEDED] * 2,
+        ]
+        again = await kit.send(orders[0])  # redelivered: a duplicate, its handler not run
+        assert again.outcome is Outcome.DUPLICATE
+        emitted = await kit.emitted()
+    applied = [o.order_id for o in orders if not o.fail]
+    assert [e.event_id for e in emitted] == [event_id("emitting_orders", key, 0) for key in applied]
+    assert [(e.topic, e.key, e.value, e.headers) for e in emitted] == [
+        (EVENTS, key.encode(), f'{{"order_id":"{key}"}}'.encode(), (("type", b"x"),))
+        for key in applied
+    ]
+
+
+@pytest.fixture
+async def pool(postgres_url: str) -> AsyncIterator[AsyncConnectionPool]:
+    async with AsyncConnectionPool(postgres_url, min_size=1, max_size=2, open=False) as opened:
+        yield opened
+
+
+async def _write(url: str, count: int) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        for i in range(count):
+            await conn.execute(
+                "INSERT INTO kafka_outbox (event_id, topic, key, value, handler) "
+                "VALUES (%s, 't', NULL, %s, 'h')",
+                (f"e{i}", f"v{i}".encode()),
+            )
+
+
+async def test_the_store_hands_out_pending_rows_in_order_marks_them_and_prunes_in_batches(
+    postgres_url: str, pool: AsyncConnectionPool
+) -> None:
+    store = PostgresOutboxStore(pool, retention_h=1, prune_batch=2)
+    await _write(postgres_url, 5)
+    depth = await store.depth()
+    assert depth.pending == 5 and depth.oldest_age_s is not None
+    first = await store.pending(3)
+    assert [p.emission.event_id for p in first] == ["e0", "e1", "e2"]
+    assert [p.emission.value for p in first] == [b"v0", b"v1", b"v2"]
+    await store.mark_published(first)
+    rest = await store.pending(10)
+    assert [p.emission.event_id for p in rest] == ["e3", "e4"]
+    assert (await store.depth()).pending == 2
+    await store.mark_published(rest)
+    assert await store.pending(10) == []
+    assert await store.depth() == type(depth)(0, None)
+    # Published within the retention: kept for trace.
+    assert await store.prune() == 0
+    async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as conn:
+        await conn.execute("UPDATE kafka_outbox SET published_at = now() - interval '2 hours'")
+    # Past it: deleted, at most a batch at a time.
+    assert [await store.prune() for _ in range(4)] == [2, 2, 1, 0]
