@@ -69,6 +69,46 @@ async def test_emissions_commit_with_their_wave_and_none_for_a_rolled_back_recor
     ]
 
 
+@handler(
+    "pipelined_emitting_orders",
+    model=Order,
+    dedupe_key="order_id",
+    store="postgres",
+    emits=(EVENTS,),
+    fail_on=(psycopg.errors.CheckViolation,),
+)
+async def accept_order_unread(order: Order, ctx: Context) -> None:
+    """Its INSERT breaks the table's CHECK when told to, and it never reads a result: the
+    error surfaces only at the wave's sync, and aborts every record queued after it."""
+    assert ctx.db is not None
+    await ctx.db.execute(
+        "INSERT INTO purchases (payment_id, kind, user_id, product_id, amount_minor, currency,"
+        " source) VALUES (%s, %s, 'u', 'p', 1, 'EUR', 'test')",
+        (order.order_id, "bogus" if order.fail else "grant"),
+    )
+    ctx.emit(EVENTS, {"order_id": order.order_id}, key=order.order_id)
+
+
+async def test_a_pipelined_wave_writes_each_granted_records_emissions_once_also_those_run_again(
+    postgres_url: str,
+) -> None:
+    """The wave's statements are pipelined: its records' results are not read while they
+    run. Their emissions go in the same pipeline, behind their handler's SQL; the records
+    after a failing INSERT run again (their first run's statements aborted) and emit once."""
+    orders = [Order(order_id=f"q{i}", fail=i == 1) for i in range(5)]
+    async with HandlerTestKit(accept_order_unread, postgres_url=postgres_url) as kit:
+        results = await kit.send_batch(orders)
+        assert [r.outcome for r in results] == [
+            Outcome.SUCCEEDED,
+            Outcome.DEAD_LETTERED,
+            *[Outcome.SUCCEEDED] * 3,
+        ]
+        emitted = await kit.emitted()
+    applied = [o.order_id for o in orders if not o.fail]
+    handler_name = "pipelined_emitting_orders"
+    assert [e.event_id for e in emitted] == [event_id(handler_name, key, 0) for key in applied]
+
+
 @pytest.fixture
 async def pool(postgres_url: str) -> AsyncIterator[AsyncConnectionPool]:
     async with AsyncConnectionPool(postgres_url, min_size=1, max_size=2, open=False) as opened:

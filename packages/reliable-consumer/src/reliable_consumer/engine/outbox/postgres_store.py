@@ -52,7 +52,8 @@ _DEPTH = (
 
 async def write_emissions(conn: AsyncConnection[Any], emissions: Emissions | None) -> None:
     """Insert a record's emissions in its open savepoint, after its handler returned: one
-    round trip, none when it emitted nothing.
+    statement (queued in the wave's pipeline, no round trip of its own), none when it
+    emitted nothing.
 
     Only while the session is still in a healthy transaction: a handler that ended it, turned
     autocommit on or left it aborted is judged by the inbox's checks right after
@@ -64,8 +65,11 @@ async def write_emissions(conn: AsyncConnection[Any], emissions: Emissions | Non
         return
     import psycopg
 
+    # ACTIVE: the wave's records run in pipeline mode, their statements' results not read
+    # yet; the row is queued behind them and shares their fate (aborted if one failed).
     status = conn.info.transaction_status
-    if conn.autocommit or status != psycopg.pq.TransactionStatus.INTRANS:
+    open_ = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.ACTIVE)
+    if conn.autocommit or status not in open_:
         return
     params: list[Any] = []
     for e in emissions.emitted:
