@@ -7,14 +7,16 @@ pipeline, one record's INSERT fails without its handler ever reading a result (t
 aborts every statement queued after it), another's handler raises after writing, and a
 third reads a result mid-wave: the failures are dead-lettered with their own errors, their
 writes rolled back, and every other record granted exactly once with its inbox row (the
-records queued after the failing INSERT run again).
+records queued after the failing INSERT run again). What pipeline mode cannot carry (a
+parameterless statement, COPY, ``stream()``, a server-side cursor) leaves the pipeline
+first and still runs inside the record's savepoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import psycopg
@@ -26,8 +28,10 @@ from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.postgres import inbox
+from reliable_consumer.engine.records import Outcome
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops import audit
+from reliable_consumer.testing import HandlerTestKit
 from tests.helpers import await_until
 from tests.integration.harness import (
     OBSERVATION_TIMEOUT_S,
@@ -182,3 +186,89 @@ async def test_a_wave_costs_no_round_trip_per_record_and_a_failing_record_rolls_
     # and a rollback for the record that raised, and for the failing INSERT (then the
     # records after it again, the read too): about twenty, not two per record.
     assert trips.count < RECORDS // 2, f"{trips.count} round trips for {RECORDS} records"
+
+
+async def _grant_by_copy(db: Any, order_id: str) -> None:
+    async with db.cursor().copy(
+        "COPY purchases (payment_id, kind, user_id, product_id, amount_minor, currency, source)"
+        " FROM STDIN"
+    ) as copy:
+        await copy.write_row((order_id, "grant", "u", "p", 1, "EUR", "copy"))
+
+
+async def _grant_after_a_server_side_cursor(db: Any, order_id: str) -> None:
+    async with db.cursor(name="pipeline_test") as cur:
+        await cur.execute("SELECT %s::text", (order_id,))
+        assert await cur.fetchall() == [(order_id,)]
+    await db.execute(GRANT, (order_id, "grant"))
+
+
+async def _grant_after_a_stream(db: Any, order_id: str) -> None:
+    async for row in db.cursor().stream("SELECT %s::text", (order_id,)):
+        assert row == (order_id,)
+    await db.execute(GRANT, (order_id, "grant"))
+
+
+async def _grant_by_simple_queries(db: Any, order_id: str) -> None:
+    quoted = order_id.replace("'", "''")
+    await db.execute(
+        "SELECT 1; INSERT INTO purchases (payment_id, kind, user_id, product_id, amount_minor,"
+        f" currency, source) VALUES ('{quoted}', 'grant', 'u', 'p', 1, 'EUR', 'simple')"
+    )
+
+
+async def _grant_unread(db: Any, order_id: str) -> None:
+    await db.execute(GRANT, (order_id, "grant"))
+
+
+async def _copy_then_raise(db: Any, order_id: str) -> None:
+    await _grant_by_copy(db, order_id)
+    raise PermanentError("refused after its COPY")
+
+
+async def _break_a_check_unread(db: Any, order_id: str) -> None:
+    await db.execute(GRANT, (order_id, "bogus"))  # its error reaches no handler
+
+
+OUT_OF_PIPELINE: dict[str, Callable[[Any, str], Awaitable[None]]] = {
+    "copy": _grant_by_copy,
+    "server cursor": _grant_after_a_server_side_cursor,
+    "stream": _grant_after_a_stream,
+    "simple": _grant_by_simple_queries,
+    "": _grant_unread,
+    "sql": _break_a_check_unread,
+    "raise": _copy_then_raise,
+}
+
+
+@handler(
+    "unpipelined_orders",
+    model=Order,
+    dedupe_key="order_id",
+    store="postgres",
+    fail_on=(psycopg.errors.CheckViolation,),
+)
+async def grant_out_of_the_pipeline(order: Order, ctx: Context) -> None:
+    assert ctx.db is not None
+    await OUT_OF_PIPELINE[order.does](ctx.db, order.order_id)
+
+
+async def test_what_pipeline_mode_cannot_carry_runs_in_its_records_savepoint_after_the_queue(
+    postgres_url: str,
+) -> None:
+    """Each of these syncs the wave's pipeline first (the queued statements of the records
+    before it run, a failure among them found), then runs in its record's savepoint: granted
+    once with the wave's COMMIT, undone when an earlier unread error aborted it (it runs
+    again), never outside the wave's transaction."""
+    does = ["", "sql", "copy", "server cursor", "", "stream", "raise", "simple", "", "copy"]
+    orders = [Order(order_id=f"np-{i}", does=d) for i, d in enumerate(does)]
+    async with HandlerTestKit(grant_out_of_the_pipeline, postgres_url=postgres_url) as kit:
+        results = await kit.send_batch(orders)  # one wave, one transaction
+    assert [r.outcome for r in results] == [
+        Outcome.DEAD_LETTERED if d in ("sql", "raise") else Outcome.SUCCEEDED for d in does
+    ], [(r.outcome, r.reason) for r in results]
+    granted = [o.order_id for o in orders if o.does not in ("sql", "raise")]
+    grants = await postgres_rows(postgres_url, "SELECT payment_id FROM purchases ORDER BY id")
+    assert [str(g) for (g,) in grants] == granted
+    inboxed = await postgres_rows(postgres_url, "SELECT dedupe_key FROM kafka_inbox")
+    assert sorted(str(k) for (k,) in inboxed) == sorted(granted)
