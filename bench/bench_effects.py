@@ -69,6 +69,7 @@ from bench.report import Progress, Target
 from bench.report import Row as BenchRow
 from bench.stack import BenchStack
 from service import sample
+from service.handlers.payments import EVENTS_TOPIC
 
 # What each server's perf counters count: CPU time, and the calls that make writes durable.
 PERF_EVENTS = ("task-clock", "syscalls:sys_enter_fdatasync", "syscalls:sys_enter_fsync")
@@ -290,9 +291,13 @@ async def worker_run(
     settings = settings_for(bootstrap, redis_server.url, pg.url, topic, name, group, ordering)
     await reset_redis(redis_server.url)
     wal_before = await reset_postgres(pg.url)
-    await create_topics(
+    await create_topics(  # the example's handlers emit their events (the outbox)
         bootstrap,
-        {settings.outcomes_topic() or "": 6, settings.dead_letter_topic(topic): 1},
+        {
+            settings.outcomes_topic() or "": 6,
+            settings.dead_letter_topic(topic): 1,
+            EVENTS_TOPIC: 6,
+        },
     )
     metrics = Metrics()
     worker = Worker(settings, Registry(discover(), settings.topics), metrics=metrics)
