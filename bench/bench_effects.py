@@ -194,9 +194,10 @@ async def produce(bootstrap: str, topic: str, records: list[sample.SampleRecord]
 
 
 async def reset_postgres(url: str) -> dict[str, float]:
-    """Empty tables and a fresh checkpoint, so every run starts alike; pg_stat_wal now."""
+    """Empty tables and a fresh checkpoint, so every run starts alike; pg_stat_wal now. The
+    outbox too: a run's relay would otherwise publish the rows an earlier run left."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-        await conn.execute("TRUNCATE kafka_inbox, purchases")
+        await conn.execute("TRUNCATE kafka_inbox, purchases, kafka_outbox")
         await conn.execute("CHECKPOINT")
     return await wal_stats(url)
 
