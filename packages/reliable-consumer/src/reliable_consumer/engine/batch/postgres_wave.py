@@ -57,7 +57,7 @@ from reliable_consumer.engine.handlers.stuck_calls import (
     fence,
     within,
 )
-from reliable_consumer.engine.outbox.postgres_store import write_emissions
+from reliable_consumer.engine.outbox.postgres_store import emissions_insert
 from reliable_consumer.engine.postgres.inbox import (
     STALL,
     Entered,
@@ -233,7 +233,8 @@ class PostgresWaves:
             try:
                 # Its emissions, queued in its savepoint: kept with its effects, or undone
                 # with them when the sync finds its statements failed.
-                await write_emissions(tx.conn, job.emissions)
+                if (insert := emissions_insert(job.emissions)) is not None:
+                    await tx.queue_in_savepoint(entered, *insert)
             except Exception as exc:
                 error = exc
             else:
@@ -271,7 +272,7 @@ class PostgresWaves:
                 waiting.append(one.job)
                 continue
             if after.status is Step.NOT_RUN:  # its own statements failed
-                one.error = _sql_failed(one, first, seen_by, sql_error)
+                one.error = one.entered.sent_failed() or _sql_failed(one, first, seen_by, sql_error)
             await self._roll_back(tx, one)
             return ran[i + 1 :]
         if tail.status is Step.FAILED:  # the last handler ended the wave's transaction

@@ -1,12 +1,13 @@
 """The PostgreSQL outbox: a handler's emissions in ``kafka_outbox``, written by the wave.
 
 A postgres handler's effects commit in the wave's transaction (postgres/inbox.py), so its
-emissions must too: ``write_emissions`` inserts them inside the record's savepoint after its
-handler returned. A record rolled back to its savepoint takes its rows with it; a duplicate,
-a conflict or a parked record never runs, so it writes none; and the wave's COMMIT makes
-them durable together with the inbox rows. ``PostgresOutboxStore`` is what the relay reads:
-the unpublished rows in id order, marked published once Kafka acknowledged them, then kept
-``outbox_retention_h`` for trace and deleted in bounded batches.
+emissions must too: the wave queues their INSERT (``emissions_insert``) inside the record's
+savepoint after its handler returned. A record rolled back to its savepoint takes its rows
+with it; a duplicate, a conflict or a parked record never runs, so it writes none; and the
+wave's COMMIT makes them durable together with the inbox rows. ``PostgresOutboxStore`` is
+what the relay reads: the unpublished rows in id order, marked published once Kafka
+acknowledged them, then kept ``outbox_retention_h`` for trace and deleted in bounded
+batches.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from reliable_consumer.engine.outbox.store import OutboxDepth, PendingEmission
 from reliable_consumer.engine.settings import PostgresSettings
 
 if TYPE_CHECKING:
-    from psycopg import AsyncConnection
     from psycopg_pool import AsyncConnectionPool
 
     from reliable_consumer.engine.postgres.inbox import InboxStore
@@ -50,27 +50,19 @@ _DEPTH = (
 )
 
 
-async def write_emissions(conn: AsyncConnection[Any], emissions: Emissions | None) -> None:
-    """Insert a record's emissions in its open savepoint, after its handler returned: one
-    statement (queued in the wave's pipeline, no round trip of its own), none when it
-    emitted nothing.
+def emissions_insert(emissions: Emissions | None) -> tuple[bytes, list[Any]] | None:
+    """The INSERT of a record's emissions and its parameters, one statement for all of them;
+    None when it emitted nothing.
 
-    Only while the session is still in a healthy transaction: a handler that ended it, turned
-    autocommit on or left it aborted is judged by the inbox's checks right after
-    (``WaveTransaction.release``), and nothing is written outside the wave's transaction. An
-    event id already in the table (its record ran again after its inbox row was pruned) is
-    kept as it is: every copy of one event carries one id, so the first row stands for it.
+    The wave queues it in the record's open savepoint after its handler returned
+    (``WaveTransaction.queue_in_savepoint``), only while the session is still in a healthy
+    transaction: a handler that ended it, turned autocommit on or left it aborted is judged
+    by the inbox's checks, and nothing is written outside the wave's transaction. An event
+    id already in the table (its record ran again after its inbox row was pruned) is kept as
+    it is: every copy of one event carries one id, so the first row stands for it.
     """
     if emissions is None or not emissions.emitted:
-        return
-    import psycopg
-
-    # ACTIVE: the wave's records run in pipeline mode, their statements' results not read
-    # yet; the row is queued behind them and shares their fate (aborted if one failed).
-    status = conn.info.transaction_status
-    open_ = (psycopg.pq.TransactionStatus.INTRANS, psycopg.pq.TransactionStatus.ACTIVE)
-    if conn.autocommit or status not in open_:
-        return
+        return None
     params: list[Any] = []
     for e in emissions.emitted:
         params += [
@@ -83,7 +75,7 @@ async def write_emissions(conn: AsyncConnection[Any], emissions: Emissions | Non
             emissions.handler,
         ]
     rows = ", ".join([_ROW] * len(emissions.emitted))
-    await conn.execute(_INSERT.format(rows=rows).encode(), params)
+    return _INSERT.format(rows=rows).encode(), params
 
 
 async def emitted_by(pool: AsyncConnectionPool[Any], handler: str) -> list[Emission]:
