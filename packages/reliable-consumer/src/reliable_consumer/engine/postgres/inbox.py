@@ -135,6 +135,29 @@ def _connection_class() -> Any:
                     await leave_pipeline(self._conn)
                 return await super().execute(query, params, **kwargs)
 
+            def _execute_gen(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+                """In the wave's pipeline a statement is queued, not sent: psycopg would
+                send what is queued and read what arrived on every ``execute`` (a send that
+                wakes the server, a read), the worker's largest cost per record. The wave's
+                statements go out together when a result is read (``_fetch_pipeline``) or
+                the pipeline syncs. psycopg's own steps otherwise (3.3's ``_execute_gen``)."""
+                if self._conn.wave_pipeline is None or not self._conn._pipeline:
+                    return (yield from super()._execute_gen(query, params, **kwargs))
+                yield from self._start_query(query)
+                pgq = self._convert_query(query, params)
+                yield from self._maybe_prepare_gen(pgq, **kwargs)
+                self._last_query = query
+                yield from self._conn._prepared.maintain_gen(self._conn)
+                return None
+
+            async def _fetch_pipeline(self) -> None:
+                """A result is read: what is queued goes out first (else never answered)."""
+                pipeline = self._conn._pipeline
+                if pipeline and pipeline.command_queue:
+                    async with self._conn.lock:
+                        await self._conn.wait(pipeline._communicate_gen())
+                await super()._fetch_pipeline()
+
             @asynccontextmanager
             async def copy(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
                 await leave_pipeline(self._conn)
