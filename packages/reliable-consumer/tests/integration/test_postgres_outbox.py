@@ -109,6 +109,47 @@ async def test_a_pipelined_wave_writes_each_granted_records_emissions_once_also_
     assert [e.event_id for e in emitted] == [event_id(handler_name, key, 0) for key in applied]
 
 
+class Shadowing(BaseModel):
+    order_id: str
+    shadow: bool = False
+
+
+@handler(
+    "shadowing_orders", model=Shadowing, dedupe_key="order_id", store="postgres", emits=(EVENTS,)
+)
+async def emit_into_a_shadowed_outbox(order: Shadowing, ctx: Context) -> None:
+    """When told to, hides kafka_outbox behind a temporary table without its columns (inside
+    its savepoint), so that the worker's INSERT of its emissions fails after it returned."""
+    assert ctx.db is not None
+    if order.shadow:
+        await ctx.db.execute("CREATE TEMP TABLE kafka_outbox (other int) ON COMMIT DROP", ())
+    ctx.emit(EVENTS, {"order_id": order.order_id}, key=order.order_id)
+
+
+async def test_a_failing_emissions_insert_fails_its_record_with_its_own_error_not_its_wave(
+    postgres_url: str,
+) -> None:
+    """The INSERT is queued in the wave's pipeline, its result read only at the sync: the
+    record is rolled back with the INSERT's error (not taken for a handler that swallowed
+    one), and the wave-mate queued after it runs again and emits once."""
+    orders = [Shadowing(order_id="s0"), Shadowing(order_id="s1", shadow=True)]
+    orders.append(Shadowing(order_id="s2"))
+    async with HandlerTestKit(emit_into_a_shadowed_outbox, postgres_url=postgres_url) as kit:
+        results = await kit.send_batch(orders)
+        emitted = await kit.emitted()
+    assert [r.outcome for r in results] == [
+        Outcome.SUCCEEDED,
+        Outcome.RETRY_SCHEDULED,
+        Outcome.SUCCEEDED,
+    ]
+    reason = results[1].reason or ""
+    assert 'column "event_id" of relation "kafka_outbox" does not exist' in reason, reason
+    assert "caught" not in reason, reason
+    assert [e.event_id for e in emitted] == [
+        event_id("shadowing_orders", key, 0) for key in ("s0", "s2")
+    ]
+
+
 @pytest.fixture
 async def pool(postgres_url: str) -> AsyncIterator[AsyncConnectionPool]:
     async with AsyncConnectionPool(postgres_url, min_size=1, max_size=2, open=False) as opened:
