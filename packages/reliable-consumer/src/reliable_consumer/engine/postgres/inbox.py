@@ -415,13 +415,14 @@ class Entered:
 class WaveTransaction:
     """The open transaction of one wave's postgres records, on one pooled connection.
 
-    Round trips per record are what a wave costs (psycopg's CPU per ``execute`` and the
-    server's per statement it waits for, docs/performance.md), so the records run in
-    psycopg's pipeline mode: nothing the worker or a handler sends waits for its result.
+    Round trips and sends per record are what a wave costs (psycopg's CPU per ``execute``
+    and the server's per statement it is woken for, docs/performance.md), so the records run
+    in psycopg's pipeline mode: nothing the worker or a handler queues is sent before a
+    result is read or the pipeline syncs (``WaveCursor``), and nothing waits for its result.
     One statement begins the wave (the statement timeout, its row in ``kafka_inbox_wave``,
     its txid) and one INSERT writes every inbox row of the wave (``insert_rows``); then per
     record the last record's RELEASE, its own SAVEPOINT and the marker set inside it are
-    queued (``enter``, no round trip) and go out with the handler's first statement. The
+    queued (``enter``), then the handler's statements and its emissions. The
     pipeline syncs once, after the last record (``settle``: a proof that the session is still
     in the wave's transaction, then every result in order), unless a handler raises: then
     at once, to roll it back. A record whose statements failed is rolled back to its
