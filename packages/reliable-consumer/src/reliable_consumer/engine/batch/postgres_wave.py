@@ -13,7 +13,8 @@ once after a handler that raised; what it finds decides each record in order
 its savepoint, its inbox row deleted, its decision made as for any handler). An error
 aborts every statement queued after it, so the records after a failed one run again: their
 handlers are called a second time, their SQL runs once. A record's emissions (its outbox
-rows) are queued in its savepoint after its handler returned and share its statements' fate.
+rows) are queued in its savepoint after its handler returned, with a probe of their own
+judged with the record (``WaveTransaction.queue_in_savepoint``, ``Entered.sent``).
 Then one commit. Only a committed record goes on to FINISH as succeeded (or duplicate);
 when the connection or the commit fails, every record still waiting on it is a retryable
 failure (counted by its circuit breaker, so an outage opens the circuit and holds records
@@ -233,7 +234,7 @@ class PostgresWaves:
                 # Its emissions, queued in its savepoint: kept with its effects, or undone
                 # with them when the sync finds its statements failed.
                 if (insert := emissions_insert(job.emissions)) is not None:
-                    await tx.queue_in_savepoint(*insert)
+                    await tx.queue_in_savepoint(entered, *insert)
             except Exception as exc:
                 error = exc
             else:
@@ -271,7 +272,7 @@ class PostgresWaves:
                 waiting.append(one.job)
                 continue
             if after.status is Step.NOT_RUN:  # its own statements failed
-                one.error = _sql_failed(one, first, seen_by, sql_error)
+                one.error = one.entered.sent_failed() or _sql_failed(one, first, seen_by, sql_error)
             await self._roll_back(tx, one)
             return ran[i + 1 :]
         if tail.status is Step.FAILED:  # the last handler ended the wave's transaction

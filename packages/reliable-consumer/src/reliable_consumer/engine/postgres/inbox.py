@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -406,10 +406,16 @@ class Entered:
     probes: list[Probe]  # the last record's RELEASE (when pending), SAVEPOINT, the marker
     returned: InboxRow | None  # the record whose savepoint that RELEASE releases
     mark_before: str  # the marker's value before this record's savepoint
+    # What the worker queued in its savepoint after its handler returned (its emissions).
+    sent: list[Probe] = field(default_factory=list)
 
     def step(self) -> Probe | None:
         """The first of its statements that did not succeed, or None."""
         return next((p for p in self.probes if p.status is not Step.OK), None)
+
+    def sent_failed(self) -> BaseException | None:
+        """The error of the worker's statement after its handler that failed, or None."""
+        return next((p.error for p in self.sent if p.status is Step.FAILED), None)
 
 
 class WaveTransaction:
@@ -504,14 +510,12 @@ class WaveTransaction:
         self._mark_before, self._mark = self._mark, str(self._entered)
         return entered
 
-    async def queue_in_savepoint(self, query: bytes, params: list[Any]) -> None:
+    async def queue_in_savepoint(self, entered: Entered, query: bytes, params: list[Any]) -> None:
         """Queue a statement of the worker's in the record's savepoint, after its handler
-        returned (its emissions): in the wave's pipeline, sent with the next record's
-        statements or the sync (``WaveCursor`` queues, and prepares a statement it sees
-        often). A failure of it fails the record with its own error (``first_error``, seen
-        by no handler). Nothing is queued once the session is not in a healthy transaction:
-        the checks that follow judge the handler that left it so, and nothing runs outside
-        the wave's."""
+        returned (its emissions): bound here, sent with the next record's statements or the
+        sync, no send of its own; its probe is judged with the record (``Entered.sent``).
+        Nothing is queued once the session is not in a healthy transaction: the checks that
+        follow judge the handler that left it so, and nothing runs outside the wave's."""
         psycopg, _ = _driver()
         status = self.conn.info.transaction_status
         pipelined = status == psycopg.pq.TransactionStatus.ACTIVE and self._pipeline is not None
@@ -519,8 +523,9 @@ class WaveTransaction:
             pipelined or status == psycopg.pq.TransactionStatus.INTRANS
         ):
             return
+        statement = self._cursor.mogrify(query, params)
         await self._open_pipeline()
-        await self.conn.execute(query, params)
+        entered.sent.append(self._send(statement))
 
     async def tail(self) -> Probe:
         """Queue the proof that the session is still in the wave's transaction: after the
