@@ -5,12 +5,14 @@ store's lease in Redis (SET NX PX with a token of its own, renewed by a script t
 the token). A relay that cannot renew stops publishing from that store and contends again.
 
 One round: read the oldest entries, queue them as one record batch per partition in that
-order (nothing is awaited between them), wait for Kafka's answer for every batch, note the
-acknowledged entries in the published trail, and mark them published up to the first entry
-whose batch Kafka refused (none after it, though later batches may have been written). A
-batch is written whole or not at all and always starts at its partition's oldest unmarked
-entry, so no entry reaches Kafka ahead of an earlier one of its key, whatever is refused or
-retried. The producer is Kafka's idempotent one where the broker grants it (producer.py).
+order (nothing is awaited between them), wait for Kafka's answer for every batch until the
+lease ends, note the entries of every acknowledged batch in the published trail, and mark
+them published, whatever happened to the other batches (refused, or unanswered when the
+lease ended). A batch is written whole or not at all and always starts at its partition's
+oldest unmarked entry, so no entry reaches Kafka ahead of an earlier one of its key,
+whatever is refused or retried, and an acknowledged batch is never published again because
+another partition's failed. The producer is Kafka's idempotent one where the broker grants
+it (producer.py).
 A relay killed between the acknowledgement and the mark publishes the same entries again
 from the store: at least once, every copy carrying its ``event-id`` header, so a consumer
 dedupes it. Exactly once would need the mark inside a Kafka transaction, and the store is
@@ -205,7 +207,8 @@ class OutboxRelay:
     async def publish_round(self, store: OutboxStore) -> bool:
         """Publish the oldest entries, mark what Kafka acknowledged: whether more may wait.
 
-        Raises the round's failure after marking the acknowledged entries before it."""
+        Raises the round's first failure (a refused batch, or ``TimeoutError`` for batches
+        unanswered when the lease ended) after marking the acknowledged batches' entries."""
         batch = self._settings.batch_size
         entries = await store.pending(batch)
         if not entries:
@@ -214,7 +217,7 @@ class OutboxRelay:
         lease_ends = asyncio.get_running_loop().time() + self._settings.lease_ms / 1000
         async with asyncio.timeout_at(lease_ends):
             sent = await self._send(entries)
-            published, failure = await self._acknowledged(sent)
+        published, failure = await self._acknowledged(sent, lease_ends)
         if published:
             await self._settle(lambda: self._trail(store, published), lease_ends)
             marked = [p.entry for p in published]
@@ -284,20 +287,39 @@ class OutboxRelay:
         partitions = sorted(await self._producer.partitions_for(topic))
         return int(self._partitioner(key, partitions, partitions))
 
-    async def _acknowledged(self, sent: Round) -> tuple[list[Published], BaseException | None]:
-        """Wait for every batch; the round's entries Kafka acknowledged up to the first that
-        it did not (none after it is marked, even if its batch was written), and that
-        failure."""
-        await asyncio.wait(sent.acks.values())
+    async def _acknowledged(
+        self, sent: Round, lease_ends: float
+    ) -> tuple[list[Published], BaseException | None]:
+        """Wait for every batch until the lease ends: the entries of each batch Kafka
+        acknowledged, and the first failure in the store's order (a refusal, or a
+        ``TimeoutError`` naming the batches still unanswered).
+
+        Marking an acknowledged batch is safe whatever became of the others: it holds its
+        partition's oldest unmarked entries, so no later entry of a key is marked ahead of
+        an earlier one. Leaving it unmarked would only publish it again."""
+        loop = asyncio.get_running_loop()
+        if sent.acks:
+            await asyncio.wait(sent.acks.values(), timeout=max(0.0, lease_ends - loop.time()))
+        unanswered = sorted(
+            f"{tp.topic}[{tp.partition}]" for tp, f in sent.acks.items() if not f.done()
+        )
         published: list[Published] = []
+        failure: BaseException | None = None
         for entry, tp, index in sent.entries:
             acked = sent.acks[tp]
-            if (failure := acked.exception()) is not None:
-                return published, failure
+            if not acked.done():
+                failure = failure or TimeoutError(
+                    "Kafka acknowledged no batch of partition(s) "
+                    f"{', '.join(unanswered)} before the relay's lease ended"
+                )
+                continue
+            if (refused := acked.exception()) is not None:
+                failure = failure or refused
+                continue
             meta: RecordMetadata = acked.result()
             offset = meta.offset + index if meta.offset >= 0 else -1
             published.append(Published(entry, tp.partition, offset))
-        return published, None
+        return published, failure
 
     async def _trail(self, store: OutboxStore, published: Sequence[Published]) -> None:
         """Note what was published in the capped trail (a copy published twice shows twice),
