@@ -30,7 +30,7 @@ import contextlib
 import logging
 import random
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
@@ -39,6 +39,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.structs import RecordMetadata, TopicPartition
 from redis.asyncio import Redis
 
+from reliable_consumer.engine.kafka.clients import MAX_BATCH_BYTES
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.outbox.store import OutboxStore, PendingEmission
 from reliable_consumer.engine.redis.keys import RedisKeys
@@ -46,6 +47,7 @@ from reliable_consumer.engine.settings import OutboxSettings
 from reliable_consumer.engine.stalls import Stalls
 
 log = logging.getLogger(__name__)
+NO_COMPRESSION = 0  # the codec attribute of an uncompressed record batch
 STALL = "outbox_relay_failing"
 CONSEQUENCE = "emitted records wait in the outbox; the relay retries"
 MAX_BACKOFF_S = 10.0
@@ -154,8 +156,12 @@ class OutboxRelay:
         settings: OutboxSettings,
         metrics: Metrics,
         stalls: Stalls | None = None,
+        max_message_bytes: Mapping[str, int] | None = None,
     ) -> None:
         self._stores = list(stores)
+        # Each emitted topic's max.message.bytes, where the start-up check read it: a round's
+        # batch for that topic is built no larger (the producer's own are 256 KiB).
+        self._max_message_bytes = dict(max_message_bytes or {})
         self._redis = redis
         self._keys = keys
         self._producer = producer
@@ -261,7 +267,7 @@ class OutboxRelay:
             tp = TopicPartition(e.topic, partition)
             pending = batches.get(tp)
             if pending is None:
-                pending = batches[tp] = Batch(self._producer.create_batch())
+                pending = batches[tp] = Batch(self._new_batch(tp.topic))
             if (
                 pending.builder.append(
                     key=e.key, value=e.value, timestamp=None, headers=e.kafka_headers()
@@ -281,6 +287,15 @@ class OutboxRelay:
                 acked.add_done_callback(_retrieved)
                 out.acks[tp] = acked
         return out
+
+    def _new_batch(self, topic: str) -> BatchBuilder:
+        """The producer's batch, or a smaller one where ``topic`` takes less (the relay's
+        producer compresses nothing: make_outbox_producer). A single entry larger than
+        that still goes alone; ``ctx.emit`` refused it already when the limit was known."""
+        limit = self._max_message_bytes.get(topic)
+        if limit is None or limit >= MAX_BATCH_BYTES:
+            return self._producer.create_batch()
+        return BatchBuilder(limit, NO_COMPRESSION)
 
     async def _partition_of(self, topic: str, key: bytes | None) -> int:
         """Where the producer's own partitioner puts ``key`` (murmur2, as Java's does)."""
