@@ -142,6 +142,11 @@ def checked_topics(settings: Settings, emitted: Sequence[str] = ()) -> dict[str,
 
 async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDurability]:
     """Replication factor (the smallest over partitions) and min.insync.replicas per topic."""
+    emitted = [name for name, role in topics.items() if role == "emitted"]
+
+    def listed(of: Settings) -> list[Acl]:
+        return worker_acls(of, emitted)
+
     admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
     await admin.start()
     try:
@@ -174,7 +179,7 @@ async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDura
                 )
                 continue
             if name in refused:  # no DescribeConfigs ACL: name it, decide per mode
-                acl = needed(settings, "Topic", name, "DescribeConfigs")
+                acl = needed(settings, "Topic", name, "DescribeConfigs", of=listed)
                 denied = str(access_denied(settings.kafka, acl, refused[name]))
                 out.append(TopicDurability(name, role, True, None, None, denied))
                 continue
