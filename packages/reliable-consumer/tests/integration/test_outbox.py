@@ -30,7 +30,12 @@ from reliable_consumer.dev.servers.broker import Broker, create_topics
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.dev.servers.tansu import TansuBroker
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.handlers.emissions import EVENT_ID_HEADER, Emissions, event_id
+from reliable_consumer.engine.handlers.emissions import (
+    EVENT_ID_HEADER,
+    Emissions,
+    InvalidEmission,
+    event_id,
+)
 from reliable_consumer.engine.handlers.registry import Handler, Registry
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.observation.metrics import Metrics
@@ -334,6 +339,83 @@ async def _published_all(relay: OutboxRelay, store: RedisOutboxStore) -> bool:
         while await relay.publish_round(store):
             pass
     return (await store.depth()).pending == 0
+
+
+SMALL_LIMIT = 20_000  # far below the relay producer's 256 KiB batches
+
+
+def _largest_value_emit_allows(topic: str, limit: int) -> int:
+    """The longest value ``ctx.emit`` takes for ``topic`` (key 'u1', no headers of its own)."""
+    low, high = 0, limit
+    while low < high:
+        middle = (low + high + 1) // 2
+        try:
+            Emissions("grants", frozenset({topic}), "probe", {topic: limit}).emit(
+                topic, b"x" * middle, key="u1"
+            )
+            low = middle
+        except InvalidEmission:
+            high = middle - 1
+    return low
+
+
+@pytest.mark.timeout(120)
+async def test_the_relay_publishes_to_a_topic_taking_less_than_its_producers_batch(
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
+) -> None:
+    """A topic with max.message.bytes 20,000: the relay's round of 40 small entries of one key
+    used to go as one 60 KB batch, refused whole, round after round (the outbox stalled).
+    Built to the topic's limit, the batches are taken, in order; and the largest record
+    ``ctx.emit`` accepts for the topic is one Kafka takes (one byte more is refused at emit)."""
+    if not isinstance(kafka_broker, ApacheKafkaCluster):  # never on CI: it requires Kafka
+        pytest.skip("Tansu enforces no max.message.bytes (WORKER_TEST_BROKER=tansu)")
+    settings = settings_for(kafka_broker, redis_server.url, unique_name)
+    topic = f"{unique_name}.granted"
+    admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": str(SMALL_LIMIT)})]
+        )
+    finally:
+        await admin.close()
+    largest = _largest_value_emit_allows(topic, SMALL_LIMIT)
+    with pytest.raises(InvalidEmission, match=f"max.message.bytes is {SMALL_LIMIT}"):
+        Emissions("grants", frozenset({topic}), "probe", {topic: SMALL_LIMIT}).emit(
+            topic, b"x" * (largest + 1), key="u1"
+        )
+    client = aioredis.from_url(redis_server.url)
+    keys = RedisKeys(settings.redis.key_prefix)
+    store = RedisOutboxStore(client, keys)
+    idem = Idempotency(RedisOps(client, settings.redis), keys, ttl_s=None, lease_ms=5000)
+    values = [json.dumps({"n": n, "pad": "x" * 1_500}).encode() for n in range(40)]
+    values.append(b'"' + b"x" * (largest - 2) + b'"')  # JSON, as read_topic decodes
+    # The small ones from one record, the largest as another record's first event (its
+    # event id as long as the probe's).
+    boxes = {d: Emissions("grants", frozenset({topic}), d, {topic: SMALL_LIMIT}) for d in "AB"}
+    for value in values[:-1]:
+        boxes["A"].emit(topic, value, key="u1")
+    boxes["B"].emit(topic, values[-1], key="u1")
+    for dedupe_key, box in boxes.items():
+        await idem.finish(
+            FinishRequest(idem.key("grants", dedupe_key), "T", "fp", "", [],
+                          emissions=box.emitted, emitted_by="grants")
+        )  # fmt: skip
+    producer = await relay_producer(settings.kafka, "auto")
+    await producer.start()
+    relay = OutboxRelay(
+        [store], redis=client, keys=keys, producer=producer, settings=settings.outbox,
+        metrics=Metrics(), max_message_bytes={topic: SMALL_LIMIT},
+    )  # fmt: skip
+    try:
+        while await relay.publish_round(store):
+            pass
+        assert (await store.depth()).pending == 0
+    finally:
+        await producer.stop()
+        await client.aclose()
+    copies = await read_topic(settings, topic, len(values))
+    assert [v for _, _, v in copies] == [json.loads(v) for v in values]
 
 
 @pytest.mark.timeout(60)

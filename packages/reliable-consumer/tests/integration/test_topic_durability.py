@@ -1,4 +1,4 @@
-"""Defect 14: the dead-letter and outcome topics' durability is checked at start."""
+"""The dead-letter, outcome and emitted topics' durability is checked at start."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.worker import Worker
-from tests.integration.harness import make_settings, prepare_topics, running_worker
+from tests.integration.harness import (
+    emitted_by_bound,
+    make_settings,
+    prepare_topics,
+    running_worker,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,6 +35,8 @@ async def test_production_mode_refuses_to_start_on_a_dead_letter_topic_with_one_
     message = str(refused.value)
     assert f"dead-letter topic '{unique_name}.dlq'" in message
     assert f"outcomes topic '{unique_name}-g.outcomes'" in message
+    for emitted in emitted_by_bound(settings):  # the relay deletes what they acknowledge
+        assert f"emitted topic '{emitted}'" in message
     assert "replication factor 1" in message
     assert "WORKER_TOPIC_DURABILITY" in message and "WORKER_TOPIC_MIN_INSYNC_REPLICAS" in message
     assert not worker.health.started
@@ -62,6 +69,8 @@ async def test_auto_mode_only_warns_with_local_redis_durability(
             assert worker.health.started
     warned = [r.getMessage() for r in caplog.records if "topic durability" in r.getMessage()]
     assert any(f"'{unique_name}.dlq'" in w for w in warned), warned
+    emitted = emitted_by_bound(settings)
+    assert emitted and all(any(f"emitted topic '{e}'" in w for w in warned) for e in emitted)
 
 
 async def test_a_missing_dead_letter_topic_is_reported_and_not_created_by_the_check(

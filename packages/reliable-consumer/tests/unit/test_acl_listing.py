@@ -45,11 +45,18 @@ def test_every_binding_brings_its_topic_dead_letters_and_the_group() -> None:
     assert all(a.why for a in worker_acls(settings) + operator_acls(settings))
 
 
-def test_each_topic_a_bound_handler_emits_to_needs_write_and_no_more() -> None:
+def test_each_topic_a_bound_handler_emits_to_needs_write_and_the_checks_describeconfigs() -> None:
+    """Write to publish; DescribeConfigs for the start-up check of its durability and
+    max.message.bytes, only while that check runs."""
     settings = load_settings(topics={"payments": "pay"}, kafka={"group_id": "g"})
     emitted = Registry.from_settings(settings.topics).emitted_topics
     assert emitted, "the example's payments handler emits its events"
     added = _entries(worker_acls(settings, emitted)) - _entries(worker_acls(settings))
+    assert added == {
+        ("Topic", topic, op) for topic in emitted for op in ("Write", "DescribeConfigs")
+    }
+    unchecked = settings.model_copy(update={"topic_durability": "off"})
+    added = _entries(worker_acls(unchecked, emitted)) - _entries(worker_acls(unchecked))
     assert added == {("Topic", topic, "Write") for topic in emitted}
 
 

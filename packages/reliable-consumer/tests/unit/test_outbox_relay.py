@@ -56,6 +56,7 @@ class Producer:
     sent: list[Written] = field(default_factory=list)  # topic, partition, value, key, headers
     batches: list[int] = field(default_factory=list)  # the record count of each batch sent
     holding: bool = False  # acknowledge nothing until release()
+    silent: set[int] = field(default_factory=set)  # partitions whose batches are never answered
     held: list[tuple[asyncio.Future[Placed], Placed]] = field(default_factory=list)
 
     def release(self) -> None:
@@ -79,6 +80,8 @@ class Producer:
         if self.failing or partition in self.refused:
             acked.set_exception(KafkaConnectionError("broker away"))
             return acked
+        if partition in self.silent:
+            return acked  # the leader is away: neither written nor refused, for now
         if self.holding:
             self.held.append((acked, Placed(len(self.sent))))
         else:
@@ -291,30 +294,49 @@ async def test_a_round_sends_one_batch_per_partition_and_waits_for_no_ack_before
     }
 
 
-async def test_a_refused_batch_mid_round_marks_only_the_entries_before_it(env: Env) -> None:
-    """Entries alternate between two keys on two partitions; the second key's partition
-    refuses its batch. The entries before its first are marked, nothing after it is
-    (though the first key's later entries were written), and the republish keeps each
-    key's order as a consumer deduplicating by event id sees it."""
+def alternating_grants_on_two_partitions() -> tuple[list[str], list[str]]:
     keys = ["a", "d"]
     assert partition_of("a", 2) != partition_of("d", 2)
-    ids: dict[str, list[str]] = {"a": [], "d": []}
-    first = await env.grant("g0", count=1, key="a")
-    ids["a"] += first
-    for n in range(1, 7):
-        ids[keys[n % 2]] += await env.grant(f"g{n}", count=1, key=keys[n % 2])
+    return keys, [keys[n % 2] for n in range(7)]
+
+
+async def test_a_refused_batch_mid_round_marks_every_batch_kafka_acknowledged(env: Env) -> None:
+    """Entries alternate between two keys on two partitions; the second key's partition
+    refuses its batch. The first key's batch was written whole, so all of it is marked, even
+    its entries after the refused one's (they were published again before: duplicates), and
+    the republish keeps each key's order as a consumer deduplicating by event id sees it."""
+    keys, order = alternating_grants_on_two_partitions()
+    ids: dict[str, list[str]] = {k: [] for k in keys}
+    for n, key in enumerate(order):
+        ids[key] += await env.grant(f"g{n}", count=1, key=key)
     producer = Producer(partitions=2, refused={partition_of("d", 2)})
     relay = env.relay(producer)
     with pytest.raises(KafkaConnectionError):
         await relay.publish_round(env.store)
-    assert [p.emission.event_id for p in await env.store.pending(10)] == [
-        ids["d"][0], ids["a"][1], ids["d"][1], ids["a"][2], ids["d"][2], ids["a"][3],
-    ]  # fmt: skip
+    assert [p.emission.event_id for p in await env.store.pending(10)] == ids["d"]
     assert event_ids(producer) == ids["a"], "the first key's batch was written whole"
     producer.refused.clear()
     assert await relay.publish_round(env.store) is False
+    assert event_ids(producer) == ids["a"] + ids["d"], "an acknowledged entry went twice"
     assert first_copies_by_key(producer) == {b"a": ids["a"], b"d": ids["d"]}
     assert await env.redis.xlen(env.keys.outbox) == 0
+
+
+async def test_a_round_that_outlives_its_lease_still_marks_the_batches_kafka_acknowledged(
+    env: Env,
+) -> None:
+    """One partition's leader never answers: the round ends with the lease, and the other
+    partition's acknowledged batch is marked rather than published again by the next holder."""
+    keys, order = alternating_grants_on_two_partitions()
+    ids: dict[str, list[str]] = {k: [] for k in keys}
+    for n, key in enumerate(order):
+        ids[key] += await env.grant(f"g{n}", count=1, key=key)
+    producer = Producer(partitions=2, silent={partition_of("d", 2)})
+    relay = env.relay(producer, lease_ms=1000, poll_interval_ms=20)
+    with pytest.raises(TimeoutError, match="partition"):
+        await relay.publish_round(env.store)
+    assert [p.emission.event_id for p in await env.store.pending(10)] == ids["d"]
+    assert env.metrics.outbox_published.labels("redis")._value.get() == len(ids["a"])
 
 
 async def test_a_round_ends_before_an_entry_its_partitions_batch_has_no_room_for(

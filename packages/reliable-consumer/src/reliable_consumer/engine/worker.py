@@ -22,7 +22,7 @@ import contextlib
 import functools
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
@@ -214,7 +214,7 @@ class Worker:
         emits = self.registry.emitted_topics
         access = until_answered(lambda: check_topic_access(s, emits), self._stop, self.stalls)
         await self._unless_stopped(access, "checking the worker's access to its topics")
-        durability = until_answered(lambda: check_topic_durability(s), self._stop)
+        durability = until_answered(lambda: check_topic_durability(s, emits), self._stop)
         topics = await self._unless_stopped(durability, "checking the Kafka topics")
         for warning in topics.warnings:
             log.warning(warning)
@@ -230,9 +230,10 @@ class Worker:
             breakers=self.breakers,
             inbox=self.inbox,
             outcomes_max_message_bytes=topics.outcomes_max_message_bytes,
+            emitted_max_message_bytes=topics.emitted_max_message_bytes,
         )
         if self.registry.emits:
-            await self._start_relay()
+            await self._start_relay(topics.emitted_max_message_bytes)
         self.intake.held_topics = self.breakers.open_topics
         self.health.circuits = self.breakers.snapshot
         if self.consume:
@@ -297,7 +298,7 @@ class Worker:
             stores.append(postgres)
         return stores
 
-    async def _start_relay(self) -> None:
+    async def _start_relay(self, max_message_bytes: Mapping[str, int]) -> None:
         """Publish what handlers emit: every worker runs the relay, one per store publishes."""
         s = self.settings
         producer = await self._unless_stopped(
@@ -317,6 +318,7 @@ class Worker:
             settings=s.outbox,
             metrics=self.metrics,
             stalls=self.stalls,
+            max_message_bytes=max_message_bytes,
         )
         self.processor.on_emitted(self.relay.wake)
         self._relay_task = asyncio.create_task(self.relay.run(self._stop), name="outbox-relay")

@@ -8,7 +8,8 @@ calls per record path, and no stage keeps copies of its own that could drift apa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
@@ -45,3 +46,6 @@ class Parts:
     keys: RedisKeys
     # Writers' schemas fetched from the schema registry (None: no RegistryAvro handler bound).
     schemas: WriterSchemas | None = None
+    # Each emitted topic's max.message.bytes as the start-up check read it: an emitted
+    # record that cannot fit is refused when the handler emits it.
+    emitted_limits: Mapping[str, int] = field(default_factory=dict)

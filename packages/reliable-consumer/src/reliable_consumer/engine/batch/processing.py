@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from aiokafka import AIOKafkaProducer
@@ -93,6 +93,7 @@ class Processor:
         stalls: Stalls | None = None,
         tracer_provider: TracerProvider | None = None,
         schemas: WriterSchemas | None = None,
+        emitted_limits: Mapping[str, int] | None = None,
     ) -> None:
         if schemas is None and registry.uses_schema_registry:
             schemas = writer_schemas(settings, metrics, stalls)
@@ -110,6 +111,7 @@ class Processor:
             stalls=stalls,
             keys=RedisKeys(settings.redis.key_prefix),
             schemas=schemas,
+            emitted_limits=dict(emitted_limits or {}),
         )
         self._settings = settings
         self.decisions = Decisions(self.parts)
@@ -137,6 +139,7 @@ class Processor:
         breakers: Breakers | None = None,
         inbox: InboxStore | None = None,
         outcomes_max_message_bytes: int | None = None,
+        emitted_max_message_bytes: Mapping[str, int] | None = None,
         tracer_provider: TracerProvider | None = None,
     ) -> Processor:
         """The record path over an open Redis client and a started producer.
@@ -144,8 +147,9 @@ class Processor:
         ``stalls`` hears of what holds progress back outside the records (the worker's,
         so readiness and ``worker_stalled`` see it), e.g. a dead-letter topic that is missing.
         ``outcomes_max_message_bytes``: the outcomes topic's limit, when the start-up check
-        read it; outcome documents are cut to fit it. ``tracer_provider``: where the record
-        spans go (tests); by default the process's, when tracing is on.
+        read it; outcome documents are cut to fit it. ``emitted_max_message_bytes``: each
+        emitted topic's; an emitted record that cannot fit is refused. ``tracer_provider``:
+        where the record spans go (tests); by default the process's, when tracing is on.
         """
         keys = RedisKeys(settings.redis.key_prefix)
         idempotency = Idempotency(
@@ -175,6 +179,7 @@ class Processor:
             inbox,
             stalls,
             tracer_provider,
+            emitted_limits=emitted_max_message_bytes,
         )
 
     async def process(self, delivery: Delivery) -> Outcome:

@@ -191,7 +191,10 @@ class HandlerRunner:
         )
         if job.handler.emits:
             ctx.emissions = job.emissions = Emissions(
-                job.handler.name, job.handler.emits, job.dedupe_key or ""
+                job.handler.name,
+                job.handler.emits,
+                job.dedupe_key or "",
+                limits=self._parts.emitted_limits,
             )
         return ctx
 

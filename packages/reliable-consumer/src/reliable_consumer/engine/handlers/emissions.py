@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from pydantic import BaseModel
 
 from reliable_consumer.engine.declaration.naming import TOPIC_NAME
@@ -28,6 +29,8 @@ from reliable_consumer.engine.errors import ConfigurationError, PermanentError
 EVENT_ID_HEADER = "event-id"
 MAX_EMISSIONS = 100  # per record: an outbox entry is written atomically with its effects
 # Kafka's default message.max.bytes (1 MiB + 12) less room for the key, headers and framing.
+# When the start-up check read the topic's own max.message.bytes, the whole record (in a
+# batch of its own: key, value, headers, the event id, framing) must also fit that.
 MAX_VALUE_BYTES = 1_000_000
 MAX_KEY_BYTES = 16_384
 
@@ -133,6 +136,15 @@ def _encode_headers(
     return tuple(encoded)
 
 
+def record_bytes(emission: Emission) -> int:
+    """The most a record batch holding only ``emission`` can take on the wire: what a
+    topic's max.message.bytes is compared with."""
+    headers: list[tuple[str, bytes | None]] = list(emission.kafka_headers())
+    return int(
+        DefaultRecordBatchBuilder.estimate_size_in_bytes(emission.key, emission.value, headers)
+    )
+
+
 @dataclass(slots=True)
 class Emissions:
     """The records a handler emitted for one delivery, checked as they are queued."""
@@ -140,6 +152,8 @@ class Emissions:
     handler: str
     declared: frozenset[str]
     dedupe_key: str
+    # Topic -> its max.message.bytes, where the start-up check read it.
+    limits: Mapping[str, int] = field(default_factory=dict)
     emitted: list[Emission] = field(default_factory=list)
 
     def emit(
@@ -165,9 +179,16 @@ class Emissions:
                 f"an emitted value is at most {MAX_VALUE_BYTES} bytes, got {len(encoded)}"
             )
         identity = event_id(self.handler, self.dedupe_key, len(self.emitted))
-        self.emitted.append(
-            Emission(topic, _encode_key(key), encoded, _encode_headers(headers), identity)
-        )
+        emission = Emission(topic, _encode_key(key), encoded, _encode_headers(headers), identity)
+        limit = self.limits.get(topic)
+        if limit is not None:
+            size = record_bytes(emission)
+            if size > limit:
+                raise InvalidEmission(
+                    f"an emitted record of {size} bytes (key, value, headers and framing) "
+                    f"does not fit topic {topic[:250]!r}, whose max.message.bytes is {limit}"
+                )
+        self.emitted.append(emission)
         return identity
 
     def __len__(self) -> int:

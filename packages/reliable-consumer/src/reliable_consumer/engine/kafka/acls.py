@@ -134,6 +134,16 @@ def worker_acls(settings: Settings, emitted: Iterable[str] = ()) -> list[Acl]:
         acls.append(
             Acl("Topic", topic, "Write", "publish the events handlers emit (the outbox relay)")
         )
+        if checks:
+            acls.append(
+                Acl(
+                    "Topic",
+                    topic,
+                    "DescribeConfigs",
+                    "let the start-up check read its replication, min.insync.replicas and "
+                    "max.message.bytes",
+                )
+            )
     acls.append(
         Acl(
             "Cluster",

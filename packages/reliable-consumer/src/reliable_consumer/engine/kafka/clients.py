@@ -64,12 +64,16 @@ def make_consumer(kafka: KafkaSettings) -> AIOKafkaConsumer:
     )
 
 
+# The largest record batch the producers build (Kafka's default max.message.bytes is 1 MiB).
+MAX_BATCH_BYTES = 256 * 1024
+
+
 def make_producer(kafka: KafkaSettings) -> AIOKafkaProducer:
     """A producer whose acknowledgement means every in-sync replica has the record."""
     return AIOKafkaProducer(
         acks="all",
         linger_ms=kafka.producer_linger_ms,
-        max_batch_size=256 * 1024,
+        max_batch_size=MAX_BATCH_BYTES,
         **connection_kwargs(kafka),
     )
 
@@ -84,6 +88,6 @@ def make_outbox_producer(kafka: KafkaSettings, *, idempotent: bool) -> AIOKafkaP
         acks="all",
         enable_idempotence=idempotent,
         linger_ms=kafka.producer_linger_ms,
-        max_batch_size=256 * 1024,
+        max_batch_size=MAX_BATCH_BYTES,
         **connection_kwargs(kafka),
     )

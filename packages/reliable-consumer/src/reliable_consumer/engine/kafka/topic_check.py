@@ -1,14 +1,17 @@
-"""Start-up check that the dead-letter and outcome topics keep what they acknowledge.
+"""Start-up check that the dead-letter, outcome and emitted topics keep what they acknowledge.
 
 MARK_DEAD drops Redis's copy of a record once the dead-letter topic acknowledged it,
-and an outcome event counts a record as done once acknowledged. The producer asks for
+an outcome event counts a record as done once acknowledged, and the outbox relay deletes
+an emitted event once its topic acknowledged it. The producer asks for
 ``acks=all``, but "all" means all *in-sync* replicas: with ``min.insync.replicas=1`` (the
 broker default) or a replication factor of 1 that ack can come from the leader alone,
-and losing that broker loses the dead letter, which then exists nowhere. So, before
-consuming, the worker reads both topics' replication factor and ``min.insync.replicas``
-and, per ``WORKER_TOPIC_DURABILITY``, refuses to start or warns (docs/durability.md).
-The same read gives the outcomes topic's ``max.message.bytes``, which outcome documents are
-cut to fit (the publisher also learns it from a refusal, for when the check is off).
+and losing that broker loses the dead letter (or the event), which then exists nowhere.
+So, before consuming, the worker reads these topics' replication factor and
+``min.insync.replicas`` and, per ``WORKER_TOPIC_DURABILITY``, refuses to start or warns
+(docs/durability.md). The same read gives each topic's ``max.message.bytes``: outcome
+documents are cut to fit the outcomes topic's (the publisher also learns it from a refusal,
+for when the check is off); an emitted record that cannot fit its topic's is refused when
+the handler emits it, and the relay's batches for that topic are built to fit it.
 
 First, whatever the mode, ``check_topic_access`` asks for every topic the worker reads or
 writes by name (the topics its handlers emit to too): a broker with ACLs answers
@@ -50,7 +53,7 @@ class TopicDurability:
     """What the broker says about one topic (None: it did not say)."""
 
     topic: str
-    role: str  # "dead-letter" or "outcomes"
+    role: str  # "dead-letter", "outcomes" or "emitted"
     exists: bool
     replication_factor: int | None
     min_insync_replicas: int | None
@@ -125,17 +128,25 @@ def effective_mode(settings: Settings) -> str:
     return "warn" if settings.redis.durability == "local" else "require"
 
 
-def checked_topics(settings: Settings) -> dict[str, str]:
-    """Topic -> role: every dead-letter topic of the bound topics, and the outcomes topic."""
+def checked_topics(settings: Settings, emitted: Sequence[str] = ()) -> dict[str, str]:
+    """Topic -> role: every dead-letter topic of the bound topics, the outcomes topic, and
+    the topics handlers emit to (``emitted``)."""
     out = {settings.dead_letter_topic(t): "dead-letter" for t in settings.topics.values()}
     outcomes = settings.outcomes_topic()
     if outcomes is not None:
         out[outcomes] = "outcomes"
+    for topic in emitted:
+        out.setdefault(topic, "emitted")
     return out
 
 
 async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDurability]:
     """Replication factor (the smallest over partitions) and min.insync.replicas per topic."""
+    emitted = [name for name, role in topics.items() if role == "emitted"]
+
+    def listed(of: Settings) -> list[Acl]:
+        return worker_acls(of, emitted)
+
     admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
     await admin.start()
     try:
@@ -168,7 +179,7 @@ async def describe(settings: Settings, topics: dict[str, str]) -> list[TopicDura
                 )
                 continue
             if name in refused:  # no DescribeConfigs ACL: name it, decide per mode
-                acl = needed(settings, "Topic", name, "DescribeConfigs")
+                acl = needed(settings, "Topic", name, "DescribeConfigs", of=listed)
                 denied = str(access_denied(settings.kafka, acl, refused[name]))
                 out.append(TopicDurability(name, role, True, None, None, denied))
                 continue
@@ -218,25 +229,32 @@ async def _min_insync(
 
 @dataclass(frozen=True)
 class TopicCheck:
-    """What the start-up check found: warnings to log, and the outcomes topic's
-    ``max.message.bytes`` (None: not read, or not reported)."""
+    """What the start-up check found: warnings to log, the outcomes topic's
+    ``max.message.bytes`` (None: not read, or not reported), and each emitted topic's
+    (those the broker reported)."""
 
     warnings: list[str] = field(default_factory=list)
     outcomes_max_message_bytes: int | None = None
+    emitted_max_message_bytes: dict[str, int] = field(default_factory=dict)
 
 
-async def check_topic_durability(settings: Settings) -> TopicCheck:
+async def check_topic_durability(settings: Settings, emitted: Sequence[str] = ()) -> TopicCheck:
     """Warnings to log and what was learnt; raises ConfigurationError instead of warning
-    when the mode is ``require``."""
+    when the mode is ``require``. ``emitted``: the topics bound handlers emit to."""
     mode = effective_mode(settings)
     if mode == "off":
         return TopicCheck()
-    facts = await describe(settings, checked_topics(settings))
+    facts = await describe(settings, checked_topics(settings, emitted))
     limit = next((f.max_message_bytes for f in facts if f.role == "outcomes"), None)
+    emitted_limits = {
+        f.topic: f.max_message_bytes
+        for f in facts
+        if f.role == "emitted" and f.max_message_bytes is not None
+    }
     small = _too_small_for_outcomes(limit, settings.outcomes_topic())
     problems = [p for f in facts if (p := f.problem(settings.topic_min_insync_replicas))]
     if not problems:
-        return TopicCheck(small, limit)
+        return TopicCheck(small, limit, emitted_limits)
     if mode == "require":
         why = (
             "WORKER_TOPIC_DURABILITY=require"
@@ -247,12 +265,13 @@ async def check_topic_durability(settings: Settings) -> TopicCheck:
         raise ConfigurationError(
             f"refusing to start with {why}: "
             + "; ".join(problems)
-            + ". A dead letter or outcome acknowledged by one broker only can be lost after "
-            "Redis dropped its copy (docs/durability.md). Fix the topics, or set "
+            + ". A dead letter, outcome or emitted event acknowledged by one broker only can "
+            "be lost after Redis (or the outbox) dropped its copy (docs/durability.md). Fix "
+            "the topics, or set "
             "WORKER_TOPIC_DURABILITY=warn to start anyway."
         )
     warnings = [f"topic durability: {p} (docs/durability.md)" for p in problems]
-    return TopicCheck(warnings + small, limit)
+    return TopicCheck(warnings + small, limit, emitted_limits)
 
 
 def _too_small_for_outcomes(limit: int | None, topic: str | None) -> list[str]:

@@ -5,12 +5,14 @@ store's lease in Redis (SET NX PX with a token of its own, renewed by a script t
 the token). A relay that cannot renew stops publishing from that store and contends again.
 
 One round: read the oldest entries, queue them as one record batch per partition in that
-order (nothing is awaited between them), wait for Kafka's answer for every batch, note the
-acknowledged entries in the published trail, and mark them published up to the first entry
-whose batch Kafka refused (none after it, though later batches may have been written). A
-batch is written whole or not at all and always starts at its partition's oldest unmarked
-entry, so no entry reaches Kafka ahead of an earlier one of its key, whatever is refused or
-retried. The producer is Kafka's idempotent one where the broker grants it (producer.py).
+order (nothing is awaited between them), wait for Kafka's answer for every batch until the
+lease ends, note the entries of every acknowledged batch in the published trail, and mark
+them published, whatever happened to the other batches (refused, or unanswered when the
+lease ended). A batch is written whole or not at all and always starts at its partition's
+oldest unmarked entry, so no entry reaches Kafka ahead of an earlier one of its key,
+whatever is refused or retried, and an acknowledged batch is never published again because
+another partition's failed. The producer is Kafka's idempotent one where the broker grants
+it (producer.py).
 A relay killed between the acknowledgement and the mark publishes the same entries again
 from the store: at least once, every copy carrying its ``event-id`` header, so a consumer
 dedupes it. Exactly once would need the mark inside a Kafka transaction, and the store is
@@ -28,7 +30,7 @@ import contextlib
 import logging
 import random
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaProducer
@@ -37,6 +39,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.structs import RecordMetadata, TopicPartition
 from redis.asyncio import Redis
 
+from reliable_consumer.engine.kafka.clients import MAX_BATCH_BYTES
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.outbox.store import OutboxStore, PendingEmission
 from reliable_consumer.engine.redis.keys import RedisKeys
@@ -44,6 +47,7 @@ from reliable_consumer.engine.settings import OutboxSettings
 from reliable_consumer.engine.stalls import Stalls
 
 log = logging.getLogger(__name__)
+NO_COMPRESSION = 0  # the codec attribute of an uncompressed record batch
 STALL = "outbox_relay_failing"
 CONSEQUENCE = "emitted records wait in the outbox; the relay retries"
 MAX_BACKOFF_S = 10.0
@@ -152,8 +156,12 @@ class OutboxRelay:
         settings: OutboxSettings,
         metrics: Metrics,
         stalls: Stalls | None = None,
+        max_message_bytes: Mapping[str, int] | None = None,
     ) -> None:
         self._stores = list(stores)
+        # Each emitted topic's max.message.bytes, where the start-up check read it: a round's
+        # batch for that topic is built no larger (the producer's own are 256 KiB).
+        self._max_message_bytes = dict(max_message_bytes or {})
         self._redis = redis
         self._keys = keys
         self._producer = producer
@@ -205,7 +213,8 @@ class OutboxRelay:
     async def publish_round(self, store: OutboxStore) -> bool:
         """Publish the oldest entries, mark what Kafka acknowledged: whether more may wait.
 
-        Raises the round's failure after marking the acknowledged entries before it."""
+        Raises the round's first failure (a refused batch, or ``TimeoutError`` for batches
+        unanswered when the lease ended) after marking the acknowledged batches' entries."""
         batch = self._settings.batch_size
         entries = await store.pending(batch)
         if not entries:
@@ -214,7 +223,7 @@ class OutboxRelay:
         lease_ends = asyncio.get_running_loop().time() + self._settings.lease_ms / 1000
         async with asyncio.timeout_at(lease_ends):
             sent = await self._send(entries)
-            published, failure = await self._acknowledged(sent)
+        published, failure = await self._acknowledged(sent, lease_ends)
         if published:
             await self._settle(lambda: self._trail(store, published), lease_ends)
             marked = [p.entry for p in published]
@@ -258,7 +267,7 @@ class OutboxRelay:
             tp = TopicPartition(e.topic, partition)
             pending = batches.get(tp)
             if pending is None:
-                pending = batches[tp] = Batch(self._producer.create_batch())
+                pending = batches[tp] = Batch(self._new_batch(tp.topic))
             if (
                 pending.builder.append(
                     key=e.key, value=e.value, timestamp=None, headers=e.kafka_headers()
@@ -279,25 +288,53 @@ class OutboxRelay:
                 out.acks[tp] = acked
         return out
 
+    def _new_batch(self, topic: str) -> BatchBuilder:
+        """The producer's batch, or a smaller one where ``topic`` takes less (the relay's
+        producer compresses nothing: make_outbox_producer). A single entry larger than
+        that still goes alone; ``ctx.emit`` refused it already when the limit was known."""
+        limit = self._max_message_bytes.get(topic)
+        if limit is None or limit >= MAX_BATCH_BYTES:
+            return self._producer.create_batch()
+        return BatchBuilder(limit, NO_COMPRESSION)
+
     async def _partition_of(self, topic: str, key: bytes | None) -> int:
         """Where the producer's own partitioner puts ``key`` (murmur2, as Java's does)."""
         partitions = sorted(await self._producer.partitions_for(topic))
         return int(self._partitioner(key, partitions, partitions))
 
-    async def _acknowledged(self, sent: Round) -> tuple[list[Published], BaseException | None]:
-        """Wait for every batch; the round's entries Kafka acknowledged up to the first that
-        it did not (none after it is marked, even if its batch was written), and that
-        failure."""
-        await asyncio.wait(sent.acks.values())
+    async def _acknowledged(
+        self, sent: Round, lease_ends: float
+    ) -> tuple[list[Published], BaseException | None]:
+        """Wait for every batch until the lease ends: the entries of each batch Kafka
+        acknowledged, and the first failure in the store's order (a refusal, or a
+        ``TimeoutError`` naming the batches still unanswered).
+
+        Marking an acknowledged batch is safe whatever became of the others: it holds its
+        partition's oldest unmarked entries, so no later entry of a key is marked ahead of
+        an earlier one. Leaving it unmarked would only publish it again."""
+        loop = asyncio.get_running_loop()
+        if sent.acks:
+            await asyncio.wait(sent.acks.values(), timeout=max(0.0, lease_ends - loop.time()))
+        unanswered = sorted(
+            f"{tp.topic}[{tp.partition}]" for tp, f in sent.acks.items() if not f.done()
+        )
         published: list[Published] = []
+        failure: BaseException | None = None
         for entry, tp, index in sent.entries:
             acked = sent.acks[tp]
-            if (failure := acked.exception()) is not None:
-                return published, failure
+            if not acked.done():
+                failure = failure or TimeoutError(
+                    "Kafka acknowledged no batch of partition(s) "
+                    f"{', '.join(unanswered)} before the relay's lease ended"
+                )
+                continue
+            if (refused := acked.exception()) is not None:
+                failure = failure or refused
+                continue
             meta: RecordMetadata = acked.result()
             offset = meta.offset + index if meta.offset >= 0 else -1
             published.append(Published(entry, tp.partition, offset))
-        return published, None
+        return published, failure
 
     async def _trail(self, store: OutboxStore, published: Sequence[Published]) -> None:
         """Note what was published in the capped trail (a copy published twice shows twice),
