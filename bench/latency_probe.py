@@ -115,4 +115,11 @@ if __name__ == "__main__":
     target = os.environ["BENCH_PROBE_FILE"]
     install()
     atexit.register(dump, target)
+    if profile_to := os.environ.get("BENCH_PROFILE_FILE"):
+        # Where the worker's CPU goes while probed (cProfile's own cost included).
+        import cProfile
+
+        profiler = cProfile.Profile()
+        atexit.register(profiler.dump_stats, profile_to)
+        profiler.enable()
     main()

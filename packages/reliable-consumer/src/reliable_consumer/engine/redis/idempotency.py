@@ -284,17 +284,27 @@ class Idempotency:
     async def _finish_chunk(
         self, batch: Sequence[FinishRequest]
     ) -> list[tuple[FinishStatus, str | None]]:
-        fields: list[EffectArg] = []  # ARGV[3...]: the emissions' stream fields
+        # ARGV[3]: every emission's outbox fields, end to end in one string. One argument
+        # per field cost redis-py's command packing a few microseconds each, about 19 a
+        # record: a quarter of the worker's CPU per emitting record.
+        packed: list[bytes] = []
+        size = 0
         records = []
         for r in batch:
             spans = []
             for emission in r.emissions:
-                entry = outbox_fields(emission, r.emitted_by)
-                spans.append((len(fields) + 3, len(entry)))
-                fields.extend(entry)
+                span = [size + 1]  # where its fields start (Lua counts from 1), their lengths
+                for value in outbox_fields(emission, r.emitted_by):
+                    if value is None:
+                        span.append(-1)
+                    else:
+                        span.append(len(value))
+                        packed.append(value)
+                        size += len(value)
+                spans.append(span)
             effects = [_command(c) for c in r.effects] if r.effects else ()
             records.append((r.key, r.token, r.fingerprint, r.retry_id, effects, r.chain, spans))
-        args: list[EffectArg] = [self._ttl_arg, _json(records), *fields]
+        args: list[EffectArg] = [self._ttl_arg, _json(records), b"".join(packed)]
         keys = [
             self._keys.retry_inflight,
             self._keys.retry_due,
@@ -337,16 +347,21 @@ def dead_record(r: DeadRequest) -> tuple[str, str, str, str, str, str]:
     return (r.key, r.token, r.fingerprint, r.retry_id, r.chain, lease)
 
 
-def outbox_fields(emission: Emission, handler: str) -> list[EffectArg]:
-    """One emission as the outbox stream entry's fields (engine/outbox/redis_store.py reads
-    them back): raw key and value bytes, the handler's headers as JSON with base64 values.
-    A record without a key has no ``key`` field (an empty key is a key)."""
+def outbox_fields(emission: Emission, handler: str) -> tuple[bytes | None, ...]:
+    """One emission's outbox stream entry (engine/outbox/redis_store.py reads it back): the
+    values of its fields ``topic``, ``value``, ``key``, ``headers``, ``event`` and
+    ``handler``, in that order, as FINISH names them (redis/lua/finish.py). Raw key and
+    value bytes, the handler's headers as JSON with base64 values. A record without a key
+    (None) has no ``key`` field (an empty key is a key)."""
     headers = [(name, base64.b64encode(value).decode()) for name, value in emission.headers]
-    fields: list[EffectArg] = ["topic", emission.topic, "value", emission.value]
-    if emission.key is not None:
-        fields += ["key", emission.key]
-    fields += ["headers", _json(headers), "event", emission.event_id, "handler", handler]
-    return fields
+    return (
+        emission.topic.encode(),
+        emission.value,
+        emission.key,
+        _json(headers),
+        emission.event_id.encode(),
+        handler.encode(),
+    )
 
 
 def _command(command: tuple[EffectArg, ...]) -> list[str]:
