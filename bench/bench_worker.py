@@ -187,9 +187,11 @@ def empty_redis(client: redis.Redis, timeout_s: float = 120.0) -> None:
     (200,000 of each per row and round), and Redis grew from round to round: its CPU per
     record rose a few percent, and AOF rewrites (a forked child copying the whole data set,
     once per doubling of the AOF) of ever more data landed inside later rounds' measurements
-    on the same 2 cores. So every round's row 2 starts from the same, empty, Redis.
+    on the same 2 cores. So every round's row 2 starts from the same, empty, Redis. The
+    flush frees in Redis's background thread: freeing what the latency rows left took longer
+    than the client's read timeout on a busy machine.
     """
-    client.flushall()
+    client.flushall(asynchronous=True)
     client.bgrewriteaof()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

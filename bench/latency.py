@@ -503,17 +503,17 @@ RAW_BOUND_BY = (
 )
 WORKER_BOUND_BY = {
     1_000: (
-        "the raw row's fetch, then one small batch: at 1k/s a fetch brings 5-10 records of a "
-        "partition, so each record waits for its batch's handler calls and one FINISH script "
-        "(AOF fsync on the write), and pays the batch's fixed costs (the FINISH call, the "
-        "outcome produce, acks=all) over few records: CPU per record several times the "
-        "backlog figure. handler_p99 - the raw p99 is the worker's own wait before the "
-        "handler (its event loop, and the CPU it gets); finish_p99 is FINISH with its fsync"
+        "the raw row's fetch, then the worker's one event loop: a record waits for getmany to "
+        "come back while the loop runs other batches (fetch; the fetcher asks the broker again "
+        "only once the last fetch was read), for its batch's turn (queue) and for FINISH with "
+        "its AOF fsync (finish), one call for the batches of a fetch. Every stage grows with "
+        "the CPU the worker spends per record and the CPU the machine leaves it (--stages)"
     ),
     10_000: (
-        "CPU: the worker at ~90 us a record needs ~0.9 core, the bench's producer ~0.6, the "
+        "CPU: the worker needs most of a core at this rate, the bench's producer ~0.6, the "
         "broker and Redis the rest of 2 cores. Once the worker falls behind, its in-flight "
         "limit (5,000) fills and records wait in Kafka, so latency grows for as long as the "
-        "load lasts (the percentiles say how far behind it was, not a steady latency)"
+        "load lasts (the percentiles say how far behind it was, not a steady latency; the "
+        "fetch stage of --stages holds that wait)"
     ),
 }
