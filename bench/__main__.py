@@ -42,6 +42,7 @@ class Options:
     baseline: Baseline | None = None
     stages: bool = False  # the latency row splits each record's time by stage
     throughput_rows: str = "all"  # "payments": only rows 1 and 2 (and 2 at the baseline)
+    latency_rates: tuple[int, ...] | None = None  # the latency row's offered rates (default: all)
 
 
 class Group(Protocol):
@@ -123,6 +124,11 @@ def main(argv: list[str]) -> int:
         default="all",
         help="throughput: every row, or only the raw loops and the payments rows",
     )
+    parser.add_argument(
+        "--latency-rates",
+        metavar="R,S",
+        help="latency: the offered rates, comma-separated (default 1000,10000)",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in GROUPS]
@@ -144,6 +150,9 @@ def main(argv: list[str]) -> int:
             baseline=baseline,
             stages=args.stages,
             throughput_rows=args.throughput_rows,
+            latency_rates=(
+                tuple(int(r) for r in args.latency_rates.split(",")) if args.latency_rates else None
+            ),
         )
         return run(args, argv, names, options)
 

@@ -364,6 +364,7 @@ class LatencyGroup:
         self.options = options
         self.warmup_s = 1.0 if options.quick else 5.0
         self.seconds = 3.0 if options.quick else 20.0
+        self.rates = options.latency_rates or RATES
         self._raw = {
             rate: Row(
                 label=f"raw consumer, {rate:,}/s offered",
@@ -371,7 +372,7 @@ class LatencyGroup:
                 units=UNITS,
                 bound_by=RAW_BOUND_BY,
             )
-            for rate in RATES
+            for rate in self.rates
         }
         self._worker = {
             rate: Row(
@@ -379,9 +380,9 @@ class LatencyGroup:
                 unit="ms",
                 units=UNITS,
                 targets=[Target("p99", P99_TARGET_MS)] if rate == 1_000 else [],
-                bound_by=WORKER_BOUND_BY[rate],
+                bound_by=WORKER_BOUND_BY.get(rate, WORKER_BOUND_BY[min(RATES)]),
             )
-            for rate in RATES
+            for rate in self.rates
         }
         # The same rows on the baseline revision's engine (--baseline), in the same rounds.
         self._baseline: dict[int, Row] = {}
@@ -393,15 +394,15 @@ class LatencyGroup:
                     units=UNITS,
                     bound_by="(the row above, on the baseline revision's engine)",
                 )
-                for rate in RATES
+                for rate in self.rates
             }
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
         """Warm the broker up (a JVM compiles its produce and fetch paths in the first
         seconds of load), so the first row measured is not the one that pays for it.
         Nothing else is shared: every measurement makes its own topic, group and prefix."""
-        progress(f"latency: warming the broker up, {max(RATES):,}/s for {self.warmup_s:g} s")
-        measure_raw(stack, max(RATES), self.warmup_s, 0.0, "warm-up")
+        progress(f"latency: warming the broker up, {max(self.rates):,}/s for {self.warmup_s:g} s")
+        measure_raw(stack, max(self.rates), self.warmup_s, 0.0, "warm-up")
 
     def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
         stages = self.options.stages
@@ -429,7 +430,7 @@ class LatencyGroup:
             # Which worker goes first alternates by round: neither always gets the quieter
             # minute.
             measures.insert(1 + n % 2, (f"worker {baseline.label}", before, self._baseline))
-        for rate in RATES:
+        for rate in self.rates:
             for what, measure, rows in measures:
                 progress(
                     f"latency: {what} at {rate:,}/s for {self.warmup_s:g} + {self.seconds:g} s"
@@ -460,7 +461,7 @@ class LatencyGroup:
     def rows(self) -> list[Row]:
         return [
             row
-            for rate in RATES
+            for rate in self.rates
             for row in (self._raw[rate], self._worker[rate], *self._baseline_rows(rate))
         ]
 
