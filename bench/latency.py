@@ -121,7 +121,9 @@ STAGE_SPANS = (
     ("queue", "dispatched", "started"),  # its batch waiting to start (earlier batches, loop)
     ("to_handler", "started", "called"),  # decode, prepare, the handler's turn in its batch
     ("mates", "called", "finish_sent"),  # its batch-mates' handler calls after its own
-    ("finish", "finish_sent", "finish_back"),  # FINISH's round trip, queue and AOF fsync
+    # FINISH's round trip, its queue in Redis and AOF fsync (``finish_*`` of handler_split
+    # is another span: the handler's call to the ledger entry)
+    ("finish_call", "finish_sent", "finish_back"),
     ("outcome", "finish_back", "emitted"),  # its batch's outcome documents acknowledged
     ("release", "emitted", "done"),  # counted done: the offset may be committed
 )
@@ -485,7 +487,7 @@ class LatencyGroup:
                 "  stages (--stages, bench/latency_probe.py; p50 and p99 of each, ms): fetch = "
                 "timestamp to the intake's dispatch; queue = dispatch to its batch's start; "
                 "to_handler = batch start to the handler's call; mates = the call to its wave "
-                "asking for FINISH (the batch-mates' calls); finish = FINISH's round trip "
+                "asking for FINISH (the batch-mates' calls); finish_call = FINISH's round trip "
                 "(granted = FINISH sent to the ledger entry); outcome = FINISH's answer to "
                 "its batch's outcome documents acknowledged; release = then to its offset "
                 "counted done; after_grant = ledger entry to done"

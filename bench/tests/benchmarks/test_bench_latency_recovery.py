@@ -98,7 +98,7 @@ def test_the_probe_readings_cut_each_latency_by_stage(tmp_path: Path) -> None:
     assert split == {
         "fetch_p50": 5.0, "fetch_p99": 5.0, "queue_p50": 2.0, "queue_p99": 2.0,
         "to_handler_p50": 1.0, "to_handler_p99": 1.0, "mates_p50": 1.0, "mates_p99": 1.0,
-        "finish_p50": 5.0, "finish_p99": 5.0, "granted_p50": 3.0, "granted_p99": 3.0,
+        "finish_call_p50": 5.0, "finish_call_p99": 5.0, "granted_p50": 3.0, "granted_p99": 3.0,
     }  # fmt: skip
     latency_probe.readings.clear()
 

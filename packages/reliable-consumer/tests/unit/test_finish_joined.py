@@ -147,7 +147,7 @@ async def test_a_call_that_fails_fails_its_own_batches_only() -> None:
     assert answers[1] == [(FinishStatus.OK, None), (FinishStatus.OK, None)]
 
 
-async def test_a_cancelled_batch_leaves_its_call_mates_their_answers() -> None:
+async def test_a_batch_cancelled_before_its_call_is_not_sent_and_its_mates_are() -> None:
     env = env_for(fakeredis.FakeAsyncRedis(), max_batch=500)
     gone = asyncio.ensure_future(env.idem.finish_many(batch(env, "gone")))
     stays = asyncio.ensure_future(env.idem.finish_many(batch(env, "stays")))
@@ -155,4 +155,23 @@ async def test_a_cancelled_batch_leaves_its_call_mates_their_answers() -> None:
     gone.cancel()
     assert await stays == [(FinishStatus.OK, None)]
     assert gone.cancelled()
-    assert env.calls == [["gone", "stays"]]
+    assert env.calls == [["stays"]]
+
+
+async def test_a_batch_cancelled_during_its_call_leaves_its_mates_their_answers() -> None:
+    env = env_for(fakeredis.FakeAsyncRedis(), max_batch=500)
+    script = env.idem._finish_script
+    sent = asyncio.Event()
+
+    async def announcing(*, keys: list[str], args: list[object]) -> object:
+        sent.set()
+        await asyncio.sleep(0)  # the call is under way when its batch is cancelled
+        return await script(keys=keys, args=args)
+
+    env.idem._finish_script = announcing  # type: ignore[method-assign,assignment]
+    gone = asyncio.ensure_future(env.idem.finish_many(batch(env, "gone")))
+    stays = asyncio.ensure_future(env.idem.finish_many(batch(env, "stays")))
+    await sent.wait()
+    gone.cancel()
+    assert await stays == [(FinishStatus.OK, None)]
+    assert gone.cancelled()

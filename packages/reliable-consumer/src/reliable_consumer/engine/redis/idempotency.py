@@ -250,8 +250,10 @@ class Idempotency:
 
     def _send_joined(self) -> None:
         """The turn's batches as script calls of at most ``max_batch`` records (a batch that
-        alone is larger goes on its own, cut as before), each call a task of its own."""
-        joined, self._joining = self._joining, []
+        alone is larger goes on its own, cut as before), each call a task of its own. A
+        batch cancelled while it waited for the turn to end is not sent, as before."""
+        joined = [batch for batch in self._joining if not batch[1].done()]
+        self._joining = []
         calls: list[list[_Joined]] = []
         size = 0
         for batch in joined:
