@@ -9,11 +9,13 @@ rounds of one. Every row reports its figures' medians and ranges in one rich tab
     python -m bench --rows latency,retries --rounds 5 --json bench.json
     python -m bench --quick                          # small sizes: does everything run?
     python -m bench --rows memory --rounds 1 --memory-records 5000000   # a long drain
+    python -m bench --rows latency,throughput --baseline main --stages   # before/after
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 import time
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, get_args
 
+from bench.baseline import Baseline
 from bench.report import Progress, Row, console, table, write_json
 from bench.stack import BenchStack, BrokerKind
 
@@ -32,9 +35,14 @@ class Options:
     rounds: int
     quick: bool
     memory_records: int | None = None  # the memory row's backlog, when not its default
-    baseline: str | None = None  # a git revision whose engine the effects rows measure too
     memory_variants: tuple[str, ...] | None = None  # the memory row's variants (default: all)
     retries_parked: int | None = None  # the retries row's parked items, when not its default
+    # Another revision's engine, measured beside this one's in the same rounds (the
+    # latency and throughput groups' `service run` rows).
+    baseline: Baseline | None = None
+    stages: bool = False  # the latency row splits each record's time by stage
+    throughput_rows: str = "all"  # "payments": only rows 1 and 2 (and 2 at the baseline)
+    latency_rates: tuple[int, ...] | None = None  # the latency row's offered rates (default: all)
 
 
 class Group(Protocol):
@@ -61,8 +69,8 @@ GROUPS: dict[str, str] = {
     "recovery": "bench.recovery:RecoveryGroup",
     "memory": "bench.memory:MemoryGroup",
     "outcomes": "bench.bench_outcomes:OutcomesGroup",
-    "effects": "bench.bench_effects:EffectsGroup",
     "outbox": "bench.bench_outbox:OutboxGroup",
+    "effects": "bench.bench_effects:EffectsGroup",
 }
 
 
@@ -89,12 +97,6 @@ def main(argv: list[str]) -> int:
         help="the backlog the memory row drains (default 1,000,000; 50,000 with --quick)",
     )
     parser.add_argument(
-        "--baseline",
-        metavar="REV",
-        help="the effects rows also run the postgres store with the engine of git revision "
-        "REV, in a child process, in the same rounds (before and after a change, one run)",
-    )
-    parser.add_argument(
         "--memory-variants",
         metavar="A,B",
         help="the memory row's variants, comma-separated (default: all of bench/memory.py)",
@@ -106,6 +108,29 @@ def main(argv: list[str]) -> int:
         help="retries parked for the retries row: its 100,000 (5,000 with --quick) fall due "
         "in the measured minute as always, the rest a day later (default: none more)",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure the engine of git revision REV in the same rounds (the latency "
+        "and throughput rows of `service run`; the effects rows' postgres store, in a child "
+        "process)",
+    )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="latency: split each record's time by stage (bench/latency_probe.py)",
+    )
+    parser.add_argument(
+        "--throughput-rows",
+        choices=("all", "payments"),
+        default="all",
+        help="throughput: every row, or only the raw loops and the payments rows",
+    )
+    parser.add_argument(
+        "--latency-rates",
+        metavar="R,S",
+        help="latency: the offered rates, comma-separated (default 1000,10000)",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     unknown = [n for n in names if n not in GROUPS]
@@ -113,18 +138,30 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown rows {unknown}; choose from {list(GROUPS)}")
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
-    out = console()
     variants = None
     if args.memory_variants:
         variants = tuple(v.strip() for v in args.memory_variants.split(",") if v.strip())
-    options = Options(
-        rounds=args.rounds,
-        quick=args.quick,
-        memory_records=args.memory_records,
-        baseline=args.baseline,
-        memory_variants=variants,
-        retries_parked=args.retries_parked,
-    )
+    with contextlib.ExitStack() as exits:
+        baseline = exits.enter_context(Baseline(args.baseline)) if args.baseline else None
+        options = Options(
+            rounds=args.rounds,
+            quick=args.quick,
+            memory_records=args.memory_records,
+            memory_variants=variants,
+            retries_parked=args.retries_parked,
+            baseline=baseline,
+            stages=args.stages,
+            throughput_rows=args.throughput_rows,
+            latency_rates=(
+                tuple(int(r) for r in args.latency_rates.split(",")) if args.latency_rates else None
+            ),
+        )
+        return run(args, argv, names, options)
+
+
+def run(args: argparse.Namespace, argv: list[str], names: list[str], options: Options) -> int:
+    """Every round of the chosen groups on one stack of servers; the table at the end."""
+    out = console()
     groups = {name: load(name, options) for name in names}
     started = time.time()
 

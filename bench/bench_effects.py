@@ -367,7 +367,6 @@ class EffectsGroup:
 
     def __init__(self, options: Options) -> None:
         self.records = QUICK_GROUP_RECORDS if options.quick else GROUP_RECORDS
-        self._rounds = options.rounds
         units = {"redis_us": "µs/rec", "pg_us": "µs/rec", "per_tx": "rec/tx"}
         self._rows = {
             "payments": BenchRow(
@@ -383,19 +382,16 @@ class EffectsGroup:
             targets=[Target("x_redis", POSTGRES_SHARE, at_least=True, text=">= 0.5 x redis")],
         )
         self._prefix = f"eff-{os.getpid()}"
-        self._baseline = options.baseline
-        self._baseline_src: tempfile.TemporaryDirectory[str] | None = None
+        self._baseline = options.baseline  # exported by python -m bench for the whole run
         if self._baseline is not None:
             self._rows["baseline"] = BenchRow(
-                f"effects B0. row B with the engine of {self._baseline}", "rec/s", units=units
+                f"effects B0. row B with the engine {self._baseline.label}", "rec/s", units=units
             )
             self._baseline_ratio = BenchRow(
-                f"postgres store vs redis store, engine of {self._baseline}", "x redis"
+                f"postgres store vs redis store, engine {self._baseline.label}", "x redis"
             )
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
-        if self._baseline is not None:
-            self._baseline_src = export_engine(self._baseline)
         pg = stack.postgres
         asyncio.run(migrated(pg.url))
         stack.create_topics({GROUP_TOPIC: 6})
@@ -407,14 +403,14 @@ class EffectsGroup:
 
     def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
         servers = (stack.bootstrap, stack.redis, stack.postgres)
-        names = ["payments", "purchases"] + (["baseline"] if self._baseline_src else [])
+        names = ["payments", "purchases"] + (["baseline"] if self._baseline else [])
         names = names[n % len(names) :] + names[: n % len(names)]
         rates: dict[str, float] = {}
         for name in names:
             group = f"{self._prefix}-{name}-{n}"
             if name == "baseline":
-                assert self._baseline_src is not None
-                run = baseline_run(self._baseline_src.name, servers, self.records, group)
+                assert self._baseline is not None and self._baseline.src is not None
+                run = baseline_run(self._baseline.src, servers, self.records, group)
             else:
                 run = runtime.run(worker_run(servers, GROUP_TOPIC, self.records, name, group))
             figures = {
@@ -435,8 +431,6 @@ class EffectsGroup:
         self._ratio.add(x_redis=rates["purchases"] / rates["payments"])
         if "baseline" in rates:
             self._baseline_ratio.add(x_redis=rates["baseline"] / rates["payments"])
-            if n == self._rounds - 1 and self._baseline_src is not None:
-                self._baseline_src.cleanup()
 
     def rows(self) -> list[BenchRow]:
         extra = [self._baseline_ratio] if self._baseline is not None else []
@@ -453,24 +447,11 @@ class EffectsGroup:
         ]
 
 
-def export_engine(rev: str) -> tempfile.TemporaryDirectory[str]:
-    """The engine's source at git revision ``rev``, in a temporary directory."""
-    out = tempfile.TemporaryDirectory(prefix="bench-engine-")
-    archive = subprocess.run(
-        ["git", "archive", rev, "packages/reliable-consumer/src"],
-        capture_output=True,
-        check=True,
-    )
-    subprocess.run(["tar", "-x", "-C", out.name], input=archive.stdout, check=True)
-    return out
-
-
 def baseline_run(
-    exported: str, servers: tuple[str, RedisServer, PostgresServer], n: int, group: str
+    src: Path, servers: tuple[str, RedisServer, PostgresServer], n: int, group: str
 ) -> Run:
-    """Row B in a child process that imports the exported engine before this one."""
+    """Row B in a child process that imports the exported engine (``src``) before this one."""
     bootstrap, redis_server, pg = servers
-    src = str(Path(exported, "packages/reliable-consumer/src"))
     args = {
         "bootstrap": bootstrap,
         "redis": [redis_server.url, redis_server.pid],
@@ -478,7 +459,7 @@ def baseline_run(
         "records": n,
         "group": group,
     }
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.run(
         [sys.executable, "-m", "bench.bench_effects", "--child", json.dumps(args)],
         capture_output=True,

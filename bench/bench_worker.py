@@ -128,19 +128,26 @@ async def raw_loop(bootstrap: str, topic: str, n: int, group: str) -> Measured:
 
 
 def service_run(
-    stack: BenchStack, topic: str, n: int, name: str, processes: int = 1
+    stack: BenchStack,
+    topic: str,
+    n: int,
+    name: str,
+    processes: int = 1,
+    env: dict[str, str] | None = None,
 ) -> dict[str, float]:
     """``service run`` drains the topic; its rate and the CPU per record of each process.
 
     Counted from the first grant to the ``n``-th, so start-up is not in the figures. With
     ``processes`` > 1 it is ``service run --processes N``: the CPU is the supervisor's and
-    its workers' together.
+    its workers' together. ``env``: more environment (another revision's engine).
     """
     client = redis.Redis.from_url(stack.redis_url)
     empty_redis(client)
     memory = client.info("memory")
     args = ("--processes", str(processes)) if processes > 1 else ()
-    run = ServiceRun(stack.bootstrap, stack.redis_url, topic, group=name, prefix=name, args=args)
+    run = ServiceRun(
+        stack.bootstrap, stack.redis_url, topic, group=name, prefix=name, args=args, env=env
+    )
     ledger = ledger_key(name)
     try:
         with run:
@@ -180,17 +187,24 @@ def empty_redis(client: redis.Redis, timeout_s: float = 120.0) -> None:
     (200,000 of each per row and round), and Redis grew from round to round: its CPU per
     record rose a few percent, and AOF rewrites (a forked child copying the whole data set,
     once per doubling of the AOF) of ever more data landed inside later rounds' measurements
-    on the same 2 cores. So every round's row 2 starts from the same, empty, Redis.
+    on the same 2 cores. So every round's row 2 starts from the same, empty, Redis. The
+    flush frees in Redis's background thread: freeing what the latency rows left took longer
+    than the client's read timeout on a busy machine.
     """
-    client.flushall()
-    client.bgrewriteaof()
     deadline = time.monotonic() + timeout_s
+    _aof_rewrite_ended(client, deadline)  # one Redis started itself (the AOF grew) refuses ours
+    client.flushall(asynchronous=True)
+    client.bgrewriteaof()
+    _aof_rewrite_ended(client, deadline)
+
+
+def _aof_rewrite_ended(client: redis.Redis, deadline: float) -> None:
     while time.monotonic() < deadline:
         persistence = client.info("persistence")
         if not (persistence["aof_rewrite_in_progress"] or persistence["aof_rewrite_scheduled"]):
             return
         time.sleep(0.1)
-    raise TimeoutError(f"Redis's AOF rewrite did not end in {timeout_s:.0f} s")
+    raise TimeoutError("Redis's AOF rewrite did not end in time")
 
 
 def _wait_for_grants(run: ServiceRun, client: redis.Redis, ledger: str, n: int) -> int:
@@ -327,6 +341,16 @@ class ThroughputGroup:
                 "x_faststream_ack": "x peer",
             },
         )
+        # Row 2 on the baseline revision's engine (--baseline), in the same rounds.
+        self.baseline = options.baseline
+        self.payments_before: Row | None = None
+        if self.baseline is not None:
+            self.payments_before = Row(
+                f"2. payments handler, defaults, {self.baseline.label}",
+                "rec/s",
+                units={**self.payments.units, "x_baseline": "x before"},
+            )
+        self.only_payments = options.throughput_rows == "payments"
         self.swarm = Row(
             "2p. payments handler, 2 worker processes (service run --processes 2)",
             "rec/s",
@@ -358,12 +382,28 @@ class ThroughputGroup:
             measured = runtime.run(raw_loop(bootstrap, TOPIC, self.records, group), choice)
             self.raw[name].add_run(measured)
             raw_round[name] = measured.rate
-        figures = service_run(stack, TOPIC, self.records, f"tp-payments-{n}")
-        self.payments.add(**figures)
-        progress(
-            f"throughput: payments {figures['rate']:,.0f}/s, worker {figures['cpu_us']:.1f} µs/rec"
-            f", redis {figures.get('redis_us', 0):.1f} µs/rec"
-        )
+        runs = [("", self.payments, None)]
+        if self.baseline is not None and self.payments_before is not None:
+            # Which goes first alternates by round: neither always gets the quieter minute.
+            before = (f" {self.baseline.label}", self.payments_before, self.baseline.env())
+            runs.insert(n % 2, before)
+        rates: dict[str, float] = {}
+        for label, row, env in runs:
+            tag = "-base" if env else ""
+            measured = service_run(stack, TOPIC, self.records, f"tp-payments-{n}{tag}", env=env)
+            row.add(**measured)
+            row.add(x_raw=measured["rate"] / raw_round[self._raw_name()])
+            rates[label] = measured["rate"]
+            progress(
+                f"throughput: payments{label} {measured['rate']:,.0f}/s, worker "
+                f"{measured['cpu_us']:.1f} µs/rec, redis {measured.get('redis_us', 0):.1f} µs/rec"
+            )
+            if row is self.payments:
+                figures = measured
+        if self.payments_before is not None:
+            self.payments_before.add(x_baseline=rates[""] / min(v for k, v in rates.items() if k))
+        if self.only_payments:
+            return
         pod = service_run(stack, TOPIC, self.records, f"tp-payments-2p-{n}", processes=2)
         self.swarm.add(
             rate=pod["rate"], cpu_us=pod["cpu_us"], rss_mb=pod["rss_mb"],
@@ -386,9 +426,7 @@ class ThroughputGroup:
                 group = f"tp-faststream-{'ack' if manual_ack else 'default'}-{n}"
                 run = self.peer(bootstrap, TOPIC, self.peer_records, group, manual_ack=manual_ack)
                 row.add_run(asyncio.run(run))
-        # The ratios of this round, against this round's raw loop and peer.
-        raw_name = self._raw_name()
-        self.payments.add(x_raw=figures["rate"] / raw_round[raw_name])
+        # The ratio of this round against this round's peer (x_raw: above).
         if self.peers[True].figures.get("rate"):
             self.payments.add(
                 x_faststream_ack=figures["rate"] / self.peers[True].figures["rate"][-1]
@@ -434,9 +472,19 @@ class ThroughputGroup:
             "the machine's cores: each worker is one thread, and Redis and the broker share "
             "the same 2 cores (x_one: this round's rate over the one-process row's)"
         )
+        if self.payments_before is not None:
+            self.payments_before.notes = [
+                "x_baseline (on this row): this round's rate of the row above (this checkout) "
+                "over this round's rate of this row (the baseline revision's engine)"
+            ]
+            self.payments_before.bound_by = "(row 2, on the baseline revision's engine)"
+        if self.only_payments:
+            before = [] if self.payments_before is None else [self.payments_before]
+            return [*self.raw.values(), self.payments, *before]
         rows = [
             *self.raw.values(),
             self.payments,
+            *([] if self.payments_before is None else [self.payments_before]),
             self.swarm,
             self.trivial,
             self.traced,

@@ -22,7 +22,7 @@ import multiprocessing
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
@@ -34,6 +34,7 @@ from reliable_consumer.engine.intake import POLL_TIMEOUT_MS
 from reliable_consumer.engine.kafka.clients import make_consumer
 from reliable_consumer.engine.settings import KafkaSettings
 
+from bench import latency_probe
 from bench.load import CpuMeter, Offered, PacedProducer, server_processes
 from bench.report import Progress, Row, Target
 from bench.service_process import ServiceRun, read_grants
@@ -113,6 +114,46 @@ def handler_split(
     }
 
 
+# The stages of a record's latency (bench/latency_probe.py's readings, in path order),
+# each from the reading before it: what the record waited for between the two.
+STAGE_SPANS = (
+    ("fetch", "stamp", "dispatched"),  # producer, broker, the fetch, getmany returning it
+    ("queue", "dispatched", "started"),  # its batch waiting to start (earlier batches, loop)
+    ("to_handler", "started", "called"),  # decode, prepare, the handler's turn in its batch
+    ("mates", "called", "finish_sent"),  # its batch-mates' handler calls after its own
+    # FINISH's round trip, its queue in Redis and AOF fsync (``finish_*`` of handler_split
+    # is another span: the handler's call to the ledger entry)
+    ("finish_call", "finish_sent", "finish_back"),
+    ("outcome", "finish_back", "emitted"),  # its batch's outcome documents acknowledged
+    ("release", "emitted", "done"),  # counted done: the offset may be committed
+)
+
+
+def stage_split(
+    records: list[tuple[int, int | None, int, dict[str, float]]],
+) -> dict[str, float]:
+    """p50 and p99 (ms) of each stage of ``STAGE_SPANS``, over the records that reached
+    both its ends; each record is (timestamp, handler's call, ledger entry, probe
+    readings). ``granted``: FINISH sent to the ledger entry (Redis's clock), the part of
+    the FINISH round trip before the grant; ``after_grant``: the grant to ``done``."""
+    spans: dict[str, list[float]] = {name: [] for name, _, _ in STAGE_SPANS}
+    spans["granted"], spans["after_grant"] = [], []
+    for stamp, called, written, stages in records:
+        at = {**stages, "stamp": float(stamp), "written": float(written)}
+        if called is not None:
+            at["called"] = float(called)
+        for name, start, end in (*STAGE_SPANS, ("granted", "finish_sent", "written"),
+                                 ("after_grant", "written", "done")):  # fmt: skip
+            if start in at and end in at:
+                spans[name].append(at[end] - at[start])
+    out: dict[str, float] = {}
+    for name, values in spans.items():
+        if len(values) >= 2:
+            cuts = statistics.quantiles(values, n=100, method="inclusive")
+            out[f"{name}_p50"], out[f"{name}_p99"] = cuts[49], cuts[98]
+    return out
+
+
 def log_tail(path: Path, lines: int = 30) -> str:
     """The end of a worker's log, for the error that says why a measurement failed."""
     try:
@@ -139,20 +180,33 @@ def measure_worker(
     warmup_s: float,
     tag: str,
     env: Mapping[str, str] | None = None,
+    *,
+    stages: bool = False,
 ) -> Latencies:
     """``service run`` on a fresh topic; offer ``rate``/s for ``warmup_s + seconds``; read
     the ledger. Also splits each latency at the handler's call (the ledger entry's
     ``granted_at``, the handler's clock): before it, broker, fetch and intake; after it,
     the rest of the batch's handler calls and the FINISH script with its fsync. ``env``
-    overrides settings (WORKER_*), to find which default a latency comes from."""
+    overrides settings (WORKER_*), to find which default a latency comes from, or names
+    another revision's engine (bench/baseline.py). ``stages``: run the probed worker
+    (bench/latency_probe.py) and split each latency by stage (``stage_split``)."""
     topic, name = f"bench-latency-{tag}", f"lat-{tag}"
     stack.create_topics({topic: PARTITIONS})
     warmup = int(rate * warmup_s)
     count = warmup + int(rate * seconds)
     with tempfile.TemporaryDirectory(prefix="bench-latency-") as tmp:
         log = Path(tmp) / "worker.log"
+        probe = Path(tmp) / "stages.json"
+        env = {**(env or {}), **({"BENCH_PROBE_FILE": str(probe)} if stages else {})}
         worker = ServiceRun(
-            stack.bootstrap, stack.redis_url, topic, group=name, prefix=name, env=env, log_path=log
+            stack.bootstrap,
+            stack.redis_url,
+            topic,
+            group=name,
+            prefix=name,
+            env=env,
+            log_path=log,
+            module="bench.latency_probe" if stages else "reliable_consumer",
         )
         with worker:
             try:
@@ -176,16 +230,30 @@ def measure_worker(
                 raise RuntimeError(
                     f"latency: worker at {rate}/s failed; its log:\n{log_tail(log)}"
                 ) from exc
+        readings = latency_probe.read(str(probe)) if stages and probe.exists() else {}
     written: dict[int, int] = {}
     called: dict[int, int] = {}
+    coordinates: dict[int, tuple[int, int]] = {}
     for grant in grants:
         i = offered.index(grant.payment_id)
         if i is not None and i not in written:
             written[i] = grant.written_ms
+            coordinates[i] = (grant.partition, grant.offset)
             if grant.granted_at_ms is not None:
                 called[i] = grant.granted_at_ms
     figures = percentiles(counted(offered, warmup, written, now_ms))
     figures.update(handler_split(offered, warmup, written, called))
+    if readings:
+        counted_ids = set(range(warmup, len(offered.sent_at)))
+        figures.update(
+            stage_split(
+                [
+                    (offered.stamp_ms(i), called.get(i), written[i], readings.get(at, {}))
+                    for i, at in coordinates.items()
+                    if i in counted_ids and i in written
+                ]
+            )
+        )
     return Latencies(
         latencies=figures,
         rate=offered.rate(warmup),
@@ -298,6 +366,7 @@ class LatencyGroup:
         self.options = options
         self.warmup_s = 1.0 if options.quick else 5.0
         self.seconds = 3.0 if options.quick else 20.0
+        self.rates = options.latency_rates or RATES
         self._raw = {
             rate: Row(
                 label=f"raw consumer, {rate:,}/s offered",
@@ -305,7 +374,7 @@ class LatencyGroup:
                 units=UNITS,
                 bound_by=RAW_BOUND_BY,
             )
-            for rate in RATES
+            for rate in self.rates
         }
         self._worker = {
             rate: Row(
@@ -313,28 +382,62 @@ class LatencyGroup:
                 unit="ms",
                 units=UNITS,
                 targets=[Target("p99", P99_TARGET_MS)] if rate == 1_000 else [],
-                bound_by=WORKER_BOUND_BY[rate],
+                bound_by=WORKER_BOUND_BY.get(rate, WORKER_BOUND_BY[min(RATES)]),
             )
-            for rate in RATES
+            for rate in self.rates
         }
+        # The same rows on the baseline revision's engine (--baseline), in the same rounds.
+        self._baseline: dict[int, Row] = {}
+        if options.baseline is not None:
+            self._baseline = {
+                rate: Row(
+                    label=f"end-to-end latency, {rate:,}/s offered, {options.baseline.label}",
+                    unit="ms",
+                    units=UNITS,
+                    bound_by="(the row above, on the baseline revision's engine)",
+                )
+                for rate in self.rates
+            }
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
         """Warm the broker up (a JVM compiles its produce and fetch paths in the first
         seconds of load), so the first row measured is not the one that pays for it.
         Nothing else is shared: every measurement makes its own topic, group and prefix."""
-        progress(f"latency: warming the broker up, {max(RATES):,}/s for {self.warmup_s:g} s")
-        measure_raw(stack, max(RATES), self.warmup_s, 0.0, "warm-up")
+        progress(f"latency: warming the broker up, {max(self.rates):,}/s for {self.warmup_s:g} s")
+        measure_raw(stack, max(self.rates), self.warmup_s, 0.0, "warm-up")
 
     def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
-        for rate in RATES:
-            for what, measure, rows in (
-                ("raw consumer", measure_raw, self._raw),
-                ("worker", measure_worker, self._worker),
-            ):
+        stages = self.options.stages
+        baseline = self.options.baseline
+        seconds, warmup_s = self.seconds, self.warmup_s
+
+        def raw(rate: int, tag: str) -> Latencies:
+            return measure_raw(stack, rate, seconds, warmup_s, tag)
+
+        def worker(rate: int, tag: str) -> Latencies:
+            return measure_worker(stack, rate, seconds, warmup_s, tag, stages=stages)
+
+        measures: list[tuple[str, Callable[[int, str], Latencies], dict[int, Row]]] = [
+            ("raw consumer", raw, self._raw),
+            ("worker", worker, self._worker),
+        ]
+        if baseline is not None:
+            env = baseline.env()
+
+            def before(rate: int, tag: str) -> Latencies:
+                return measure_worker(
+                    stack, rate, seconds, warmup_s, f"{tag}-base", env, stages=stages
+                )
+
+            # Which worker goes first alternates by round: neither always gets the quieter
+            # minute.
+            measures.insert(1 + n % 2, (f"worker {baseline.label}", before, self._baseline))
+        for rate in self.rates:
+            for what, measure, rows in measures:
                 progress(
                     f"latency: {what} at {rate:,}/s for {self.warmup_s:g} + {self.seconds:g} s"
                 )
-                result = measure(stack, rate, self.seconds, self.warmup_s, f"{rate}-r{n}")
+                result = measure(rate, f"{rate}-r{n}")
                 rows[rate].add(**result.figures())
                 figures = result.latencies
                 progress(
@@ -342,6 +445,15 @@ class LatencyGroup:
                     f"p99 {figures['p99']:.0f} ms, max {figures['max']:.0f} ms; offered "
                     f"{result.rate:,.0f}/s; machine {result.cores['machine_busy']:.0%} busy"
                 )
+                split = [
+                    f"{name} {figures[f'{name}_p50']:.0f}/{figures[f'{name}_p99']:.0f}"
+                    for name in (*(span[0] for span in STAGE_SPANS), "granted", "after_grant")
+                    if f"{name}_p99" in figures
+                ]
+                if split:
+                    progress(
+                        f"latency: {what} at {rate:,}/s, stages p50/p99 ms: " + ", ".join(split)
+                    )
                 if result.late:
                     rows[rate].notes.append(
                         f"round {n + 1}: {result.late} records not done {DRAIN_TIMEOUT_S:.0f} s "
@@ -349,7 +461,14 @@ class LatencyGroup:
                     )
 
     def rows(self) -> list[Row]:
-        return [row for rate in RATES for row in (self._raw[rate], self._worker[rate])]
+        return [
+            row
+            for rate in self.rates
+            for row in (self._raw[rate], self._worker[rate], *self._baseline_rows(rate))
+        ]
+
+    def _baseline_rows(self, rate: int) -> list[Row]:
+        return [self._baseline[rate]] if rate in self._baseline else []
 
     def summary(self) -> list[str]:
         lines = [
@@ -363,6 +482,16 @@ class LatencyGroup:
             "alone, in its own process, timestamp to getmany returning the record. *_cores: "
             "CPU of each process while offering; machine_busy: share of all cores not idle."
         ]
+        if self.options.stages:
+            lines.append(
+                "  stages (--stages, bench/latency_probe.py; p50 and p99 of each, ms): fetch = "
+                "timestamp to the intake's dispatch; queue = dispatch to its batch's start; "
+                "to_handler = batch start to the handler's call; mates = the call to its wave "
+                "asking for FINISH (the batch-mates' calls); finish_call = FINISH's round trip "
+                "(granted = FINISH sent to the ledger entry); outcome = FINISH's answer to "
+                "its batch's outcome documents acknowledged; release = then to its offset "
+                "counted done; after_grant = ledger entry to done"
+            )
         for row in self.rows():
             lines.append(f"  {row.label}: {row.bound_by}")
             lines.extend(f"    note: {note}" for note in row.notes)
@@ -377,17 +506,17 @@ RAW_BOUND_BY = (
 )
 WORKER_BOUND_BY = {
     1_000: (
-        "the raw row's fetch, then one small batch: at 1k/s a fetch brings 5-10 records of a "
-        "partition, so each record waits for its batch's handler calls and one FINISH script "
-        "(AOF fsync on the write), and pays the batch's fixed costs (the FINISH call, the "
-        "outcome produce, acks=all) over few records: CPU per record several times the "
-        "backlog figure. handler_p99 - the raw p99 is the worker's own wait before the "
-        "handler (its event loop, and the CPU it gets); finish_p99 is FINISH with its fsync"
+        "the raw row's fetch, then the worker's one event loop: a record waits for getmany to "
+        "come back while the loop runs other batches (fetch; the fetcher asks the broker again "
+        "only once the last fetch was read), for its batch's turn (queue) and for FINISH with "
+        "its AOF fsync (finish), one call for the batches of a fetch. Every stage grows with "
+        "the CPU the worker spends per record and the CPU the machine leaves it (--stages)"
     ),
     10_000: (
-        "CPU: the worker at ~90 us a record needs ~0.9 core, the bench's producer ~0.6, the "
+        "CPU: the worker needs most of a core at this rate, the bench's producer ~0.6, the "
         "broker and Redis the rest of 2 cores. Once the worker falls behind, its in-flight "
         "limit (5,000) fills and records wait in Kafka, so latency grows for as long as the "
-        "load lasts (the percentiles say how far behind it was, not a steady latency)"
+        "load lasts (the percentiles say how far behind it was, not a steady latency; the "
+        "fetch stage of --stages holds that wait)"
     ),
 }

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.latency import counted, handler_split, percentiles
+from bench import latency_probe
+from bench.latency import counted, handler_split, percentiles, stage_split
 from bench.load import Offered
 from bench.recovery import LOG_TIME, Recovery, assignments, longest_gap
 from bench.service_process import Grant, parse_grant
@@ -76,6 +77,30 @@ def test_the_handler_call_cuts_each_latency_in_two() -> None:
         "finish_p99": 10.0,
     }
     assert handler_split(load, 1, written, {}) == {}  # a handler that writes no clock reading
+
+
+def test_the_probe_readings_cut_each_latency_by_stage(tmp_path: Path) -> None:
+    latency_probe.readings.clear()
+    stages = {"dispatched": 5, "started": 7, "finish_sent": 9, "finish_back": 14}
+    for n in range(3):  # (partition 0, offsets 0..2): every stage n ms later than the last
+        for stage, at in stages.items():
+            latency_probe.readings.setdefault((0, n), [0.0] * len(latency_probe.STAGES))[
+                latency_probe.STAGES.index(stage)
+            ] = at + 100.0 * n
+    path = tmp_path / "stages.json"
+    latency_probe.dump(str(path))
+    read = latency_probe.read(str(path))
+    assert read[(0, 1)] == {
+        stage: at + 100.0 for stage, at in stages.items()
+    }  # none reached: left out
+    # (timestamp, handler's call, ledger entry, readings): called at 8, granted at 12.
+    split = stage_split([(100 * n, 8 + 100 * n, 12 + 100 * n, read[(0, n)]) for n in range(3)])
+    assert split == {
+        "fetch_p50": 5.0, "fetch_p99": 5.0, "queue_p50": 2.0, "queue_p99": 2.0,
+        "to_handler_p50": 1.0, "to_handler_p99": 1.0, "mates_p50": 1.0, "mates_p99": 1.0,
+        "finish_call_p50": 5.0, "finish_call_p99": 5.0, "granted_p50": 3.0, "granted_p99": 3.0,
+    }  # fmt: skip
+    latency_probe.readings.clear()
 
 
 def test_a_ledger_entry_is_read_back_with_its_partition_and_offset() -> None:

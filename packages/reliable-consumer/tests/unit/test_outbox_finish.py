@@ -164,3 +164,34 @@ async def test_a_record_emitting_nothing_leaves_the_outbox_alone(env: Env) -> No
     request.emissions = ()
     assert (await env.idem.finish(request))[0] is FinishStatus.OK
     assert not await env.redis.exists(env.keys.outbox)
+
+
+async def test_a_batch_sends_its_emissions_in_one_packed_argument_read_back_byte_for_byte(
+    env: Env,
+) -> None:
+    """The worker's CPU per emitting record: one FINISH argument per outbox field cost
+    redis-py's command packing more than the rest of FINISH (docs/performance.md, row 1).
+    However many records emit, FINISH takes three arguments; the fields come back exactly,
+    awkward ones too (an empty value, an empty key, bytes that are not UTF-8, non-ASCII
+    text), between records that emit nothing."""
+    sent: list[int] = []
+    script = env.idem._finish_script
+
+    async def counting(*, keys: list[str], args: list[object]) -> object:
+        sent.append(len(args))
+        return await script(keys=keys, args=args)
+
+    env.idem._finish_script = counting  # type: ignore[method-assign,assignment]
+    box = Emissions("grants", frozenset({TOPIC, "käufe"}), "odd")
+    box.emit(TOPIC, b"", key=b"")
+    box.emit("käufe", "ünïcode ✓", key=b"\xff\xfe\x00", headers={"h": b"\x00"})
+    box.emit(TOPIC, b"\x80" * 7000)  # larger than redis-py's chunk size
+    requests = [finish(env, f"g{n}", f"T{n}") for n in range(50)]
+    requests[3].emissions = ()
+    requests[4].emissions = tuple(box.emitted)
+    results = await env.idem.finish_many(requests)
+    assert {s for s, _ in results} == {FinishStatus.OK}
+    assert sent == [3], f"FINISH sent {sent} arguments for 50 emitting records"
+    pending = await env.store.pending(200)
+    assert [p.emission for p in pending] == [e for r in requests for e in r.emissions]
+    assert [p.emission.key for p in pending[6:9]] == [b"", b"\xff\xfe\x00", None]

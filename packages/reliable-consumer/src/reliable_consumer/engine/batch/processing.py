@@ -9,8 +9,10 @@ offsets count as done.
 Each record follows the same decisions one at a time would take, but every stage
 talks to Redis or Kafka once for the whole batch: one claim script, one finish
 script, one park script, one outcome batch. That is where the worker's speed comes
-from (see bench/). Records that share a Kafka key run in successive waves, so a key's
-records are handled in offset order.
+from (see bench/). The finish script and the outcome batch are shared further, with the
+other batches that reach them at the same moment (the partitions of one fetch:
+``Idempotency.finish_many``, ``Publisher.outcomes``). Records that share a Kafka key run
+in successive waves, so a key's records are handled in offset order.
 
 This module dispatches: the stages in order, the Redis path's handlers to the runner
 (runner.py: sync inline, async on the runner pool, their leases stretched as they start)
