@@ -34,6 +34,8 @@ class Options:
     memory_records: int | None = None  # the memory row's backlog, when not its default
     memory_variants: tuple[str, ...] | None = None  # the memory row's variants (default: all)
     retries_parked: int | None = None  # the retries row's parked items, when not its default
+    retries_variants: tuple[str, ...] | None = None  # the retries row's runs (default: all)
+    retries_before_src: str | None = None  # the library source the "before" run imports
 
 
 class Group(Protocol):
@@ -70,6 +72,13 @@ def load(name: str, options: Options) -> Group:
     return group
 
 
+def _names(listed: str | None) -> tuple[str, ...] | None:
+    """A comma-separated option's names; None when not given (every one)."""
+    if not listed:
+        return None
+    return tuple(v.strip() for v in listed.split(",") if v.strip())
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     choices = ", ".join(GROUPS)
@@ -92,6 +101,18 @@ def main(argv: list[str]) -> int:
         help="the memory row's variants, comma-separated (default: all of bench/memory.py)",
     )
     parser.add_argument(
+        "--retries-variants",
+        metavar="A,B",
+        help="the retries row's runs, comma-separated (default: all of bench/retry_punctuality.py)",
+    )
+    parser.add_argument(
+        "--retries-before-src",
+        metavar="DIR",
+        help="the retries row also runs `service run` on the library in DIR (the src "
+        "directory of another checkout, e.g. `git archive <commit> packages/reliable-consumer"
+        "/src`), in the same rounds: the code before a change (variant 'before')",
+    )
+    parser.add_argument(
         "--retries-parked",
         type=int,
         metavar="N",
@@ -106,15 +127,14 @@ def main(argv: list[str]) -> int:
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
     out = console()
-    variants = None
-    if args.memory_variants:
-        variants = tuple(v.strip() for v in args.memory_variants.split(",") if v.strip())
     options = Options(
         rounds=args.rounds,
         quick=args.quick,
         memory_records=args.memory_records,
-        memory_variants=variants,
+        memory_variants=_names(args.memory_variants),
         retries_parked=args.retries_parked,
+        retries_variants=_names(args.retries_variants),
+        retries_before_src=args.retries_before_src,
     )
     groups = {name: load(name, options) for name in names}
     started = time.time()

@@ -155,6 +155,10 @@ class RetrySettings(BaseModel):
     # records then get as long again: a flood of retries holds them back half the time at most.
     priority_after_ms: int | None = Field(default=50, ge=0, le=3_600_000)
     priority_max_pause_ms: int = Field(default=2_000, ge=10, le=60_000)
+    # Meanwhile the fresh records fetched before the pause wait too, before their handlers
+    # (batch/lane.py), and retries' async calls go first in the handler pool; false: only
+    # the fetches pause, and what was fetched runs on beside the retries.
+    priority_holds_fetched: bool = True
 
     @model_validator(mode="after")
     def _delays_ordered(self) -> RetrySettings:

@@ -8,10 +8,11 @@ calls per record path, and no stage keeps copies of its own that could drift apa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
+from reliable_consumer.engine.batch.lane import RetryLane
 from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.handlers.stuck_calls import StuckCalls
@@ -45,3 +46,6 @@ class Parts:
     keys: RedisKeys
     # Writers' schemas fetched from the schema registry (None: no RegistryAvro handler bound).
     schemas: WriterSchemas | None = None
+    # Where fresh waves wait while late retries go first (the worker makes it follow its
+    # RetryPriority; by default it never holds).
+    lane: RetryLane = field(default_factory=RetryLane)
