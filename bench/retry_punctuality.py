@@ -411,8 +411,7 @@ class RetryPunctualityGroup:
             for v, label in chosen.items()
         }
         self.fresh = {
-            v: Row(f"fresh records meanwhile, {label}", "records/s")
-            for v, label in chosen.items()
+            v: Row(f"fresh records meanwhile, {label}", "records/s") for v, label in chosen.items()
         }
         self.baseline = Row("fresh records, no retries (baseline)", "records/s")
         for row in (*self.fresh.values(), self.baseline):

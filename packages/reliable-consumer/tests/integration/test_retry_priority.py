@@ -204,8 +204,10 @@ async def test_due_retries_run_before_the_fresh_records_already_in_flight(
         await await_until(
             lambda: worker.intake.in_flight == IN_FLIGHT_FRESH and len(finished) == 9,
             30,
-            message=lambda: f"{worker.intake.in_flight} of {IN_FLIGHT_FRESH} fresh in flight, "
-            f"{len(finished)} of the first batch's 9 finished",
+            message=lambda: (
+                f"{worker.intake.in_flight} of {IN_FLIGHT_FRESH} fresh in flight, "
+                f"{len(finished)} of the first batch's 9 finished"
+            ),
         )
         await park_due_retries(settings.redis, unique_name, "in_flight", IN_FLIGHT_RETRIES)
         await await_until(lambda: episode() == 1, 30, message="the priority never began")
@@ -214,8 +216,9 @@ async def test_due_retries_run_before_the_fresh_records_already_in_flight(
         await await_until(
             lambda: len(finished) >= IN_FLIGHT_FRESH + IN_FLIGHT_RETRIES,
             60,
-            message=lambda: f"finished {finished.count('fresh')} fresh, "
-            f"{finished.count('retry')} retries",
+            message=lambda: (
+                f"finished {finished.count('fresh')} fresh, {finished.count('retry')} retries"
+            ),
         )
     retries_left = IN_FLIGHT_RETRIES - finished[:released_at].count("retry")
     after = finished[released_at:]

@@ -95,9 +95,13 @@ def test_an_interrupt_ends_the_episode_and_gives_fresh_records_their_turn() -> N
     clock.now += 0.3
     priority.observe(500)
     assert priority.active()
-    priority.interrupt("stopping")
-    priority.interrupt("stopping")  # nothing running: nothing more heard
+    priority.interrupt("stopping", last=True)
+    priority.interrupt("stopping", last=True)  # nothing running: nothing more heard
     assert heard[-1] == (False, "stopping") and len(heard) == 4
+    clock.now += 60
+    priority.running_late = lambda: 5_000
+    priority.observe(5_000)
+    assert not priority.active(), "an episode began while the worker was stopping"
 
 
 async def test_a_retry_group_handed_over_first_runs_before_the_calls_already_queued() -> None:

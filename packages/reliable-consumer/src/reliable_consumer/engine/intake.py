@@ -75,6 +75,7 @@ class RetryPriority:
         self._on_change = on_change
         self._since: float | None = None  # the start of the running episode
         self._fresh_until = 0.0  # no episode starts before this moment
+        self._stopped = False  # no episode starts any more
         self._late_ms = 0
         self.paused_s = 0.0  # in all ended episodes
         # How late the claimed retries still running are at least (RetryScheduler's).
@@ -88,6 +89,7 @@ class RetryPriority:
         if (
             self._since is None
             and self._after_ms is not None
+            and not self._stopped
             and oldest_due_late_ms > self._after_ms
             and now >= self._fresh_until
         ):
@@ -104,12 +106,15 @@ class RetryPriority:
             self.observe(late)
         return self._since is not None
 
-    def interrupt(self, why: str) -> None:
+    def interrupt(self, why: str, *, last: bool = False) -> None:
         """End the running episode now (a rebalance, a shutdown): what it held goes on
-        (then, as after any episode, fresh records get as long as it lasted)."""
-        if self._since is None:
-            return
-        self._end(self._clock(), why)
+        (then, as after any episode, fresh records get as long as it lasted). ``last``: no
+        episode starts again (the worker is stopping; its retries still running must not
+        hold the fresh waves that are finishing)."""
+        if last:
+            self._stopped = True
+        if self._since is not None:
+            self._end(self._clock(), why)
 
     def _settle(self, now: float) -> None:
         if self._since is None or self._after_ms is None:

@@ -542,7 +542,7 @@ class Worker:
         if self.scheduler is not None:
             self.scheduler.stop()  # its running batches finish alongside the intake's
         if self.retry_priority is not None:  # the held fresh waves finish too
-            self.retry_priority.interrupt("stopping")
+            self.retry_priority.interrupt("stopping", last=True)
         finished = await steps.run(
             "in-flight records",
             self._in_flight_settled(),

@@ -36,7 +36,7 @@ class RetryLane:
         self.waiting = 0  # fresh waves at the door now
 
     def follow(self, holding: Callable[[], bool]) -> None:
-        """Hold fresh waves while ``holding()`` (RetryPriority.active) says late retries go first."""
+        """Hold fresh waves while ``holding()`` (RetryPriority.active) says retries go first."""
         self._holding = holding
 
     def holding(self) -> bool:
