@@ -7,8 +7,8 @@ is built and read) and the retries' every step waited behind them, so a retry ra
 more late. Here a fresh wave waits at the handler runner's door while the episode lasts; the
 waves already past it finish, so what is done is still committed. Retries never wait here.
 
-The wait is as long as the episode, which RetryPriority bounds (PRIORITY_MAX_PAUSE_MS, then
-fresh records get as long again) and ends at once on a rebalance or a shutdown.
+The wait is as long as the episode, which RetryPriority bounds (PRIORITY_MAX_PAUSE_MS; then
+fresh records get as long as it lasted) and ends at once on a rebalance or a shutdown.
 """
 
 from __future__ import annotations
