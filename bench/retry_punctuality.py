@@ -12,7 +12,11 @@ process of its own (``service retry-scheduler``, the worker's turned off with
 ``WORKER_RUN_RETRY_SCHEDULER=false``): the deployment that gives it an event loop that the
 fresh records do not share, and where the worker's intake hears nothing of the retries.
 ``--retries-parked N`` parks N in all: the rest fall due a day after the window, so the
-queue is N deep while the same retries fall due in it.
+queue is N deep while the same retries fall due in it. "fetched-run-on" is the priority
+pausing only the fetches (``WORKER_RETRY__PRIORITY_HOLDS_FETCHED=false``: the records fetched
+before the pause run on beside the retries, as before the retry lane); ``--retries-before-src
+DIR`` adds a run of the defaults on the library in DIR (another checkout's src: the code
+before a change) to every round; ``--retries-variants`` picks the runs.
 
 Lateness is measured from the worker's own output (the oldest due retry's lateness is also
 sampled four times a second from the queue itself): each grant's ledger entry carries
@@ -541,7 +545,8 @@ class RetryPunctualityGroup:
             "flight). The oldest due retry's lateness: Redis's now minus the earliest due, "
             "unclaimed item's due time, sampled 4/s over the window. Late retries' priority: "
             "WORKER_RETRY__PRIORITY_AFTER_MS (default 50; 0 in the priority-off run), "
-            "__PRIORITY_MAX_PAUSE_MS (default 2000).",
+            "__PRIORITY_MAX_PAUSE_MS (default 2000), __PRIORITY_HOLDS_FETCHED (default true; "
+            "false in the fetched-run-on run).",
             "retries: fresh records/s = ledger growth minus the retries that left the queue, "
             "over the due times' span (window_s; shorter if the backlog ran out); cpu_us = "
             "worker CPU per grant there (fresh and retries; both processes when the scheduler "
