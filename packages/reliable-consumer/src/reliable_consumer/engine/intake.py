@@ -202,10 +202,10 @@ class Intake:
                 if capacity <= 0:
                     self.apply_backpressure()  # paused before the fetch: nothing more comes
             timeout = PAUSED_POLL_TIMEOUT_MS if self.paused else POLL_TIMEOUT_MS
-            # One batch's worth per poll at most: the records a poll returns are decoded and
-            # dispatched in one go, holding the loop (late retries' batches too) meanwhile;
-            # after a pause the whole in-flight limit may be waiting (thousands: a second).
-            take = max(1, min(capacity, self._settings.max_batch_records))
+            # WORKER_KAFKA__MAX_POLL_RECORDS at most (asking for the whole room overrode it):
+            # a poll's records are decoded and dispatched in one go, holding the loop (late
+            # retries' batches too), and after a pause the whole in-flight limit may wait.
+            take = max(1, min(capacity, self._settings.kafka.max_poll_records))
             fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=timeout, max_records=take))
             # During a rebalance aiokafka's getmany waits for the new assignment with no
             # timeout; racing it against the stop event lets SIGTERM act at once. Nothing is
