@@ -7,7 +7,9 @@ ended as soon as the queue held nothing late, while the retries just claimed had
 yet. Now: a fresh wave waits at the handler runner's door while the episode lasts
 (batch/lane.py), a retry wave's async calls go ahead of the queued ones in the pool, the
 scheduler counts its running batches as late until they have run, and a retry running
-longer than the bound starts an episode without waiting for the next reading.
+longer than the bound starts an episode without waiting for the next reading. And a poll
+asked aiokafka for the whole room (up to WORKER_MAX_IN_FLIGHT, overriding
+WORKER_KAFKA__MAX_POLL_RECORDS): after an episode, 5,000 records decoded in one loop turn.
 
 Decisions on a fake clock; waits on events, never on time. The real-server behaviour is
 tests/integration/test_retry_priority.py's.
@@ -21,10 +23,12 @@ from typing import Any
 
 from reliable_consumer.engine.batch.lane import RetryLane
 from reliable_consumer.engine.handlers.pool import HandlerPool, Slot
-from reliable_consumer.engine.intake import RetryPriority
+from reliable_consumer.engine.intake import Intake, RetryPriority
+from reliable_consumer.engine.kafka.offsets import OffsetTracker
+from reliable_consumer.engine.observation.http import HealthState
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.redis.delay_queue import Claim, RetryScheduler
-from reliable_consumer.engine.settings import RetrySettings
+from reliable_consumer.engine.settings import RetrySettings, Settings
 from tests.helpers import await_until
 
 
@@ -190,3 +194,38 @@ async def test_the_scheduler_counts_a_claimed_retry_late_until_it_has_run() -> N
     finally:
         scheduler.stop()
         await asyncio.wait_for(loop, 5)
+
+
+class PollingConsumer:
+    """What Intake.run calls of AIOKafkaConsumer with nothing assigned: getmany notes how
+    many records it was asked for, and the worker stops after the first poll."""
+
+    def __init__(self, stop: asyncio.Event) -> None:
+        self.asked: list[int] = []
+        self._stop = stop
+
+    def assignment(self) -> set[Any]:
+        return set()
+
+    async def getmany(self, *, timeout_ms: int, max_records: int) -> dict[Any, Any]:
+        self.asked.append(max_records)
+        self._stop.set()
+        return {}
+
+
+async def test_a_poll_asks_for_max_poll_records_at_most_however_much_room_there_is() -> None:
+    stop = asyncio.Event()
+    settings = Settings(
+        max_in_flight=5_000,
+        max_in_flight_bytes=10 * 1024**3,  # room for 5,000 by bytes too
+        kafka={"max_poll_records": 2_000},
+    )
+    intake = Intake(settings, OffsetTracker(), HealthState(), stop, lambda n: None)
+    assert intake.room() == 5_000
+    consumer = PollingConsumer(stop)
+
+    async def process(batch: list[Delivery], give_up: Callable[[], bool]) -> bool:
+        raise AssertionError("nothing was fetched")
+
+    await asyncio.wait_for(intake.run(consumer, process), 5)  # type: ignore[arg-type]
+    assert consumer.asked == [2_000], "the poll overrode WORKER_KAFKA__MAX_POLL_RECORDS"
