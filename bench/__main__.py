@@ -43,6 +43,8 @@ class Options:
     stages: bool = False  # the latency row splits each record's time by stage
     throughput_rows: str = "all"  # "payments": only rows 1 and 2 (and 2 at the baseline)
     latency_rates: tuple[int, ...] | None = None  # the latency row's offered rates (default: all)
+    retries_variants: tuple[str, ...] | None = None  # the retries row's runs (default: all)
+    retries_before_src: str | None = None  # the library source the "before" run imports
 
 
 class Group(Protocol):
@@ -80,6 +82,13 @@ def load(name: str, options: Options) -> Group:
     return group
 
 
+def _names(listed: str | None) -> tuple[str, ...] | None:
+    """A comma-separated option's names; None when not given (every one)."""
+    if not listed:
+        return None
+    return tuple(v.strip() for v in listed.split(",") if v.strip())
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     choices = ", ".join(GROUPS)
@@ -100,6 +109,18 @@ def main(argv: list[str]) -> int:
         "--memory-variants",
         metavar="A,B",
         help="the memory row's variants, comma-separated (default: all of bench/memory.py)",
+    )
+    parser.add_argument(
+        "--retries-variants",
+        metavar="A,B",
+        help="the retries row's runs, comma-separated (default: all of bench/retry_punctuality.py)",
+    )
+    parser.add_argument(
+        "--retries-before-src",
+        metavar="DIR",
+        help="the retries row also runs `service run` on the library in DIR (the src "
+        "directory of another checkout, e.g. `git archive <commit> packages/reliable-consumer"
+        "/src`), in the same rounds: the code before a change (variant 'before')",
     )
     parser.add_argument(
         "--retries-parked",
@@ -138,17 +159,16 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown rows {unknown}; choose from {list(GROUPS)}")
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
-    variants = None
-    if args.memory_variants:
-        variants = tuple(v.strip() for v in args.memory_variants.split(",") if v.strip())
     with contextlib.ExitStack() as exits:
         baseline = exits.enter_context(Baseline(args.baseline)) if args.baseline else None
         options = Options(
             rounds=args.rounds,
             quick=args.quick,
             memory_records=args.memory_records,
-            memory_variants=variants,
+            memory_variants=_names(args.memory_variants),
             retries_parked=args.retries_parked,
+            retries_variants=_names(args.retries_variants),
+            retries_before_src=args.retries_before_src,
             baseline=baseline,
             stages=args.stages,
             throughput_rows=args.throughput_rows,

@@ -12,7 +12,11 @@ process of its own (``service retry-scheduler``, the worker's turned off with
 ``WORKER_RUN_RETRY_SCHEDULER=false``): the deployment that gives it an event loop that the
 fresh records do not share, and where the worker's intake hears nothing of the retries.
 ``--retries-parked N`` parks N in all: the rest fall due a day after the window, so the
-queue is N deep while the same retries fall due in it.
+queue is N deep while the same retries fall due in it. "fetched-run-on" is the priority
+pausing only the fetches (``WORKER_RETRY__PRIORITY_HOLDS_FETCHED=false``: the records fetched
+before the pause run on beside the retries, as before the retry lane); ``--retries-before-src
+DIR`` adds a run of the defaults on the library in DIR (another checkout's src: the code
+before a change) to every round; ``--retries-variants`` picks the runs.
 
 Lateness is measured from the worker's own output (the oldest due retry's lateness is also
 sampled four times a second from the queue itself): each grant's ledger entry carries
@@ -61,6 +65,9 @@ SAMPLE_EVERY_S = 0.25
 FINISH_GRACE_S = 120.0  # after the last due time, how long the retries may take to run
 LATER_S = 86_400  # the retries parked beyond the measured ones fall due this long after it
 OFF = {"WORKER_RETRY__PRIORITY_AFTER_MS": "0"}  # late retries' priority off
+# The priority pausing only the fetches: what was fetched runs on beside the retries (as
+# before the retry lane, batch/lane.py).
+FETCHED_RUN_ON = {"WORKER_RETRY__PRIORITY_HOLDS_FETCHED": "false"}
 WINDOW_UNITS = {"window_s": "s", "worker_cpu": "% core", "redis_cpu": "% core"}
 
 
@@ -358,12 +365,18 @@ async def measure(
 
 
 # The runs of a round: the scheduler in the worker with its late retries' priority on (the
-# default) and off, then in a process of its own.
+# default), with the priority pausing only the fetches, and off; then in a process of its own.
 VARIANTS: dict[str, str] = {
     "priority": "scheduler in `service run`",
+    "fetched-run-on": "the same, fetched records not held (PRIORITY_HOLDS_FETCHED=false)",
     "no-priority": "the same, priority off (PRIORITY_AFTER_MS=0)",
     "separate": "`service retry-scheduler`",
 }
+
+
+BASELINE = "baseline"  # the worker without retries, for the fresh records' rate
+# With --retries-before-src: the defaults' run on the library of another checkout.
+BEFORE = "before"
 
 
 class RetryPunctualityGroup:
@@ -380,24 +393,38 @@ class RetryPunctualityGroup:
         self.later = parked_in_all - self.sizes.retries
         if self.later:  # the worker starts beside a Redis that holds (and rewrites) them all
             self.sizes = replace(self.sizes, lead_s=self.sizes.lead_s * 2)
+        self.before_src = options.retries_before_src
+        known = (*VARIANTS, BASELINE)
+        if self.before_src:
+            known = (BEFORE, *known)
+        chosen_names = options.retries_variants or known
+        if unknown := [v for v in chosen_names if v not in known]:
+            raise ValueError(f"unknown retries variants {unknown}; choose from {list(known)}")
+        self.variants = tuple(v for v in chosen_names if v != BASELINE)
+        self.with_baseline = BASELINE in chosen_names
         self.topic = ""
         parked = f"{self.sizes.retries:,} due over {self.sizes.spread_s:.0f} s"
         if self.later:
             parked += f" of {parked_in_all:,} parked"
+        chosen = {v: self.label(v) for v in self.variants}
         self.lateness = {
-            v: lateness_row(f"retry lateness, {parked}, {label}") for v, label in VARIANTS.items()
+            v: lateness_row(f"retry lateness, {parked}, {label}") for v, label in chosen.items()
         }
         self.oldest = {
             v: oldest_row(f"oldest due retry's lateness (sampled), {label}")
-            for v, label in VARIANTS.items()
+            for v, label in chosen.items()
         }
         self.fresh = {
-            v: Row(f"fresh records meanwhile, {label}", "records/s")
-            for v, label in VARIANTS.items()
+            v: Row(f"fresh records meanwhile, {label}", "records/s") for v, label in chosen.items()
         }
         self.baseline = Row("fresh records, no retries (baseline)", "records/s")
         for row in (*self.fresh.values(), self.baseline):
             row.units.update(WINDOW_UNITS)
+
+    def label(self, variant: str) -> str:
+        if variant == BEFORE:
+            return f"scheduler in `service run`, library from {self.before_src}"
+        return VARIANTS[variant]
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
         self.topic = f"retries-{int(time.time())}"
@@ -436,8 +463,13 @@ class RetryPunctualityGroup:
 
         separate = variant == "separate"
         env = {"WORKER_RUN_RETRY_SCHEDULER": "false"} if separate else {}
-        if variant == "no-priority":
+        if variant == BEFORE:
+            assert self.before_src is not None
+            env = {"PYTHONPATH": self.before_src}  # ahead of the installed library
+        elif variant == "no-priority":
             env = dict(OFF)
+        elif variant == "fetched-run-on":
+            env = dict(FETCHED_RUN_ON)
         workers = [worker("run", env)]
         if separate:
             workers.append(worker("retry-scheduler", {}))
@@ -460,7 +492,8 @@ class RetryPunctualityGroup:
     def round(self, stack: BenchStack, n: int, progress: Progress) -> None:
         retries = self.sizes.retries
         window_at = 0.0
-        for variant, label in VARIANTS.items():
+        for variant in self.variants:
+            label = self.label(variant)
             progress(f"retries: {retries:,} due retries ({self.later:,} more parked), {label}")
             name = f"{self.topic}-r{n}-{variant}"
             result = self._run(stack, name, variant, window_at=None)
@@ -487,6 +520,8 @@ class RetryPunctualityGroup:
                 f"retries: {len(late):,}/{retries:,} ran, p99 late {p99}; "
                 f"fresh {fresh['rate']:,.0f}/s"
             )
+        if not self.with_baseline:
+            return
         progress("retries: baseline, the worker without retries")
         name = f"{self.topic}-r{n}-baseline"
         base = self._run(stack, name, "priority", window_at=window_at)
@@ -510,7 +545,8 @@ class RetryPunctualityGroup:
             "flight). The oldest due retry's lateness: Redis's now minus the earliest due, "
             "unclaimed item's due time, sampled 4/s over the window. Late retries' priority: "
             "WORKER_RETRY__PRIORITY_AFTER_MS (default 50; 0 in the priority-off run), "
-            "__PRIORITY_MAX_PAUSE_MS (default 2000).",
+            "__PRIORITY_MAX_PAUSE_MS (default 2000), __PRIORITY_HOLDS_FETCHED (default true; "
+            "false in the fetched-run-on run).",
             "retries: fresh records/s = ledger growth minus the retries that left the queue, "
             "over the due times' span (window_s; shorter if the backlog ran out); cpu_us = "
             "worker CPU per grant there (fresh and retries; both processes when the scheduler "

@@ -7,14 +7,22 @@ retries due at start waited for most of the backlog. Now, while the oldest due r
 later than WORKER_RETRY__PRIORITY_AFTER_MS (default), the intake pauses its partitions
 (intake.RetryPriority) and the retries get the loop.
 
-Real broker and redis-server, a worker in this process. 200 retries are parked due at once
-before it starts, beside a backlog of 300 fresh records; the scheduler may hold 5 retries
-in flight (a quarter of WORKER_MAX_IN_FLIGHT=20) against 20 fresh ones. The handler notes
-the order in which it ran them; the last retry must run before the last fresh record.
+Pausing the fetches leaves what was already fetched: up to WORKER_MAX_IN_FLIGHT fresh
+records whose batches went on sharing the loop (and the handler runners) with the retries
+until they ended. Now those wait at the handler runner's door too (batch/lane.py) while the
+episode lasts; the batches already past it finish, and commits go on for what is done.
+
+Real broker and redis-server, a worker in this process. First: 200 retries are parked due
+at once before it starts, beside a backlog of 300 fresh records; the scheduler may hold 5
+retries in flight (a quarter of WORKER_MAX_IN_FLIGHT=20) against 20 fresh ones. The handler
+notes the order in which it ran them; the last retry must run before the last fresh record.
+Second: the fresh records are fetched and in flight (one of them running, held by the test)
+when the retries fall due; the retries must run before those fresh records do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -51,8 +59,21 @@ def prioritised(job: Job, ctx: Context) -> None:
     ran.append("retry" if ctx.attempt > 1 else "fresh")
 
 
-async def park_due_retries(redis: RedisSettings, topic: str) -> None:
-    """RETRIES retries of records never fetched, parked as the worker parks them, due now."""
+held_open = asyncio.Event()  # lets the first fresh record of the in-flight test finish
+finished: list[str] = []  # the in-flight test's records, in the order their handler ended
+
+
+@handler("in_flight", model=Job, dedupe_key="key")
+async def in_flight(job: Job, ctx: Context) -> None:
+    if job.key == "f0":
+        await held_open.wait()
+    finished.append("retry" if ctx.attempt > 1 else "fresh")
+
+
+async def park_due_retries(
+    redis: RedisSettings, topic: str, handler_name: str = "prioritised", count: int = RETRIES
+) -> None:
+    """``count`` retries of records never fetched, parked as the worker parks them, due now."""
     client = make_client(redis)
     try:
         queue = RetryQueue(RedisOps(client, redis), RedisKeys(redis.key_prefix))
@@ -72,9 +93,9 @@ async def park_due_retries(redis: RedisSettings, topic: str) -> None:
                 delay_ms=0,
                 idem_key="",
                 token="",
-                handler="prioritised",
+                handler=handler_name,
             )
-            for i in range(RETRIES)
+            for i in range(count)
         ]
         assert set(await queue.park_many(requests)) == {ParkStatus.PARKED}
     finally:
@@ -128,3 +149,86 @@ async def test_due_retries_run_before_a_fresh_backlog_drains(
         "fresh records ran before the last retry"
     )
     assert paused_s, "no episode of the retries' priority was counted"
+
+
+IN_FLIGHT_FRESH = 40
+IN_FLIGHT_RETRIES = 80
+
+
+async def test_due_retries_run_before_the_fresh_records_already_in_flight(
+    kafka_broker: Broker, redis_url: str, unique_name: str
+) -> None:
+    """Fresh batches fetched before the retries fell due wait before their handlers.
+
+    One partition, batches of 10 whose first records share a Kafka key, so each batch
+    waits for the one before it (key order): all 40 fresh records are fetched and in
+    flight, the first batch's first record running (held by the test) and the other three
+    batches waiting behind it. Then 80 retries fall due, and once the priority's episode
+    has begun the held record is let go. Before, the three batches went on at once beside
+    the retries' claims (fetching paused, but they were fetched already); now they wait at
+    the runner's door until the retries are on time. The scheduler holds at most 10
+    retries in flight (a quarter of WORKER_MAX_IN_FLIGHT=40): its last claim's may run
+    beside them.
+    """
+    settings = make_settings(
+        kafka_broker.bootstrap,
+        redis_url,
+        unique_name,
+        only_topics={"in_flight": unique_name},
+        max_in_flight=IN_FLIGHT_FRESH,
+        max_in_flight_per_partition=IN_FLIGHT_FRESH,
+        max_batch_records=10,
+        outcomes={"enabled": False},
+        fault_injection=False,
+        retry={"priority_max_pause_ms": 60_000},  # the episode ends on time, not on a bound
+    )
+    registry = Registry([in_flight], {"in_flight": unique_name})
+    await prepare_topics(settings)
+    producer = AIOKafkaProducer(linger_ms=5, **connection_kwargs(settings.kafka))
+    await producer.start()
+    try:
+        for i in range(IN_FLIGHT_FRESH):
+            value = json.dumps({"key": f"f{i}"}).encode()
+            key = b"k" if i % 10 == 0 else f"f{i}".encode()  # a batch follows the one before
+            await producer.send(unique_name, value, key=key, partition=0)
+        await producer.flush()
+    finally:
+        await producer.stop()
+    held_open.clear()
+    finished.clear()
+    async with running_worker(settings, registry=registry) as worker:
+
+        def episode() -> float | None:
+            return worker.metrics.registry.get_sample_value("worker_retry_priority_active")
+
+        await await_until(
+            lambda: worker.intake.in_flight == IN_FLIGHT_FRESH and len(finished) == 9,
+            30,
+            message=lambda: (
+                f"{worker.intake.in_flight} of {IN_FLIGHT_FRESH} fresh in flight, "
+                f"{len(finished)} of the first batch's 9 finished"
+            ),
+        )
+        await park_due_retries(settings.redis, unique_name, "in_flight", IN_FLIGHT_RETRIES)
+        await await_until(lambda: episode() == 1, 30, message="the priority never began")
+        released_at = len(finished)
+        held_open.set()
+        await await_until(
+            lambda: len(finished) >= IN_FLIGHT_FRESH + IN_FLIGHT_RETRIES,
+            60,
+            message=lambda: (
+                f"finished {finished.count('fresh')} fresh, {finished.count('retry')} retries"
+            ),
+        )
+    retries_left = IN_FLIGHT_RETRIES - finished[:released_at].count("retry")
+    after = finished[released_at:]
+    # The first fresh record to end after the release is the held one; the next is the
+    # first of the batches that waited behind it.
+    first_waiting = [i for i, ran in enumerate(after) if ran == "fresh"][1]
+    retries_before = after[:first_waiting].count("retry")
+    may_run_beside = settings.max_in_flight // 4  # the scheduler's last claim
+    assert retries_before >= retries_left - may_run_beside, (
+        f"the fresh batches already in flight ran before the due retries: of {retries_left} "
+        f"retries left when the held record was let go, {retries_before} ran before them "
+        f"(after the release: {after})"
+    )

@@ -8,6 +8,8 @@ starved, and keeps polling, so the group never evicts the worker for a missed po
 While the oldest due retry is late by more than a bound, ``RetryPriority`` holds every
 partition paused (polling goes on), so the retries' batches get the event loop and the
 core; it lets fresh records in again once the retries are on time, or after a bounded pause.
+Meanwhile the fresh records fetched before the pause wait at the handler runner's door
+(batch/lane.py follows ``RetryPriority.active``).
 The worker (worker.py) owns the lifecycle, commits and rebalances around it.
 """
 
@@ -49,9 +51,13 @@ class RetryPriority:
     while the oldest due retry is later than ``after_ms`` the intake fetches nothing new.
     It fetches again once that lateness is down to half the bound (hysteresis: one episode,
     not a flapping pair, per burst), or after ``max_pause_ms`` of one episode; then fresh
-    records get at least as long again before the next episode may start, so a flood of
-    retries holds fresh records back for at most half the time. An episode only starts on
-    a reading: with no new reading (the scheduler stalled) it ends at the time bound.
+    records get at least as long as the episode lasted before the next one may start, so
+    retries, however many, hold fresh records back for at most half the time (short
+    episodes back to back would otherwise starve them too). An episode starts on a
+    reading, or when asked (``active``) while a claimed retry has been running for longer
+    than the bound (``running_late``: the scheduler's, no round trip; a reading may be
+    slow to come while the fresh records keep the loop busy). With no new reading (the
+    scheduler stalled) it ends at the time bound.
     """
 
     def __init__(
@@ -69,8 +75,11 @@ class RetryPriority:
         self._on_change = on_change
         self._since: float | None = None  # the start of the running episode
         self._fresh_until = 0.0  # no episode starts before this moment
+        self._stopped = False  # no episode starts any more
         self._late_ms = 0
         self.paused_s = 0.0  # in all ended episodes
+        # How late the claimed retries still running are at least (RetryScheduler's).
+        self.running_late: Callable[[], int] = _none_late
 
     def observe(self, oldest_due_late_ms: int) -> None:
         """A reading of the scheduler: how late the oldest due retry is, by Redis's clock."""
@@ -80,6 +89,7 @@ class RetryPriority:
         if (
             self._since is None
             and self._after_ms is not None
+            and not self._stopped
             and oldest_due_late_ms > self._after_ms
             and now >= self._fresh_until
         ):
@@ -88,10 +98,23 @@ class RetryPriority:
                 self._on_change(True, f"oldest due retry {oldest_due_late_ms} ms late", 0.0)
 
     def active(self) -> bool:
-        """True while fresh fetches are held back; ends an episode past its time bound."""
+        """True while fresh records are held back; ends an episode past its time bound, and
+        starts one when a running retry is already later than the bound."""
         if self._since is not None:
             self._settle(self._clock())
+        elif self._after_ms is not None and (late := self.running_late()) > self._after_ms:
+            self.observe(late)
         return self._since is not None
+
+    def interrupt(self, why: str, *, last: bool = False) -> None:
+        """End the running episode now (a rebalance, a shutdown): what it held goes on
+        (then, as after any episode, fresh records get as long as it lasted). ``last``: no
+        episode starts again (the worker is stopping; its retries still running must not
+        hold the fresh waves that are finishing)."""
+        if last:
+            self._stopped = True
+        if self._since is not None:
+            self._end(self._clock(), why)
 
     def _settle(self, now: float) -> None:
         if self._since is None or self._after_ms is None:
@@ -100,15 +123,19 @@ class RetryPriority:
             self._end(now, "retries on time")
         elif now - self._since >= self._max_pause_s:
             self._end(now, "pause limit reached")
-            self._fresh_until = now + self._max_pause_s
 
     def _end(self, now: float, why: str) -> None:
         assert self._since is not None
         paused = now - self._since
         self.paused_s += paused
         self._since = None
+        self._fresh_until = now + paused  # fresh records' turn: as long as they waited
         if self._on_change:
             self._on_change(False, why, paused)
+
+
+def _none_late() -> int:
+    return 0
 
 
 class Intake:
@@ -175,9 +202,11 @@ class Intake:
                 if capacity <= 0:
                     self.apply_backpressure()  # paused before the fetch: nothing more comes
             timeout = PAUSED_POLL_TIMEOUT_MS if self.paused else POLL_TIMEOUT_MS
-            fetch = asyncio.ensure_future(
-                consumer.getmany(timeout_ms=timeout, max_records=max(1, capacity))
-            )
+            # WORKER_KAFKA__MAX_POLL_RECORDS at most (asking for the whole room overrode it):
+            # a poll's records are decoded and dispatched in one go, holding the loop (late
+            # retries' batches too), and after a pause the whole in-flight limit may wait.
+            take = max(1, min(capacity, self._settings.kafka.max_poll_records))
+            fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=timeout, max_records=take))
             # During a rebalance aiokafka's getmany waits for the new assignment with no
             # timeout; racing it against the stop event lets SIGTERM act at once. Nothing is
             # lost by cancelling: records are only consumed once getmany returns them.

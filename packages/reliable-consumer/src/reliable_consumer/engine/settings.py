@@ -149,12 +149,17 @@ class RetrySettings(BaseModel):
     claim_batch: int = Field(default=200, ge=1, le=10_000)
     # A fresh delivery that finds its key claimed elsewhere is parked this long.
     busy_delay_ms: int = Field(default=2_000, ge=0)
-    # While the oldest due retry is later than this, the worker's intake fetches no fresh
-    # records (its own scheduler measures it), so retries keep their moment under a fresh
-    # backlog; 0 or None: off. One such pause lasts at most priority_max_pause_ms, and fresh
-    # records then get as long again: a flood of retries holds them back half the time at most.
+    # While the oldest retry not yet run (due, or claimed and still running) is later than
+    # this, the worker's intake fetches no fresh records (its own scheduler measures it), so
+    # retries keep their moment under a fresh backlog; 0 or None: off. One such pause lasts
+    # at most priority_max_pause_ms, and fresh records then get as long as it lasted: retries
+    # hold them back half the time at most.
     priority_after_ms: int | None = Field(default=50, ge=0, le=3_600_000)
     priority_max_pause_ms: int = Field(default=2_000, ge=10, le=60_000)
+    # Meanwhile the fresh records fetched before the pause wait too, before their handlers
+    # (batch/lane.py), and retries' async calls go first in the handler pool; false: only
+    # the fetches pause, and what was fetched runs on beside the retries.
+    priority_holds_fetched: bool = True
 
     @model_validator(mode="after")
     def _delays_ordered(self) -> RetrySettings:

@@ -118,6 +118,7 @@ class Worker:
         self._producer: AIOKafkaProducer | None = None
         self._http: HttpServer | None = None
         self.scheduler: RetryScheduler | None = None
+        self.retry_priority: RetryPriority | None = None  # with the scheduler, when consuming
         self.relay: OutboxRelay | None = None  # when a bound handler emits (engine/outbox/)
         self._relay_task: asyncio.Task[None] | None = None
         self._relay_producer: AIOKafkaProducer | None = None
@@ -281,6 +282,8 @@ class Worker:
                 on_gauges=self._set_retry_gauges,
                 on_lateness=self._retry_priority(s) if self.consume else None,
             )
+            if self.retry_priority is not None:
+                self.retry_priority.running_late = self.scheduler.running_late_ms
             self._watch(asyncio.create_task(self.scheduler.run(), name="retries"))
         self.health.mark_started()
         log.info(
@@ -386,6 +389,8 @@ class Worker:
         if not revoked:
             return
         self.intake.revoking |= revoked
+        if self.retry_priority is not None:  # the held waves of the revoked partitions go on
+            self.retry_priority.interrupt("rebalance")
         running = self.intake.running(revoked)
         if running:
             grace = self.settings.revoke_grace_s
@@ -441,16 +446,20 @@ class Worker:
 
     def _retry_priority(self, s: Settings) -> Callable[[int], None]:
         """Late retries go before fresh fetches (intake.RetryPriority); returns its input."""
-        priority = RetryPriority(
+        priority = self.retry_priority = RetryPriority(
             s.retry.priority_after_ms,
             s.retry.priority_max_pause_ms,
             on_change=self._retry_priority_changed,
         )
         self.intake.retries_first = priority.active
+        if s.retry.priority_holds_fetched:  # and what was fetched waits too (batch/lane.py)
+            self.processor.parts.lane.follow(priority.active)
         return priority.observe
 
     def _retry_priority_changed(self, active: bool, why: str, paused_s: float) -> None:
         self.metrics.retry_priority_active.set(1 if active else 0)
+        if not active:
+            self.processor.parts.lane.episode_ended()
         if not active:  # one line per episode, when it ends (the gauge shows it meanwhile)
             self.metrics.retry_priority_paused.inc(paused_s)
             log.info(
@@ -534,6 +543,8 @@ class Worker:
         steps = self._steps = ShutdownSteps(grace)
         if self.scheduler is not None:
             self.scheduler.stop()  # its running batches finish alongside the intake's
+        if self.retry_priority is not None:  # the held fresh waves finish too
+            self.retry_priority.interrupt("stopping", last=True)
         finished = await steps.run(
             "in-flight records",
             self._in_flight_settled(),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
+from reliable_consumer.engine.batch.lane import RetryLane
 from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.handlers.stuck_calls import StuckCalls
@@ -49,3 +50,6 @@ class Parts:
     # Each emitted topic's max.message.bytes as the start-up check read it: an emitted
     # record that cannot fit is refused when the handler emits it.
     emitted_limits: Mapping[str, int] = field(default_factory=dict)
+    # Where fresh waves wait while late retries go first (the worker makes it follow its
+    # RetryPriority; by default it never holds).
+    lane: RetryLane = field(default_factory=RetryLane)

@@ -11,6 +11,9 @@ record's savepoint and asks the runner for the rest). The runner owns, for each 
 - what its handler's circuit breaker hears of how it ended: a success (``succeeded``), or a
   failure (``failed``), told here and nowhere else, once per call; then the record's fate
   is decisions.py's.
+
+While late retries go first (intake.RetryPriority) a fresh wave waits at ``run``'s door
+(lane.py), and a retry wave's async calls go ahead of the fresh ones queued for the pool.
 """
 
 from __future__ import annotations
@@ -67,7 +70,18 @@ class HandlerRunner:
     # --- the Redis path's calls: sync inline, async as bounded tasks ---
 
     async def run(self, jobs: list[Job]) -> None:
-        """Every job's handler, each call's outcome told and its failure decided."""
+        """Every job's handler, each call's outcome told and its failure decided.
+
+        A wave is all retries (the scheduler's) or all fresh records (the intake's): a
+        fresh one first waits while late retries go first, a retry one then jumps the
+        pool's queue.
+        """
+        if not jobs:
+            return
+        lane = self._parts.lane
+        retries = jobs[0].delivery.is_retry
+        if not retries:
+            await lane.wait_turn()
         inject = self._settings.fault_injection
         later: list[tuple[Job, Context, bool]] = []
         inline = Counter[str]()  # handler name -> inline runs
@@ -117,6 +131,7 @@ class HandlerRunner:
                     for (job, ctx, hang), timeout in zip(later, timeouts, strict=True)
                 ],
                 shortest_timeout_s=min(timeouts),
+                first=retries and lane.holding(),
             )
 
     async def _run_async(

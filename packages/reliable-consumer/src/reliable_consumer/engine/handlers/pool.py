@@ -7,7 +7,8 @@ to ``size`` long-lived runners that take calls from one FIFO queue, so a record
 costs a queue entry and a coroutine. The bound is the same as before: at most
 ``size`` handlers run at once, across every batch and the retry scheduler.
 
-A caller hands over a group of calls and waits for the whole group. Cancelling
+A caller hands over a group of calls and waits for the whole group; a group handed over
+``first`` goes ahead of the calls already queued (late retries', batch/lane.py). Cancelling
 the caller cancels its group: queued calls never start, running ones are
 cancelled. Runners start on demand and stay until ``aclose``.
 
@@ -187,8 +188,13 @@ class HandlerPool:
         self._tick_s = MAX_TICK_S
         self._closed = False
 
-    async def run(self, calls: Sequence[Call], *, shortest_timeout_s: float = 1.0) -> None:
+    async def run(
+        self, calls: Sequence[Call], *, shortest_timeout_s: float = 1.0, first: bool = False
+    ) -> None:
         """Run every call, at most ``size`` at once across all callers; return when all end.
+
+        ``first``: the calls go ahead of those already queued (in their own order), not
+        after them; the calls already running are not disturbed.
 
         Calls record their own failures; one that raises anyway ends the group with that
         exception (and cancels the rest), as the caller could not trust the others either.
@@ -199,7 +205,10 @@ class HandlerPool:
         if self._closed:
             raise PoolClosedError("the handler pool is closed")
         group = _Group(len(calls), asyncio.get_running_loop().create_future())
-        self._queue.extend((call, group) for call in calls)
+        if first:
+            self._queue.extendleft((call, group) for call in reversed(calls))
+        else:
+            self._queue.extend((call, group) for call in calls)
         self._tick_s = max(MIN_TICK_S, min(self._tick_s, shortest_timeout_s / 10))
         self._wake(len(calls))
         if self._watchdog is None or self._watchdog.done():

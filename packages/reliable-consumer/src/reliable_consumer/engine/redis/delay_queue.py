@@ -286,16 +286,22 @@ class RetryScheduler:
         on_depth: Callable[[int, int, int], None] | None = None,
         on_gauges: Callable[[QueueGauges], None] | None = None,
         on_lateness: Callable[[int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``on_lateness(ms)`` hears, after every claim, how late the oldest due item left
-        is (RetryPriority.observe: late retries then go before fresh records)."""
+        """``on_lateness(ms)`` hears, after every claim, how late the oldest retry not yet
+        run is (RetryPriority.observe: late retries then go before fresh records)."""
         self._queue = queue
         self._process = process
         self._policy = policy
         self._max_in_flight = max_in_flight
         self._in_flight = 0
-        self._running: set[asyncio.Task[None]] = set()
+        self._clock = clock
+        # Each running batch, with when it was claimed and how late its items were at least
+        # then (the oldest item left due, due after them): a claimed retry is late until it
+        # has run, not only until it leaves the queue.
+        self._running: dict[asyncio.Task[None], tuple[float, int]] = {}
         self._stop = asyncio.Event()
+        self._wake = asyncio.Event()  # stop, or a batch ended: look again now
         self._on_depth = on_depth
         self._on_gauges = on_gauges
         self._on_lateness = on_lateness
@@ -305,6 +311,7 @@ class RetryScheduler:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     @property
     def in_flight(self) -> int:
@@ -335,30 +342,45 @@ class RetryScheduler:
                 elif self._on_depth:
                     self._on_depth(*await self._queue.sizes())
                 next_reap = loop_now + reap_every_s
+            self._wake.clear()  # a batch ending from here on wakes the wait below
             free = self._max_in_flight - self._in_flight
             # With no room the call claims nothing and only measures the lateness.
             claim = await self._queue.claim(
                 lease_ms=self._policy.lease_ms, limit=max(0, min(free, self._policy.claim_batch))
             )
             claimed = claim.deliveries
-            if self._on_lateness:
-                self._on_lateness(claim.oldest_due_late_ms)
             if claimed:
                 self._in_flight += len(claimed)
                 task = asyncio.create_task(self._run_batch(claimed))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+                self._running[task] = (self._clock(), claim.oldest_due_late_ms)
+                task.add_done_callback(self._batch_ended)
+            if self._on_lateness:
+                self._on_lateness(max(claim.oldest_due_late_ms, self.running_late_ms()))
             if claimed and len(claimed) == min(free, self._policy.claim_batch):
                 continue  # more may be due right now
             await self._wait_for_next()
 
+    def running_late_ms(self) -> int:
+        """How late the running batches' items are at least: claimed that late, and since
+        then running (0 when none runs)."""
+        now = self._clock()
+        return max(
+            (late + round((now - at) * 1000) for at, late in self._running.values()), default=0
+        )
+
+    def _batch_ended(self, task: asyncio.Task[None]) -> None:
+        self._running.pop(task, None)
+        self._wake.set()  # room to claim more, and a new reading of how late they are
+
     async def _wait_for_next(self) -> None:
+        """Until the next item is due or the poll interval ends, or sooner when a batch
+        ends (the room it frees is claimed at once; the priority hears it has run)."""
         wait_s = self._policy.poll_interval_ms / 1000
         due_in = await self._queue.due_in_ms()
         if due_in is not None:
             wait_s = min(wait_s, due_in / 1000)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), timeout=max(wait_s, 0.005))
+            await asyncio.wait_for(self._wake.wait(), timeout=max(wait_s, 0.005))
 
     async def _run_batch(self, batch: list[Delivery]) -> None:
         try:
