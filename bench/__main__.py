@@ -44,7 +44,6 @@ class Options:
     throughput_rows: str = "all"  # "payments": only rows 1 and 2 (and 2 at the baseline)
     latency_rates: tuple[int, ...] | None = None  # the latency row's offered rates (default: all)
     retries_variants: tuple[str, ...] | None = None  # the retries row's runs (default: all)
-    retries_before_src: str | None = None  # the library source the "before" run imports
 
 
 class Group(Protocol):
@@ -116,13 +115,6 @@ def main(argv: list[str]) -> int:
         help="the retries row's runs, comma-separated (default: all of bench/retry_punctuality.py)",
     )
     parser.add_argument(
-        "--retries-before-src",
-        metavar="DIR",
-        help="the retries row also runs `service run` on the library in DIR (the src "
-        "directory of another checkout, e.g. `git archive <commit> packages/reliable-consumer"
-        "/src`), in the same rounds: the code before a change (variant 'before')",
-    )
-    parser.add_argument(
         "--retries-parked",
         type=int,
         metavar="N",
@@ -133,8 +125,8 @@ def main(argv: list[str]) -> int:
         "--baseline",
         metavar="REV",
         help="also measure the engine of git revision REV in the same rounds (the latency "
-        "and throughput rows of `service run`; the effects rows' postgres store, in a child "
-        "process)",
+        "and throughput rows of `service run`; the retries row's run 'before'; the effects "
+        "rows' postgres store, in a child process)",
     )
     parser.add_argument(
         "--stages",
@@ -168,7 +160,6 @@ def main(argv: list[str]) -> int:
             memory_variants=_names(args.memory_variants),
             retries_parked=args.retries_parked,
             retries_variants=_names(args.retries_variants),
-            retries_before_src=args.retries_before_src,
             baseline=baseline,
             stages=args.stages,
             throughput_rows=args.throughput_rows,

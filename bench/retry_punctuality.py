@@ -393,9 +393,9 @@ class RetryPunctualityGroup:
         self.later = parked_in_all - self.sizes.retries
         if self.later:  # the worker starts beside a Redis that holds (and rewrites) them all
             self.sizes = replace(self.sizes, lead_s=self.sizes.lead_s * 2)
-        self.before_src = options.retries_before_src
+        self.before = options.baseline  # --baseline REV: that engine, variant "before"
         known = (*VARIANTS, BASELINE)
-        if self.before_src:
+        if self.before is not None:
             known = (BEFORE, *known)
         chosen_names = options.retries_variants or known
         if unknown := [v for v in chosen_names if v not in known]:
@@ -423,7 +423,8 @@ class RetryPunctualityGroup:
 
     def label(self, variant: str) -> str:
         if variant == BEFORE:
-            return f"scheduler in `service run`, library from {self.before_src}"
+            assert self.before is not None
+            return f"scheduler in `service run`, the engine {self.before.label}"
         return VARIANTS[variant]
 
     def prepare(self, stack: BenchStack, progress: Progress) -> None:
@@ -464,8 +465,8 @@ class RetryPunctualityGroup:
         separate = variant == "separate"
         env = {"WORKER_RUN_RETRY_SCHEDULER": "false"} if separate else {}
         if variant == BEFORE:
-            assert self.before_src is not None
-            env = {"PYTHONPATH": self.before_src}  # ahead of the installed library
+            assert self.before is not None
+            env = self.before.env()  # ahead of the installed library
         elif variant == "no-priority":
             env = dict(OFF)
         elif variant == "fetched-run-on":
