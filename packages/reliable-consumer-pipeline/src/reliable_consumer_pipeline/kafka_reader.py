@@ -26,7 +26,16 @@ from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
-from reliable_consumer.engine.declaration.location import current_app
+
+
+def _app_client_id() -> str:
+    """``<app name>-pipeline``. The engine is imported here, on the driver, not with the
+    module: Spark's Python workers import this module to run the source, and Spark gives a
+    worker 10 s to connect back; the engine was a quarter of that import on a quiet machine."""
+    from reliable_consumer.engine.declaration.location import current_app
+
+    return f"{current_app().name}-pipeline"
+
 
 __all__ = [
     "EARLIEST",
@@ -75,7 +84,7 @@ class KafkaConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     # The app's name (service/app.py), read where the config is made: the driver.
-    client_id: str = field(default_factory=lambda: f"{current_app().name}-pipeline")
+    client_id: str = field(default_factory=_app_client_id)
     request_timeout_ms: int = 30_000
     # A read that makes no progress for this long fails the task instead of hanging the job.
     poll_timeout_ms: int = 120_000

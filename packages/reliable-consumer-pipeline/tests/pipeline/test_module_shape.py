@@ -10,6 +10,8 @@ under ``TYPE_CHECKING``), and show on seeded trees that each check catches what 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import reliable_consumer_pipeline
@@ -126,3 +128,19 @@ def test_the_checks_catch_a_seeded_cycle_and_a_seeded_long_module(tmp_path: Path
     )
     assert import_cycles(pipeline_imports(root)) == ["a -> b -> a", "job -> job.steps -> job"]
     assert long_without_a_reason(root) == [f"long: {LONG_LINES + 1} lines"]
+
+
+def test_a_spark_python_worker_importing_the_source_loads_no_engine() -> None:
+    """Spark gives the Python worker of a streaming source 10 s to connect back, and a
+    worker imports ``source`` (and what it imports) before it can. The engine
+    (``reliable_consumer``) was a quarter of that import, for a default read on the driver
+    only; on a loaded CI machine a resumed stream failed "Python worker failed to connect
+    back". The worker's import now leaves the engine out."""
+    probe = (
+        "import sys, reliable_consumer_pipeline.source; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'reliable_consumer'))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "[]", done.stdout
