@@ -256,6 +256,17 @@ async def _empty(store: RedisOutboxStore) -> bool:
     return (await store.depth()).pending == 0
 
 
+async def _limited_topic(settings: Settings, topic: str, max_message_bytes: int) -> None:
+    """One partition taking record batches of ``max_message_bytes`` at most."""
+    admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
+    await admin.start()
+    try:
+        configs = {"max.message.bytes": str(max_message_bytes)}
+        await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
+    finally:
+        await admin.close()
+
+
 LIMIT = 150_000  # the topic's max.message.bytes: a batch larger than this is refused
 
 
@@ -271,14 +282,7 @@ async def test_an_entry_kafka_refuses_lets_no_later_entry_of_its_key_through(
         pytest.skip("Tansu enforces no max.message.bytes (WORKER_TEST_BROKER=tansu)")
     settings = settings_for(kafka_broker, redis_server.url, unique_name)
     topic = f"{unique_name}.granted"
-    admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": str(LIMIT)})]
-        )
-    finally:
-        await admin.close()
+    await _limited_topic(settings, topic, LIMIT)
     client = aioredis.from_url(redis_server.url)
     keys = RedisKeys(settings.redis.key_prefix)
     store = RedisOutboxStore(client, keys)
@@ -371,14 +375,7 @@ async def test_the_relay_publishes_to_a_topic_taking_less_than_its_producers_bat
         pytest.skip("Tansu enforces no max.message.bytes (WORKER_TEST_BROKER=tansu)")
     settings = settings_for(kafka_broker, redis_server.url, unique_name)
     topic = f"{unique_name}.granted"
-    admin = AIOKafkaAdminClient(**connection_kwargs(settings.kafka))
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": str(SMALL_LIMIT)})]
-        )
-    finally:
-        await admin.close()
+    await _limited_topic(settings, topic, SMALL_LIMIT)
     largest = _largest_value_emit_allows(topic, SMALL_LIMIT)
     with pytest.raises(InvalidEmission, match=f"max.message.bytes is {SMALL_LIMIT}"):
         Emissions("grants", frozenset({topic}), "probe", {topic: SMALL_LIMIT}).emit(
