@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -579,6 +580,21 @@ async def test_wait_aof_holds_writes_loudly_while_redis_has_aof_switched_off(
         admin.close()
 
 
+def _cluster_port() -> int:
+    """A free port a cluster node takes: its bus is the port + 10,000, so at most 55,535 (a
+    random free port above that made redis-server exit at start)."""
+    import socket
+
+    for port in range(20_000 + os.getpid() % 20_000, 55_536):
+        with socket.socket() as probe:
+            if (
+                probe.connect_ex(("127.0.0.1", port)) != 0
+                and probe.connect_ex(("127.0.0.1", port + 10_000)) != 0
+            ):
+                return port
+    raise RuntimeError("no free port below 55,536 for a Redis Cluster node")
+
+
 async def test_a_redis_cluster_node_is_refused_at_start_naming_the_setting(
     redis_server_factory: Factory,
 ) -> None:
@@ -586,6 +602,7 @@ async def test_a_redis_cluster_node_is_refused_at_start_naming_the_setting(
     script failed with CROSSSLOT or MOVED instead: say so once, naming the setting."""
     server = redis_server_factory(
         "cluster-node",
+        port=_cluster_port(),
         extra_config={"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"},
     )
     redis_settings = RedisSettings(url=server.url)
