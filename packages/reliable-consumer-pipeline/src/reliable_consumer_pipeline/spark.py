@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 from reliable_consumer.engine.declaration.location import current_app
 
+from reliable_consumer_pipeline.worker_python import worker_python
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
@@ -153,8 +155,10 @@ def build_spark(
     """
     ensure_java()
     # Executors must import `reliable_consumer_pipeline` (the data source class is pickled by
-    # reference), so they run this very interpreter and its virtualenv.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # reference), so they run this very interpreter and its virtualenv, through a launcher
+    # that has them import the installed pyspark rather than Spark's sources-only zip.
+    if "PYSPARK_PYTHON" not in os.environ:
+        os.environ["PYSPARK_PYTHON"] = worker_python()
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     # Otherwise Spark binds its block manager to the first non-loopback interface it finds.
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
