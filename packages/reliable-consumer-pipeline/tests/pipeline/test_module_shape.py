@@ -131,11 +131,11 @@ def test_the_checks_catch_a_seeded_cycle_and_a_seeded_long_module(tmp_path: Path
 
 
 def test_a_spark_python_worker_importing_the_source_loads_no_engine() -> None:
-    """Spark gives the Python worker of a streaming source 10 s to connect back, and a
-    worker imports ``source`` (and what it imports) before it can. The engine
-    (``reliable_consumer``) was a quarter of that import, for a default read on the driver
-    only; on a loaded CI machine a resumed stream failed "Python worker failed to connect
-    back". The worker's import now leaves the engine out."""
+    """Every Python worker that reads for the source imports ``source`` (and what it
+    imports) as it unpickles the data source. The engine (``reliable_consumer``) was a
+    quarter of that import, for a default read on the driver only. The worker's import
+    leaves the engine out. (What missed Spark's 10 s to connect back was the pyspark
+    import before it: test_worker_python.py.)"""
     probe = (
         "import sys, reliable_consumer_pipeline.source; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'reliable_consumer'))"
