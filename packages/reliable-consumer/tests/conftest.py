@@ -45,6 +45,7 @@ SERVER_FIXTURES = frozenset(
         "redis_server",
         "redis_url",
         "redis_server_factory",
+        "redis_cluster",
         "postgres_server",
         "postgres_url",
     }

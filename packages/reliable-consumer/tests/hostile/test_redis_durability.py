@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from reliable_consumer.dev.servers.broker import Broker
-from reliable_consumer.dev.servers.process import PortTaken
+from reliable_consumer.dev.servers.redis_cluster import cluster_node_config, start_cluster_node
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.redis.client import RedisOps, make_client
@@ -581,41 +580,17 @@ async def test_wait_aof_holds_writes_loudly_while_redis_has_aof_switched_off(
         admin.close()
 
 
-def _cluster_ports() -> Iterator[int]:
-    """Ports a cluster node may take: its bus is the port + 10,000, so both must be free. They
-    are drawn below the kernel's ephemeral range (32,768 up), where no client socket of another
-    test takes the bus port as its local port between our probe and the node's bind (a random
-    free port above 55,535, then a bus port held by a client socket, each failed one full run)."""
-    import socket
-
-    start = 10_000 + os.getpid() % 12_000
-    for port in range(start, 22_768):
-        try:
-            for candidate in (port, port + 10_000):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", candidate))
-        except OSError:
-            continue
-        yield port
-
-
 async def test_a_redis_cluster_node_is_refused_at_start_naming_the_setting(
     redis_server_factory: Factory,
 ) -> None:
     """Pointed at a Redis Cluster node, the worker refused nothing at start and every batch's
     script failed with CROSSSLOT or MOVED instead: say so once, naming the setting."""
-    ports = _cluster_ports()
-    for attempt in range(3):  # another test may bind a probed port before the node does
-        try:
-            server = redis_server_factory(
-                f"cluster-node-{attempt}",
-                port=next(ports),
-                extra_config={"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"},
-            )
-            break
-        except PortTaken:
-            if attempt == 2:
-                raise
+    # On a port whose bus port (+10,000) is free too, tried again if another test wins a race.
+    server = start_cluster_node(
+        lambda port: redis_server_factory(
+            f"cluster-node-{port}", port=port, extra_config=cluster_node_config()
+        )
+    )
     redis_settings = RedisSettings(url=server.url)
     client = make_client(redis_settings)
     try:

@@ -2,12 +2,12 @@
 
 A service's ``tests/conftest.py`` loads it with
 ``pytest_plugins = ["reliable_consumer.testing.fixtures"]``; a test then asks for
-``redis_url``, ``postgres_url`` or ``tansu_broker`` and gets a real server started for it
-and stopped after: Redis with AOF and fsync on every write, the ``pgserver`` wheel's PostgreSQL
-migrated with the engine's inbox and the service's migrations, Tansu as the broker. No
-Docker, no Java. A conftest.py fixture of the same name overrides any of them. (Not a
-``pytest11`` entry point: pytest would then rewrite the asserts of the whole library, the
-test kit's imitation of aiokafka's own assert included.)
+``redis_url``, ``redis_cluster``, ``postgres_url`` or ``tansu_broker`` and gets a real server
+(or cluster) started for it and stopped after: Redis with AOF and fsync on every write, the
+``pgserver`` wheel's PostgreSQL migrated with the engine's inbox and the service's migrations,
+Tansu as the broker. No Docker, no Java. A conftest.py fixture of the same name overrides any
+of them. (Not a ``pytest11`` entry point: pytest would then rewrite the asserts of the whole
+library, the test kit's imitation of aiokafka's own assert included.)
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from reliable_consumer.dev.servers.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.redis_cluster import RedisCluster
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.dev.servers.tansu import TansuBroker
 
@@ -71,6 +72,16 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A fresh Redis Cluster of 3 primaries with a replica each (AOF, appendfsync always),
+    formed, its data in this test's tmp_path; stopped after. Per test: a test may kill a
+    primary, and forming one takes about 2 s."""
+    cluster = RedisCluster(tmp_path / "redis-cluster")
+    with cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@
 owner); ``broker.py`` is what the tools need from any Kafka broker, met by the embedded
 Tansu (``tansu.py``) and by Apache Kafka from Maven (``apache_kafka.py`` and its pom);
 ``redis_server.py`` and ``postgres_server.py`` are the embedded Redis and PostgreSQL,
-``toxiproxy.py`` the proxy the network-fault tests cut, and ``downloads.py`` the cache the
-fetched binaries share. The rest of ``reliable_consumer.dev`` (the demo, the dev stack, the
-scaffold) uses them; nothing here imports it back.
+``redis_cluster.py`` a Redis Cluster made of embedded Redis nodes, ``toxiproxy.py`` the proxy
+the network-fault tests cut, and ``downloads.py`` the cache the fetched binaries share. The
+rest of ``reliable_consumer.dev`` (the demo, the dev stack, the scaffold) uses them; nothing
+here imports it back.
 """
