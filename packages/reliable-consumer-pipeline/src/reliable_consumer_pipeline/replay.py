@@ -399,7 +399,7 @@ async def _check(
     first = next(chunks, None)
     if first is None:
         return
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     client = make_client(settings.redis)
     try:
         for chunk in itertools.chain([first], chunks):

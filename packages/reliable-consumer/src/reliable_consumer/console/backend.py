@@ -180,7 +180,7 @@ class Backend:
             client = make_client(self.settings.redis)
             try:
                 return await read_actions(
-                    client, self.settings.redis.key_prefix, limit=limit, before=before
+                    client, self.settings.redis.effective_prefix, limit=limit, before=before
                 )
             finally:
                 await client.aclose()

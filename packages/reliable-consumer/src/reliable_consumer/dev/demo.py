@@ -259,7 +259,7 @@ class _Snapshot:
 async def _snapshot(settings: Settings, topic: str) -> _Snapshot:
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
     depth = await audit.retry_queue_depth(
-        settings.redis.url.get_secret_value(), settings.redis.key_prefix
+        settings.redis.url.get_secret_value(), settings.redis.effective_prefix
     )
     return _Snapshot(offsets, depth)
 
@@ -466,7 +466,7 @@ def _grants(plan: DemoPlan, lane: Lane, settings: Settings, info: DevStackInfo) 
             plan.app.ledger,
             postgres_url=info.postgres_url if uses_postgres(lane.handler) else None,
             redis_url=info.redis_url,
-            prefix=settings.redis.key_prefix,
+            prefix=settings.redis.effective_prefix,
         )
     return OutcomeGrants(settings.kafka, outcomes, lane.handler)
 

@@ -109,6 +109,33 @@ class RedisSettings(BaseModel):
     wait_timeout_ms: int = Field(default=1000, ge=1)
     # Refuse to start when Redis has persistence off: a parked retry would die with the server.
     require_persistence: bool = True
+    # A Redis Cluster (managed cluster mode): every key under the hash tag of the prefix, so
+    # the service lives in one hash slot, on the primary owning it (docs/redis-cluster.md).
+    cluster: bool = False
+
+    @property
+    def effective_prefix(self) -> str:
+        """What every key of the service starts with: ``{prefix}`` (a hash tag) on a cluster,
+        so all of them hash to one slot; the prefix itself on one Redis."""
+        return f"{{{self.key_prefix}}}" if self.cluster else self.key_prefix
+
+    @model_validator(mode="after")
+    def _cluster_url(self) -> RedisSettings:
+        if not self.cluster:
+            return self
+        raw = self.url.get_secret_value()
+        if raw.startswith("unix://"):
+            raise ValueError(
+                "WORKER_REDIS__CLUSTER=true needs a redis:// or rediss:// WORKER_REDIS__URL "
+                "(a cluster's nodes are reached over TCP)"
+            )
+        path = raw.partition("://")[2].partition("?")[0].partition("/")[2].strip("/")
+        if path not in ("", "0"):
+            raise ValueError(
+                "WORKER_REDIS__CLUSTER=true needs database 0 in WORKER_REDIS__URL "
+                "(a Redis Cluster has no other)"
+            )
+        return self
 
     @field_validator("url")
     @classmethod

@@ -259,7 +259,7 @@ class Worker:
         self._watch(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
         self.reporter = MemberReporter(
             self.redis,
-            s.redis.key_prefix,
+            s.redis.effective_prefix,
             client_id=s.kafka.client_id,
             tracker=self.tracker,
             consumer=lambda: self._consumer,
@@ -273,7 +273,7 @@ class Worker:
         self._background.append(asyncio.create_task(self.reporter.run(), name="member-report"))
         if s.run_retry_scheduler or not self.consume:
             self.scheduler = RetryScheduler(
-                RetryQueue(self.ops, RedisKeys(s.redis.key_prefix)),
+                RetryQueue(self.ops, RedisKeys(s.redis.effective_prefix)),
                 lambda batch, give_up: self.processor.process_reliably(
                     batch, give_up=give_up, ordered=False
                 ),
@@ -294,7 +294,7 @@ class Worker:
     def outbox_stores(self) -> list[OutboxStore]:
         """The outboxes the relay publishes from: one per effects store in use."""
         stores: list[OutboxStore] = [
-            RedisOutboxStore(self.redis, RedisKeys(self.settings.redis.key_prefix))
+            RedisOutboxStore(self.redis, RedisKeys(self.settings.redis.effective_prefix))
         ]
         postgres = postgres_outbox_store(self.inbox, self.settings.postgres)
         if postgres is not None:  # a bound handler keeps its effects in PostgreSQL
@@ -316,7 +316,7 @@ class Worker:
         self.relay = OutboxRelay(
             self.outbox_stores(),
             redis=self.redis,
-            keys=RedisKeys(s.redis.key_prefix),
+            keys=RedisKeys(s.redis.effective_prefix),
             producer=producer,
             settings=s.outbox,
             metrics=self.metrics,

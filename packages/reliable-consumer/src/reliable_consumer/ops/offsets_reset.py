@@ -164,7 +164,7 @@ async def named_refusal(settings: Settings, group: GroupView) -> str:
         return ""
     redis = make_client(settings.redis)
     try:
-        reports = await read_member_reports(redis, settings.redis.key_prefix)
+        reports = await read_member_reports(redis, settings.redis.effective_prefix)
     except (RedisError, OSError):  # names are a courtesy: the refusal stands without them
         reports = []
     finally:
@@ -251,7 +251,7 @@ async def reset_offsets(
     try:
         async with audited(
             redis,
-            settings.redis.key_prefix,
+            settings.redis.effective_prefix,
             actor=actor,
             action=ACTION,
             filters={

@@ -260,7 +260,7 @@ async def redrive(
         else:
             async with audited(
                 redis,
-                settings.redis.key_prefix,
+                settings.redis.effective_prefix,
                 actor=actor or default_actor(),
                 action=ACTION,
                 filters=report.filters,
@@ -310,7 +310,7 @@ class _Run:
             if include_redriven and selection.redriven is None
             else (False,)
         )
-        self.keys = RedisKeys(settings.redis.key_prefix)
+        self.keys = RedisKeys(settings.redis.effective_prefix)
         self.ops = RedisOps(redis, settings.redis)
         self.tickets = _Tickets(self.ops, self.keys)
 

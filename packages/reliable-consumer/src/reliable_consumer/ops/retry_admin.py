@@ -312,7 +312,7 @@ def _sort_key(item: RetryItem) -> tuple[float, str]:
 async def _list(
     client: aioredis.Redis, settings: Settings, registry: Registry, selection: RetryFilter
 ) -> list[RetryItem]:
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     found: list[RetryItem] = []
     if selection.ids is not None:  # named: read those, no scan
         ids = sorted(selection.ids)
@@ -407,7 +407,7 @@ async def retry_now(
         if dry_run:
             counts["made_due"] = len(due)
             return dict(counts)
-        keys = RedisKeys(settings.redis.key_prefix)
+        keys = RedisKeys(settings.redis.effective_prefix)
         ops = RedisOps(client, settings.redis)
         script: AsyncScript = client.register_script(_MAKE_DUE)
 
@@ -419,7 +419,7 @@ async def retry_now(
 
         async with audited(
             client,
-            settings.redis.key_prefix,
+            settings.redis.effective_prefix,
             actor=actor,
             action="retries.retry-now",
             filters=selection.to_json(),
@@ -464,7 +464,7 @@ async def drop_retries(
             return dict(counts)
         async with audited(
             client,
-            settings.redis.key_prefix,
+            settings.redis.effective_prefix,
             actor=actor,
             action="retries.drop",
             filters=selection.to_json(),
@@ -493,7 +493,7 @@ class _Dropper:
         self.registry = registry
         self.actor = actor
         self.counts = counts
-        self.keys = RedisKeys(settings.redis.key_prefix)
+        self.keys = RedisKeys(settings.redis.effective_prefix)
         self.ops = RedisOps(client, settings.redis)
         self.take: AsyncScript = client.register_script(_TAKE)
         self.mark: AsyncScript = client.register_script(lua_claims.MARK_DEAD_LEASED)

@@ -316,9 +316,9 @@ async def collect_status(
     errors: list[str] = []
     redis = make_client(settings.redis)
     try:
-        reports = await read_member_reports(redis, settings.redis.key_prefix)
+        reports = await read_member_reports(redis, settings.redis.effective_prefix)
         retries = await retry_status(redis, settings.redis)
-        history = await read_history(redis, settings.redis.key_prefix, retries.now_ms)
+        history = await read_history(redis, settings.redis.effective_prefix, retries.now_ms)
     finally:
         await redis.aclose()
     # A refusal names the operator's missing ACL (docs/security.md 6.3).
@@ -404,7 +404,7 @@ def _said(exc: Exception) -> str:
 async def retry_status(client: aioredis.Redis, redis: RedisSettings) -> RetryStatus:
     """The delay queue's sizes, ages and leases on Redis's clock; the breakdown by handler
     and reason class is the queue's own tally (``RetryQueue.breakdown``)."""
-    keys = RedisKeys(redis.key_prefix)
+    keys = RedisKeys(redis.effective_prefix)
     pipe = client.pipeline(transaction=False)
     pipe.time()
     pipe.zcard(keys.retry_due)
@@ -417,7 +417,7 @@ async def retry_status(client: aioredis.Redis, redis: RedisSettings) -> RetrySta
     now = int(server[0]) * 1000 + int(server[1]) // 1000
     oldest = int(head[0][1]) if head else None
     breakdown = await RetryQueue(RedisOps(client, redis), keys).breakdown()
-    chains, capped = await _count_keys(client, f"{redis.key_prefix}:retry:chain:*")
+    chains, capped = await _count_keys(client, f"{redis.effective_prefix}:retry:chain:*")
     return RetryStatus(
         now_ms=now,
         due=int(due),

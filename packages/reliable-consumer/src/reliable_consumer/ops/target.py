@@ -47,7 +47,7 @@ class Target:
         """The settings' target; ``group`` for a command told another one (offsets reset)."""
         return cls(
             group=group or settings.kafka.group_id,
-            prefix=settings.redis.key_prefix,
+            prefix=settings.redis.effective_prefix,
             topics=tuple(sorted(set(settings.topics.values()))),
         )
 

@@ -227,7 +227,7 @@ async def ledger_for(
         return []
     out: list[dict[str, str]] = []
     url = settings.redis.url.get_secret_value()
-    async for entry_id, fields in ledger_entries(url, settings.redis.key_prefix, declared):
+    async for entry_id, fields in ledger_entries(url, settings.redis.effective_prefix, declared):
         doc = entry_text(fields)
         if declared.entry_key(doc) == dedupe_key:
             out.append({"id": entry_id.decode(), **doc})
@@ -297,7 +297,7 @@ async def trace(
     ]
     if handler is not None and not bound:
         raise LookupError(f"no handler named {handler!r} is bound to a topic")
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     client = make_client(settings.redis)
     try:
         markers = {h.name: await _marker_for(client, keys, h.name, dedupe_key) for _, h in bound}

@@ -167,7 +167,7 @@ class HandlerTestKit:
             )
         self.dead_letter_topic = self.settings.dead_letter_topic(self.topic)
         self.outcomes_topic = outcomes
-        self.keys = RedisKeys(self.settings.redis.key_prefix)
+        self.keys = RedisKeys(self.settings.redis.effective_prefix)
         self.producer = InMemoryProducer(
             {self.topic, self.dead_letter_topic, outcomes}, partitions=partitions
         )
@@ -345,7 +345,7 @@ class HandlerTestKit:
 
     def key(self, namespace: str, *parts: str) -> str:
         """The Redis key ``ctx.redis_key(namespace, *parts)`` names in the handler."""
-        return effect_key(self.settings.redis.key_prefix, namespace, *parts)
+        return effect_key(self.settings.redis.effective_prefix, namespace, *parts)
 
     async def effects(self, namespace: str, *parts: str) -> Any:
         """What is stored at ``kit.key(namespace, *parts)``, decoded to text: a dict (hash),

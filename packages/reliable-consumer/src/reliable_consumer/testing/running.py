@@ -415,7 +415,7 @@ class RunningService:
 
     def key(self, namespace: str, *parts: str) -> str:
         """The Redis key ``ctx.redis_key(namespace, *parts)`` names in a handler this run."""
-        return effect_key(self.settings.redis.key_prefix, namespace, *parts)
+        return effect_key(self.settings.redis.effective_prefix, namespace, *parts)
 
     async def effects(self, namespace: str, *parts: str) -> Any:
         """What is stored at ``key(namespace, *parts)`` in Redis, decoded to text, as

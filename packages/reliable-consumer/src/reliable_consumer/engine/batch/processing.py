@@ -111,7 +111,7 @@ class Processor:
             breakers=breakers or Breakers(registry, BreakerPolicy(enabled=False)),
             stuck=StuckCalls(metrics, stalls),
             stalls=stalls,
-            keys=RedisKeys(settings.redis.key_prefix),
+            keys=RedisKeys(settings.redis.effective_prefix),
             schemas=schemas,
             emitted_limits=dict(emitted_limits or {}),
         )
@@ -153,7 +153,7 @@ class Processor:
         emitted topic's; an emitted record that cannot fit is refused. ``tracer_provider``:
         where the record spans go (tests); by default the process's, when tracing is on.
         """
-        keys = RedisKeys(settings.redis.key_prefix)
+        keys = RedisKeys(settings.redis.effective_prefix)
         idempotency = Idempotency(
             ops, keys, ttl_s=settings.idempotency.ttl_s, lease_ms=settings.idempotency.lease_ms
         )

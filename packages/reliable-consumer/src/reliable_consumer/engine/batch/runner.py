@@ -65,7 +65,7 @@ class HandlerRunner:
             stuck=parts.stuck,
         )
         self._latency: dict[str, Any] = {}  # handler name -> its histogram child
-        self._key_prefix = parts.settings.redis.key_prefix
+        self._key_prefix = parts.settings.redis.effective_prefix
 
     # --- the Redis path's calls: sync inline, async as bounded tasks ---
 

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from reliable_consumer.engine.outages import DEFAULT_SUMMARY_INTERVAL_S, Outage, error_text
 from reliable_consumer.engine.redis.durability import ServerIdentity, server_identity, wait_durable
 from reliable_consumer.engine.redis.errors import DurabilityError, is_transient, refusal_text
+from reliable_consumer.engine.redis.slot_owner import make_slot_owner_client
 from reliable_consumer.engine.redis.url import client_kwargs
 from reliable_consumer.engine.settings import RedisSettings
 from reliable_consumer.engine.stalls import Stalls
@@ -37,8 +38,14 @@ def make_client(settings: RedisSettings) -> aioredis.Redis:
     to the socket timeout) instead of failing at once with ``MaxConnectionsError``, which
     redis-py's default pool does. Handlers share this client (``ctx.redis``) and may run
     200 at a time against a pool of 32: a burst of them must queue, not read as an outage.
+
+    With ``cluster`` set, the same pool's connections go to the primary owning the service's
+    hash slot (``slot_owner``): the client is used as one Redis's.
     """
     url = settings.url.get_secret_value()
+    if settings.cluster:
+        kwargs = {"timeout": settings.socket_timeout_s, **client_kwargs(url, settings)}
+        return make_slot_owner_client(url, settings.key_prefix, kwargs)
     pool = aioredis.BlockingConnectionPool.from_url(
         url, timeout=settings.socket_timeout_s, **client_kwargs(url, settings)
     )

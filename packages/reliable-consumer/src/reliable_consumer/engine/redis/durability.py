@@ -96,4 +96,4 @@ async def wait_durable(
 
 def fence_key(settings: RedisSettings) -> str:
     """The key the wait writes before WAIT/WAITAOF: it orders after every acknowledged write."""
-    return f"{settings.key_prefix}:durability:fence"
+    return f"{settings.effective_prefix}:durability:fence"

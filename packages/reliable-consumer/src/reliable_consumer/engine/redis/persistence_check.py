@@ -7,13 +7,17 @@ evict them. What the settings demand and this server cannot give refuses the sta
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from reliable_consumer.engine.errors import ConfigurationError
+from reliable_consumer.engine.redis.slot_owner import check_cluster_node, slot_owner_of
 from reliable_consumer.engine.settings import RedisSettings
+
+log = logging.getLogger(__name__)
 
 
 async def check_persistence(client: aioredis.Redis, settings: RedisSettings) -> list[str]:
@@ -21,7 +25,29 @@ async def check_persistence(client: aioredis.Redis, settings: RedisSettings) -> 
 
     Returns the warnings to log. Raises ConfigurationError when the settings demand
     what this Redis cannot give (see docs/durability.md).
+
+    On a cluster (``settings.cluster``) the node checked is the primary owning the
+    service's slot (where every key of the service lives); its address is in every
+    refusal and warning.
     """
+    node = await check_cluster_node(client)
+    if node is None:
+        return await _check(client, settings)
+    owner = slot_owner_of(client)
+    log.info(
+        "Redis Cluster: the service's keys are in hash slot %s; checking its primary %s:%s",
+        owner.slot if owner is not None else "?",
+        *node,
+    )
+    where = f" (Redis Cluster node {node[0]}:{node[1]}, primary of the service's slot)"
+    try:
+        warnings = await _check(client, settings)
+    except ConfigurationError as exc:
+        raise ConfigurationError(str(exc) + where) from None
+    return [warning + where for warning in warnings]
+
+
+async def _check(client: aioredis.Redis, settings: RedisSettings) -> list[str]:
     mode = settings.durability
     try:
         info = await client.info("persistence")
@@ -40,7 +66,7 @@ async def check_persistence(client: aioredis.Redis, settings: RedisSettings) -> 
             ) from None
         return [message]
     warnings: list[str] = []
-    _check_not_a_cluster(await client.info("cluster"))
+    _check_cluster_setting(await client.info("cluster"), settings)
     _check_eviction(await client.info("memory"))
     aof_on = int(info.get("aof_enabled", 0)) == 1
     if not aof_on:
@@ -132,14 +158,22 @@ def _version(text: str) -> tuple[int, int]:
         return (0, 0)
 
 
-def _check_not_a_cluster(info: dict[str, Any]) -> None:
-    """Refuse a Redis Cluster node: the scripts touch keys of many hash slots in one call
-    (a batch's markers, the delay queue, a handler's effects), which a cluster answers with
-    CROSSSLOT or MOVED. Said at start, rather than as every batch's error."""
-    if int(info.get("cluster_enabled", 0)) == 1:
+def _check_cluster_setting(info: dict[str, Any], settings: RedisSettings) -> None:
+    """Refuse a Redis Cluster node unless WORKER_REDIS__CLUSTER says the keys carry the hash
+    tag: without it a batch's scripts touch keys of many hash slots in one call (its markers,
+    the delay queue, a handler's effects), which a cluster answers with CROSSSLOT or MOVED.
+    Said at start, rather than as every batch's error."""
+    if int(info.get("cluster_enabled", 0)) == 1 and not settings.cluster:
         raise ConfigurationError(
-            "WORKER_REDIS__URL points at a Redis Cluster node (cluster_enabled:1): the worker "
-            "needs one Redis primary (with replicas and Sentinel for failover), because a "
-            "batch's scripts touch keys of many hash slots in one call; Redis Cluster is not "
-            "supported (docs/durability.md, *Redis Cluster: refused, and why*)"
+            "WORKER_REDIS__URL points at a Redis Cluster node (cluster_enabled:1) but "
+            "WORKER_REDIS__CLUSTER is false: the service's keys would spread over many hash "
+            "slots and a batch's scripts touch many of them in one call. Set "
+            "WORKER_REDIS__CLUSTER=true (every key under the hash tag of the prefix, one slot; "
+            "docs/redis-cluster.md), or point WORKER_REDIS__URL at a single Redis primary"
+        )
+    if int(info.get("cluster_enabled", 0)) != 1 and settings.cluster:
+        raise ConfigurationError(
+            "WORKER_REDIS__CLUSTER=true but the Redis at WORKER_REDIS__URL is not a Redis "
+            "Cluster node (cluster_enabled:0): set WORKER_REDIS__CLUSTER=false for a single "
+            "Redis, or point WORKER_REDIS__URL at a node of the cluster"
         )

@@ -319,7 +319,7 @@ async def prune_inbox(
             try:
                 async with audited(
                     redis,
-                    settings.redis.key_prefix,
+                    settings.redis.effective_prefix,
                     actor=actor,
                     action=ACTION_PRUNE,
                     filters={

@@ -484,7 +484,7 @@ def audit_command(
         client = make_client(settings.redis)
         try:
             return await read_actions(
-                client, settings.redis.key_prefix, limit=limit, action=action, actor=actor
+                client, settings.redis.effective_prefix, limit=limit, action=action, actor=actor
             )
         finally:
             await client.aclose()
