@@ -220,8 +220,8 @@ class RunState:
 async def observe(settings: Settings, postgres_url: str | None = None) -> RunState:
     """The run as seen from outside; grants from the purchases table given ``postgres_url``."""
     topic = payments_topic(settings)
-    prefix = settings.redis.key_prefix
-    url = settings.redis.url.get_secret_value()
+    prefix = settings.redis.effective_prefix
+    url = settings.redis
     # The retry queue first: once it reads empty and every offset is committed, nothing can
     # change any more, so what is read after it (dead letters included) is final. Read last,
     # a retry dead-lettered between the reads would look settled without its dead letter.

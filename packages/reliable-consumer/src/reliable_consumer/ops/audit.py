@@ -26,8 +26,16 @@ from reliable_consumer.engine.errors import ConfigurationError
 from reliable_consumer.engine.kafka.acls import AUTHORIZATION_CODES
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.kafka.outcome_events import decode_all
+from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.redis.keys import RedisKeys
-from reliable_consumer.engine.settings import KafkaSettings
+from reliable_consumer.engine.settings import KafkaSettings, RedisSettings
+
+# A Redis URL, or the worker's Redis settings: those reach a cluster's slot as the worker does.
+RedisTarget = str | RedisSettings
+
+
+def _client(redis: RedisTarget) -> aioredis.Redis:
+    return make_client(redis) if isinstance(redis, RedisSettings) else aioredis.from_url(redis)
 
 
 @dataclass(frozen=True)
@@ -206,7 +214,9 @@ def ledger_key(fields: dict[bytes, bytes], ledger: Ledger | None = None) -> str 
     return declared_ledger(ledger).entry_key(entry_text(fields))
 
 
-async def ledger_grants(redis_url: str, prefix: str, ledger: Ledger | None = None) -> Counter[str]:
+async def ledger_grants(
+    redis_url: RedisTarget, prefix: str, ledger: Ledger | None = None
+) -> Counter[str]:
     """How many ledger entries each dedupe key has (exactly-once means all are 1)."""
     declared = declared_ledger(ledger)
     counts: Counter[str] = Counter()
@@ -242,14 +252,14 @@ async def postgres_grants(postgres_url: str, ledger: Ledger | None = None) -> Co
 
 
 async def ledger_entries(
-    redis_url: str, prefix: str, ledger: Ledger | None = None
+    redis_url: RedisTarget, prefix: str, ledger: Ledger | None = None
 ) -> AsyncIterator[tuple[bytes, dict[bytes, bytes]]]:
     """Every entry of the ledger's stream (id, fields), oldest first: the order effects were
     applied in."""
     declared = declared_ledger(ledger)
     if declared.stream is None:
         raise ConfigurationError("the app's ledger names no Redis stream (Ledger stream=...)")
-    client = aioredis.from_url(redis_url)
+    client = _client(redis_url)
     try:
         stream = RedisKeys(prefix).effect(*declared.stream)
         start = "-"
@@ -265,7 +275,7 @@ async def ledger_entries(
 
 
 async def ledger_order(
-    redis_url: str, prefix: str, keys: Collection[str], ledger: Ledger | None = None
+    redis_url: RedisTarget, prefix: str, keys: Collection[str], ledger: Ledger | None = None
 ) -> list[str]:
     """The stream's entries for ``keys``, as their dedupe keys, in the order they were
     written: whether a record's effect came after the one it must follow."""
@@ -278,10 +288,10 @@ async def ledger_order(
     return order
 
 
-async def retry_queue_depth(redis_url: str, prefix: str) -> tuple[int, int, int]:
+async def retry_queue_depth(redis_url: RedisTarget, prefix: str) -> tuple[int, int, int]:
     """(due, in flight, items) in the delay queue; all zero when every retry finished."""
     keys = RedisKeys(prefix)
-    client = aioredis.from_url(redis_url)
+    client = _client(redis_url)
     try:
         due, inflight, items = await asyncio.gather(
             client.zcard(keys.retry_due),

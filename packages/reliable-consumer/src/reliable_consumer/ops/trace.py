@@ -226,8 +226,9 @@ async def ledger_for(
     if declared is None or declared.stream is None:
         return []
     out: list[dict[str, str]] = []
-    url = settings.redis.url.get_secret_value()
-    async for entry_id, fields in ledger_entries(url, settings.redis.effective_prefix, declared):
+    async for entry_id, fields in ledger_entries(
+        settings.redis, settings.redis.effective_prefix, declared
+    ):
         doc = entry_text(fields)
         if declared.entry_key(doc) == dedupe_key:
             out.append({"id": entry_id.decode(), **doc})
