@@ -309,6 +309,16 @@ def reconcile(
     settings = _worker_settings()
     topics = topic or list(settings.topics.values())
     store, on_postgres = _grant_stores(settings, topics, grants)
+    if settings.redis.cluster and not no_ledger and store in ("redis", "both"):
+        # The ledger stream is read by the Spark driver with a plain client, which does not
+        # find the primary of the service's slot: refused rather than read from a wrong node.
+        err.print(
+            "[red]reconcile does not read the Redis ledger on a Redis Cluster yet "
+            "(WORKER_REDIS__CLUSTER=true); pass --no-ledger to reconcile from the outcome "
+            "events alone, or --grants postgres for a PostgreSQL grants table[/]",
+            highlight=False,
+        )
+        raise typer.Exit(2)
     configured_pg = settings.postgres.url.get_secret_value() if settings.postgres.url else None
     try:
         spark_conf = parse_conf(conf or [])
