@@ -190,6 +190,7 @@ async def test_check_persistence_refuses_a_node_of_the_cluster_naming_the_settin
             await client.aclose()
         message = str(err.value)
         assert "WORKER_REDIS__URL" in message and "Redis Cluster" in message, message
+        assert "WORKER_REDIS__CLUSTER" in message, message
 
 
 def test_a_failover_that_misses_its_deadline_names_the_node_and_quotes_its_log(
