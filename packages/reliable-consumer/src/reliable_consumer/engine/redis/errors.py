@@ -4,6 +4,11 @@ Refusals (memory, permissions, configuration) and transient failures (a connecti
 a reply late, a durability wait short) are not a record's fault: the call is held and
 retried (``RedisOps``), the refusals loudly (reliable_consumer/engine/stalls.py), never turned into
 a retry or a dead letter of the record. Anything else is an answer for the caller.
+
+On a Redis Cluster (``slot_owner``): ``CLUSTERDOWN``, ``TRYAGAIN`` and ``MASTERDOWN`` are
+refusals; a ``MOVED`` or ``ASK`` for the service's slot arrives as ``SlotMoved``, a connection
+error (the slot's primary changed); one for another slot is a key outside the service's hash
+tag, an answer for the caller like ``CROSSSLOT``.
 """
 
 from __future__ import annotations

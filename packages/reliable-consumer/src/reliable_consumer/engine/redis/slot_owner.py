@@ -135,7 +135,7 @@ class SlotOwnerConnection(Connection):
         except AskError as exc:  # MovedError is an AskError
             if exc.slot_id != self.slot_owner.slot:
                 raise  # a key outside the tag: the caller's error
-            self.slot_owner.current = None
+            self.slot_owner.current = (str(exc.host), int(exc.port))  # asked first next time
             await self.disconnect()
             raise SlotMoved(
                 f"slot {exc.slot_id} is served by {exc.host}:{exc.port} now "
