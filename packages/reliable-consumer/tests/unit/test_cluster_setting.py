@@ -3,8 +3,11 @@ and which cluster errors the reconnect policy holds and retries."""
 
 from __future__ import annotations
 
+import ssl
+
 import pytest
 from pydantic import ValidationError
+from redis.asyncio.connection import SSLConnection
 from redis.crc import key_slot
 from redis.exceptions import (
     ClusterCrossSlotError,
@@ -13,10 +16,16 @@ from redis.exceptions import (
     MovedError,
     TryAgainError,
 )
+from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.redis.durability import fence_key
 from reliable_consumer.engine.redis.errors import is_transient
 from reliable_consumer.engine.redis.keys import RedisKeys
-from reliable_consumer.engine.redis.slot_owner import SlotMoved, slot_of
+from reliable_consumer.engine.redis.slot_owner import (
+    SlotMoved,
+    SlotOwnerSSLConnection,
+    slot_of,
+    slot_owner_of,
+)
 from reliable_consumer.engine.settings import RedisSettings
 
 
@@ -86,3 +95,28 @@ def test_the_slot_moving_is_held_and_retried_a_key_outside_the_tag_is_not() -> N
     # A MOVED that reaches a caller is for another slot than the service's: its own bug.
     assert not is_transient(MovedError("866 10.0.0.2:6379"))
     assert not is_transient(ClusterCrossSlotError())
+
+
+async def test_a_tls_url_makes_tls_connections_to_the_slots_primary_and_tls_probes() -> None:
+    """Built, not connected: the pool's connections and the probes that find the primary keep
+    the URL's TLS settings (certificate and host name checked) and credentials."""
+    settings = RedisSettings(
+        url="rediss://worker:secret@node-1.example:6380/0", key_prefix="pay", cluster=True
+    )
+    client = make_client(settings)
+    try:
+        pool = client.connection_pool
+        assert pool.connection_class is SlotOwnerSSLConnection
+        owner = slot_owner_of(client)
+        assert owner is not None and owner.seed == ("node-1.example", 6380)
+        assert owner.slot == slot_of("pay")
+        connection = pool.make_connection()  # type: ignore[no-untyped-call]
+        assert isinstance(connection, SSLConnection) and connection.slot_owner is owner
+        assert connection.ssl_context.cert_reqs == ssl.CERT_REQUIRED
+        assert connection.ssl_context.check_hostname
+        assert (connection.username, connection.password) == ("worker", "secret")
+        probe = owner.probe(("node-2.example", 6380))
+        assert type(probe) is SSLConnection and probe.ssl_context.check_hostname
+        assert (probe.host, probe.port, probe.password) == ("node-2.example", 6380, "secret")
+    finally:
+        await client.aclose()

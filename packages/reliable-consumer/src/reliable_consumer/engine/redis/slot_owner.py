@@ -81,8 +81,12 @@ class SlotOwner:
             f"no Redis Cluster node names the primary of slot {self.slot}: " + "; ".join(errors)
         )
 
+    def probe(self, node: Address) -> Connection:
+        """A connection to ``node`` with the URL's credentials and TLS, for one question."""
+        return self._probe_class(host=node[0], port=node[1], **self._probe)
+
     async def _ask(self, node: Address) -> Address | None:
-        connection = self._probe_class(host=node[0], port=node[1], **self._probe)
+        connection = self.probe(node)
         try:
             await connection.connect()  # type: ignore[no-untyped-call]
             await connection.send_command("CLUSTER", "SLOTS")
