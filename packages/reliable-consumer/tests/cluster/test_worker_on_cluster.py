@@ -139,6 +139,7 @@ async def test_the_slots_primary_killed_mid_run_fails_over_nothing_lost_nothing_
         assert worker.health.started
     assert_invariants(state, records)  # every payment sent granted exactly once, or dead
     assert redis_cluster.node_for_slot(slot_of(unique_name)) is promoted
+    assert "redis calls failing" in caplog.text  # the worker felt the kill, and rode it
     assert_clean_log(caplog)
 
 
