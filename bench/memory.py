@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,21 @@ def drain(service: ServiceRun, records: int) -> list[Sample]:
         client.close()
 
 
+def full_collections(port: int) -> dict[str, float]:
+    """How many full collections the worker ran (every trigger) and their mean duration,
+    from its /metrics (worker_gc_full_collection_seconds); zero for an engine without it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    count = total = 0.0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("worker_gc_full_collection_seconds_count"):
+            count += float(value)
+        elif name.startswith("worker_gc_full_collection_seconds_sum"):
+            total += float(value)
+    return {"full_gcs": count, "full_gc_ms": total / count * 1000 if count else 0.0}
+
+
 def growth(samples: list[Sample]) -> float:
     """RSS growth over the second half of the drain, MB per million records (bench/rss.py):
     the first half holds the start-up and the climb to the in-flight limits, which a flat
@@ -112,15 +128,17 @@ class Variant:
 
 
 BEFORE = "bench.worker_variant"
-# The rows: the defaults; the defaults without the periodic collection (does memory stay
-# flat by reference counting alone?); the same two with aiokafka's fetch cycle back (the
-# worker before engine/kafka/fetched_records.py); and without the collector tuning at all
-# (what the tuning saves in CPU).
+# The rows: the defaults; the backstop as it was, a full collection every 5 s; the defaults
+# without the backstop collection (does memory stay flat by reference counting alone?); the
+# same two with aiokafka's fetch cycle back (the worker before
+# engine/kafka/fetched_records.py: does the memory trigger bound garbage that holds memory?);
+# and without the collector tuning at all (what the tuning saves in CPU).
 VARIANTS: dict[str, Variant] = {
     "defaults": Variant({}),
-    "no 5 s collection": Variant({"BENCH_NO_PERIODIC_GC": "1"}, BEFORE),
+    "before: every 5 s": Variant({"BENCH_GC_EVERY_5S": "1"}, BEFORE),
+    "no backstop": Variant({"BENCH_NO_PERIODIC_GC": "1"}, BEFORE),
     "before: fetch cycle": Variant({"BENCH_FETCH_CYCLE": "1"}, BEFORE),
-    "before: fetch cycle + no 5 s collection": Variant(
+    "before: fetch cycle + no backstop": Variant(
         {"BENCH_FETCH_CYCLE": "1", "BENCH_NO_PERIODIC_GC": "1"}, BEFORE
     ),
     "WORKER_TUNE_GC=false": Variant({"WORKER_TUNE_GC": "false"}),
@@ -149,7 +167,12 @@ class MemoryGroup:
                         else []
                     ),
                 ],
-                units={"rate": "records/s", "growth": "MB/M rec"},
+                units={
+                    "rate": "records/s",
+                    "growth": "MB/M rec",
+                    "full_gcs": "collections",
+                    "full_gc_ms": "ms",
+                },
             )
             for variant in chosen
         }
@@ -177,9 +200,10 @@ class MemoryGroup:
                     module=how.module,
                 ) as service:
                     samples = drain(service, self.records)
+                    collections = full_collections(service.port)
             finally:
                 stack.flush_redis()
-            values = figures(samples, self.records)
+            values = figures(samples, self.records) | collections
             self.rows_by_variant[variant].add(**values)
             progress(
                 f"memory, {variant}: peak RSS {values['peak_rss']:.0f} MB; peak so far at each "
@@ -188,7 +212,9 @@ class MemoryGroup:
                 + " MB; at each tenth "
                 + ", ".join(f"{pct}% {values[f'rss_{pct}pct']:.0f}" for pct in DECILES)
                 + f" MB; second half {values['growth']:+.1f} MB per million records; "
-                + f"{values['rate']:,.0f} records/s, {values['cpu_us']:.1f} µs/rec"
+                + f"{values['rate']:,.0f} records/s, {values['cpu_us']:.1f} µs/rec; "
+                + f"{values['full_gcs']:.0f} full collections, {values['full_gc_ms']:.0f} ms "
+                + "each on average"
             )
 
     def rows(self) -> list[Row]:
@@ -202,9 +228,12 @@ class MemoryGroup:
             "per million records; flat: under 20, checked from a 500,000-record backlog); "
             "rate (records/s) and cpu_us (µs/rec) from its first grant to its last. Redis is "
             "flushed before and after each drain; peak_to_Npct = the peak so far at N %. "
-            "'no 5 s collection': the collector tuning without its periodic full collection "
-            "(freed by reference counting alone?); 'before: fetch cycle': aiokafka's own "
-            "PartitionRecords, whose dropped fetches only a full collection frees "
-            "(bench/worker_variant.py). WORKER_TUNE_GC=false turns off the collector tuning "
-            "(freeze + a young generation of 50,000 objects + a full collection every 5 s).",
+            "defaults: a full collection when RSS grew 32 MB since the last, at least every "
+            "60 s; 'before: every 5 s': a full collection every 5 s instead; 'no backstop': "
+            "the collector tuning without either (freed by reference counting alone?); "
+            "'before: fetch cycle': aiokafka's own PartitionRecords, whose dropped fetches "
+            "only a full collection frees (bench/worker_variant.py). WORKER_TUNE_GC=false "
+            "turns off the collector tuning (freeze + a young generation of 50,000 objects "
+            "+ the backstop collection). full_gcs, full_gc_ms: the worker's full collections "
+            "over the run, every trigger, and their mean duration (its /metrics at the end).",
         ]
