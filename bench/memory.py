@@ -128,13 +128,14 @@ class Variant:
 
 
 BEFORE = "bench.worker_variant"
-# The rows: the defaults; the backstop as it was, a full collection every 5 s; the defaults
-# without the backstop collection (does memory stay flat by reference counting alone?); the
-# same two with aiokafka's fetch cycle back (the worker before
+# The rows: the defaults; a smaller growth bound; the backstop as it was, a full collection
+# every 5 s; the defaults without the backstop collection (does memory stay flat by reference
+# counting alone?); the same two with aiokafka's fetch cycle back (the worker before
 # engine/kafka/fetched_records.py: does the memory trigger bound garbage that holds memory?);
 # and without the collector tuning at all (what the tuning saves in CPU).
 VARIANTS: dict[str, Variant] = {
     "defaults": Variant({}),
+    "WORKER_GC_COLLECT_GROWTH_MB=8": Variant({"WORKER_GC_COLLECT_GROWTH_MB": "8"}),
     "before: every 5 s": Variant({"BENCH_GC_EVERY_5S": "1"}, BEFORE),
     "no backstop": Variant({"BENCH_NO_PERIODIC_GC": "1"}, BEFORE),
     "before: fetch cycle": Variant({"BENCH_FETCH_CYCLE": "1"}, BEFORE),
