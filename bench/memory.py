@@ -84,7 +84,11 @@ def full_collections(port: int) -> dict[str, float]:
     """How many full collections the worker ran, by trigger, and their mean duration, from
     its /metrics (worker_gc_full_collection_seconds); zero for an engine without it."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+        return collections_in(response.read().decode())
+
+
+def collections_in(text: str) -> dict[str, float]:
+    """full_collections' figures from the text of a /metrics page."""
     counts = dict.fromkeys(TRIGGERS, 0.0)
     total = 0.0
     for line in text.splitlines():
