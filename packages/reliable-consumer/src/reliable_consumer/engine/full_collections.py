@@ -17,7 +17,7 @@ allocated) are not: the garbage that matters is the kind those counts barely see
 spot: memory a collection frees mostly stays with the allocator, so new garbage refills it
 before RSS moves; with garbage that holds memory steadily (aiokafka's fetch cycle restored
 on purpose) a 1M drain rose from 130 to 175-192 MB instead of staying flat (bench memory
-row), which the ceiling and the growth bound keep from running away.
+row; longer drains of that kind were not measured). The record path makes no such garbage.
 
 Every full collection, the collector's own ones included, is timed through
 ``gc.callbacks`` and reported as ``worker_gc_full_collection_seconds`` by its trigger.
