@@ -16,8 +16,9 @@ container's limit are about, and it is in bytes, which the collector's own count
 allocated) are not: the garbage that matters is the kind those counts barely see. Its blind
 spot: memory a collection frees mostly stays with the allocator, so new garbage refills it
 before RSS moves; with garbage that holds memory steadily (aiokafka's fetch cycle restored
-on purpose) a 1M drain rose from 130 to 175-192 MB instead of staying flat (bench memory
-row; longer drains of that kind were not measured). The record path makes no such garbage.
+on purpose) a 1M drain rose from 130 to 175-192 MB and a 5M drain to 253 MB, still rising
+(bench memory row), where a collection every 5 s held it near 128 MB. The record path makes
+no such garbage; one that appears is a defect to fix at its cause, as that cycle was.
 
 Every full collection, the collector's own ones included, is timed through
 ``gc.callbacks`` and reported as ``worker_gc_full_collection_seconds`` by its trigger.
