@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,7 +41,8 @@ QUARTERS = (25, 50, 75, 100)  # the peak so far is shown at each
 # (collections and the allocator move RSS by ~10-15 MB either way; the defect grew ~200).
 FLAT_MB_PER_M = 20.0
 # The slope is held to that only from this backlog on: a shorter second half spans a few of
-# the collector's 5 s periods, and its slope measures their sawtooth, not a growth.
+# the backstop collection's periods (32 MB of growth), and its slope measures their
+# sawtooth, not a growth.
 FLAT_FROM_RECORDS = 500_000
 
 
@@ -73,6 +75,36 @@ def drain(service: ServiceRun, records: int) -> list[Sample]:
             time.sleep(SAMPLE_EVERY_S)
     finally:
         client.close()
+
+
+TRIGGERS = ("memory", "ceiling", "threshold")
+
+
+def full_collections(port: int) -> dict[str, float]:
+    """How many full collections the worker ran, by trigger, and their mean duration, from
+    its /metrics (worker_gc_full_collection_seconds); zero for an engine without it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return collections_in(response.read().decode())
+
+
+def collections_in(text: str) -> dict[str, float]:
+    """full_collections' figures from the text of a /metrics page."""
+    counts = dict.fromkeys(TRIGGERS, 0.0)
+    total = 0.0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("worker_gc_full_collection_seconds_count"):
+            for trigger in TRIGGERS:
+                if f'trigger="{trigger}"' in name:
+                    counts[trigger] += float(value)
+        elif name.startswith("worker_gc_full_collection_seconds_sum"):
+            total += float(value)
+    count = sum(counts.values())
+    return {
+        "full_gcs": count,
+        **{f"full_gcs_{trigger}": n for trigger, n in counts.items()},
+        "full_gc_ms": total / count * 1000 if count else 0.0,
+    }
 
 
 def growth(samples: list[Sample]) -> float:
@@ -112,15 +144,21 @@ class Variant:
 
 
 BEFORE = "bench.worker_variant"
-# The rows: the defaults; the defaults without the periodic collection (does memory stay
-# flat by reference counting alone?); the same two with aiokafka's fetch cycle back (the
-# worker before engine/kafka/fetched_records.py); and without the collector tuning at all
-# (what the tuning saves in CPU).
+# The rows: the defaults; a smaller growth bound; the backstop as it was, a full collection
+# every 5 s; the defaults without the backstop collection (does memory stay flat by reference
+# counting alone?); the same two with aiokafka's fetch cycle back (the worker before
+# engine/kafka/fetched_records.py: does the memory trigger bound garbage that holds memory?);
+# and without the collector tuning at all (what the tuning saves in CPU).
 VARIANTS: dict[str, Variant] = {
     "defaults": Variant({}),
-    "no 5 s collection": Variant({"BENCH_NO_PERIODIC_GC": "1"}, BEFORE),
+    "WORKER_GC_COLLECT_GROWTH_MB=8": Variant({"WORKER_GC_COLLECT_GROWTH_MB": "8"}),
+    "before: every 5 s": Variant({"BENCH_GC_EVERY_5S": "1"}, BEFORE),
+    "no backstop": Variant({"BENCH_NO_PERIODIC_GC": "1"}, BEFORE),
     "before: fetch cycle": Variant({"BENCH_FETCH_CYCLE": "1"}, BEFORE),
-    "before: fetch cycle + no 5 s collection": Variant(
+    "before: fetch cycle at 8 MB": Variant(
+        {"BENCH_FETCH_CYCLE": "1", "WORKER_GC_COLLECT_GROWTH_MB": "8"}, BEFORE
+    ),
+    "before: fetch cycle + no backstop": Variant(
         {"BENCH_FETCH_CYCLE": "1", "BENCH_NO_PERIODIC_GC": "1"}, BEFORE
     ),
     "WORKER_TUNE_GC=false": Variant({"WORKER_TUNE_GC": "false"}),
@@ -149,7 +187,13 @@ class MemoryGroup:
                         else []
                     ),
                 ],
-                units={"rate": "records/s", "growth": "MB/M rec"},
+                units={
+                    "rate": "records/s",
+                    "growth": "MB/M rec",
+                    "full_gcs": "collections",
+                    **{f"full_gcs_{t}": "collections" for t in TRIGGERS},
+                    "full_gc_ms": "ms",
+                },
             )
             for variant in chosen
         }
@@ -177,9 +221,10 @@ class MemoryGroup:
                     module=how.module,
                 ) as service:
                     samples = drain(service, self.records)
+                    collections = full_collections(service.port)
             finally:
                 stack.flush_redis()
-            values = figures(samples, self.records)
+            values = figures(samples, self.records) | collections
             self.rows_by_variant[variant].add(**values)
             progress(
                 f"memory, {variant}: peak RSS {values['peak_rss']:.0f} MB; peak so far at each "
@@ -188,7 +233,10 @@ class MemoryGroup:
                 + " MB; at each tenth "
                 + ", ".join(f"{pct}% {values[f'rss_{pct}pct']:.0f}" for pct in DECILES)
                 + f" MB; second half {values['growth']:+.1f} MB per million records; "
-                + f"{values['rate']:,.0f} records/s, {values['cpu_us']:.1f} µs/rec"
+                + f"{values['rate']:,.0f} records/s, {values['cpu_us']:.1f} µs/rec; "
+                + f"{values['full_gcs']:.0f} full collections ("
+                + ", ".join(f"{t} {values[f'full_gcs_{t}']:.0f}" for t in TRIGGERS)
+                + f"), {values['full_gc_ms']:.0f} ms each on average"
             )
 
     def rows(self) -> list[Row]:
@@ -202,9 +250,13 @@ class MemoryGroup:
             "per million records; flat: under 20, checked from a 500,000-record backlog); "
             "rate (records/s) and cpu_us (µs/rec) from its first grant to its last. Redis is "
             "flushed before and after each drain; peak_to_Npct = the peak so far at N %. "
-            "'no 5 s collection': the collector tuning without its periodic full collection "
-            "(freed by reference counting alone?); 'before: fetch cycle': aiokafka's own "
-            "PartitionRecords, whose dropped fetches only a full collection frees "
-            "(bench/worker_variant.py). WORKER_TUNE_GC=false turns off the collector tuning "
-            "(freeze + a young generation of 50,000 objects + a full collection every 5 s).",
+            "defaults: a full collection when RSS grew 32 MB since the last, at least every "
+            "60 s; 'before: every 5 s': a full collection every 5 s instead; 'no backstop': "
+            "the collector tuning without either (freed by reference counting alone?); "
+            "'before: fetch cycle': aiokafka's own PartitionRecords, whose dropped fetches "
+            "only a full collection frees (bench/worker_variant.py). WORKER_TUNE_GC=false "
+            "turns off the collector tuning (freeze + a young generation of 50,000 objects "
+            "+ the backstop collection). full_gcs, full_gc_ms: the worker's full collections "
+            "over the run (full_gcs_T: by trigger T) and their mean duration (its /metrics at "
+            "the end; the 5 s variant's count as 'ceiling').",
         ]

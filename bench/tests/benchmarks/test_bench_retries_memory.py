@@ -8,7 +8,7 @@ import pytest
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.redis.keys import RedisKeys
 
-from bench.memory import DECILES, MB, figures, growth
+from bench.memory import DECILES, MB, collections_in, figures, growth
 from bench.memory import Sample as MemorySample
 from bench.retry_punctuality import (
     RETRY_OFFSET_BASE,
@@ -115,3 +115,32 @@ def test_memory_growth_needs_two_points_in_the_second_half() -> None:
     ]
     with pytest.raises(ValueError, match="second half"):
         growth(samples)
+
+
+def test_full_collections_are_counted_by_trigger_from_the_metrics_page() -> None:
+    page = "\n".join(
+        [
+            "# TYPE worker_gc_full_collection_seconds histogram",
+            'worker_gc_full_collection_seconds_bucket{le="0.1",trigger="memory"} 1.0',
+            'worker_gc_full_collection_seconds_count{trigger="memory"} 2.0',
+            'worker_gc_full_collection_seconds_sum{trigger="memory"} 0.3',
+            'worker_gc_full_collection_seconds_count{trigger="ceiling"} 1.0',
+            'worker_gc_full_collection_seconds_sum{trigger="ceiling"} 0.1',
+            'worker_records_total{handler="payments",outcome="succeeded"} 100.0',
+        ]
+    )
+    found = collections_in(page)
+    assert found["full_gcs"] == 3
+    assert (found["full_gcs_memory"], found["full_gcs_ceiling"], found["full_gcs_threshold"]) == (
+        2,
+        1,
+        0,
+    )
+    assert found["full_gc_ms"] == pytest.approx(400 / 3)
+    assert collections_in("") == {
+        "full_gcs": 0,
+        "full_gcs_memory": 0,
+        "full_gcs_ceiling": 0,
+        "full_gcs_threshold": 0,
+        "full_gc_ms": 0.0,
+    }

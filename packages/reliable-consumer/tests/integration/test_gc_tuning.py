@@ -24,6 +24,8 @@ from aiokafka.consumer.fetcher import FetchResult, PartitionRecords
 from aiokafka.structs import TopicPartition
 from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.engine.full_collections import FullCollectionTimer
+from tests.helpers import await_until
 from tests.integration.harness import (
     assert_invariants,
     make_settings,
@@ -67,7 +69,7 @@ async def test_fetches_dropped_at_a_pause_are_freed_by_reference_counting_alone(
         unique_name,
         max_in_flight=200,
         max_in_flight_per_partition=100,
-        tune_gc=False,  # its start and its periodic task would run full collections
+        tune_gc=False,  # its start and its backstop task would run full collections
     )
     await prepare_topics(settings, partitions=PARTITIONS)
     records = sample.generate(RECORDS, sample.Mix(transient=0, permanent=0, malformed=0))
@@ -103,3 +105,44 @@ async def test_fetches_dropped_at_a_pause_are_freed_by_reference_counting_alone(
             f"{len(fetches)} fetches still in memory ({dropped} seen dropped unread); "
             f"the consumer holds at most {PARTITIONS}"
         )
+
+
+@pytest.fixture
+def collector_restored() -> Iterator[None]:
+    """The worker's tuning is process-wide: this test's process gets CPython's pace back."""
+    threshold = gc.get_threshold()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
+
+
+async def test_the_tuned_worker_runs_and_times_its_backstop_collection(
+    collector_restored: None,
+    kafka_broker: Broker,
+    redis_server: RedisServer,
+    unique_name: str,
+) -> None:
+    """The worker starts the backstop beside the tuning, and its full collections show in
+    worker_gc_full_collection_seconds (here the ceiling's, at its shortest: 1 s)."""
+    settings = make_settings(
+        kafka_broker.bootstrap, redis_server.url, unique_name, gc_collect_max_interval_s=1.0
+    )
+    await prepare_topics(settings, partitions=1)
+    async with running_worker(settings) as worker:
+        registry = worker.metrics.registry
+
+        def ceiling_collections() -> float:
+            labels = {"trigger": "ceiling"}
+            return registry.get_sample_value("worker_gc_full_collection_seconds_count", labels) or 0
+
+        await await_until(ceiling_collections, timeout=30, message="no full collection observed")
+        seconds = registry.get_sample_value(
+            "worker_gc_full_collection_seconds_sum", {"trigger": "ceiling"}
+        )
+        assert seconds is not None and seconds > 0
+    # Stopped, the worker leaves no timing callback in the process.
+    assert not any(
+        isinstance(getattr(c, "__self__", None), FullCollectionTimer) for c in gc.callbacks
+    )

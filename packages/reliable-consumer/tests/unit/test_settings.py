@@ -51,6 +51,16 @@ def test_defaults_are_valid() -> None:
 
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "no growth before a full collection",
+        {"gc_collect_growth_mb": 0},
+        "WORKER_GC_COLLECT_GROWTH_MB",
+    ),
+    (
+        "full collections more than once a second",
+        {"gc_collect_max_interval_s": 0.5},
+        "WORKER_GC_COLLECT_MAX_INTERVAL_S",
+    ),
     ("bad topic name", {"topics": {"payments": "no spaces allowed"}}, "WORKER_TOPICS"),
     ("bad handler name", {"topics": {"Payments!": "payments"}}, "WORKER_TOPICS"),
     ("bad group id", {"kafka": {"group_id": "group/with/slashes"}}, "WORKER_KAFKA__GROUP_ID"),

@@ -18,8 +18,6 @@ LoopChoice = Literal["auto", "asyncio", "uvloop"]
 
 # Young objects allocated between collections (CPython's default is 700).
 GC_YOUNG_THRESHOLD = 50_000
-# And a collection at least this often whatever the count (collect_periodically).
-GC_INTERVAL_S = 5.0
 
 
 def loop_factory(choice: LoopChoice) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -53,29 +51,14 @@ def tune_gc() -> None:
     the collector's sight, and a larger young generation makes collections rare.
 
     Half of the tuning: the threshold counts objects, not bytes, so garbage of a few
-    objects holding much memory would pile up under it. ``collect_periodically`` is the
-    other half and runs beside it (the worker starts both).
+    objects holding much memory would pile up under it. The other half runs beside it
+    (the worker starts both): ``full_collections.collect_when_memory_grows`` runs a full
+    collection when the process's memory has grown since the last one, or at least once
+    a minute. Not a full collection every few seconds: the record path leaves no cyclic
+    garbage (``kafka.fetched_records``), and each one stalled the event loop for as long
+    as it scanned the records in flight (120-210 ms with 5,000 of them).
     """
     gc.collect()
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
-
-
-async def collect_periodically(interval_s: float = GC_INTERVAL_S) -> None:
-    """A full collection every ``interval_s``: what bounds the garbage ``tune_gc`` leaves.
-
-    The record path itself leaves no cyclic garbage (the testing kit's records, checked
-    with the collector off), and aiokafka's dropped fetches no longer do either
-    (``kafka.fetched_records``): the one cycle that grew the worker by ~200 MB per million
-    records (bench/memory.py). What remains are cycles of a few objects made now and then
-    by the clients (an error raised while a Redis connection says hello keeps its
-    traceback's frames), and whatever a handler or a future client version makes. Under
-    the 50,000-object threshold alone, garbage of a few objects holding much memory would
-    wait for a full collection that may come once a minute or never; every 5 s it waits
-    at most that long. A collection scans mostly the records in flight (the start-up heap
-    is frozen): 60-90 ms of CPU with 5,000 of them, under 2% of a core.
-    """
-    while True:
-        await asyncio.sleep(interval_s)
-        gc.collect()

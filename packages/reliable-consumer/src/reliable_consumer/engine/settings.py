@@ -562,8 +562,13 @@ class Settings(BaseSettings):
     max_record_bytes: int = Field(default=1_048_576, ge=1)
     revoke_grace_s: float = Field(default=10.0, ge=0)
     shutdown_grace_s: float = Field(default=25.0, ge=0)
-    # Freeze the startup heap, collect young objects less often, everything every 5 s (runtime).
+    # Freeze the startup heap, collect young objects less often, and collect everything when
+    # the memory asks (runtime.tune_gc, full_collections).
     tune_gc: bool = True
+    # With tune_gc: a full collection once the process's RSS has grown this much since the
+    # last one, and at least this often whatever the memory does.
+    gc_collect_growth_mb: int = Field(default=32, ge=1, le=4096)
+    gc_collect_max_interval_s: float = Field(default=60.0, ge=1.0, le=3600.0)
     # The event loop: uvloop when installed (auto), or one of the two by name.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     # Start-up check of the dead-letter and outcome topics' replication factor and

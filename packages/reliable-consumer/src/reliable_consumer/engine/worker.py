@@ -30,6 +30,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from reliable_consumer.engine.batch.processing import Processor
+from reliable_consumer.engine.full_collections import collect_when_memory_grows
 from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.intake import Intake, RetryPriority
@@ -55,7 +56,7 @@ from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.delay_queue import QueueGauges, RetryQueue, RetryScheduler
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.persistence_check import check_persistence
-from reliable_consumer.engine.runtime import collect_periodically, tune_gc
+from reliable_consumer.engine.runtime import tune_gc
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.shutdown import (
     MIN_STEP_S,
@@ -162,7 +163,12 @@ class Worker:
                 return
             if self.settings.tune_gc:
                 tune_gc()
-                self._watch(asyncio.create_task(collect_periodically(), name="gc"))
+                collecting = collect_when_memory_grows(
+                    self.metrics.observe_full_collection,
+                    growth_bytes=self.settings.gc_collect_growth_mb * 1024 * 1024,
+                    ceiling_s=self.settings.gc_collect_max_interval_s,
+                )
+                self._watch(asyncio.create_task(collecting, name="gc"))
             if self.consume:
                 assert self._consumer is not None
                 await self.intake.run(self._consumer, self._process)

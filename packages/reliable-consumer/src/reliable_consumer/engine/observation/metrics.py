@@ -192,6 +192,15 @@ class Metrics:
         )
         # The process's own figures (process_resident_memory_bytes, CPU, open files), and
         # the memory limit its RSS is held to (engine/memory_limit.py; set by the worker).
+        self.gc_full_collections = Histogram(
+            "worker_gc_full_collection_seconds",
+            "Full garbage collections and how long each stopped the event loop, by trigger: "
+            "memory (RSS grew past WORKER_GC_COLLECT_GROWTH_MB), ceiling "
+            "(WORKER_GC_COLLECT_MAX_INTERVAL_S passed) or threshold (the collector's own)",
+            ["trigger"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5),
+            registry=r,
+        )
         ProcessCollector(registry=r)
         self.memory_limit = Gauge(
             "worker_memory_limit_bytes",
@@ -199,6 +208,9 @@ class Metrics:
             "worker; 0 when none is set",
             registry=r,
         )
+
+    def observe_full_collection(self, trigger: str, seconds: float) -> None:
+        self.gc_full_collections.labels(trigger).observe(seconds)
 
     def set_retry_breakdown(self, breakdown: dict[tuple[str, str], int]) -> None:
         """Set every (handler, reason) series, then drop those whose class emptied (set
