@@ -7,7 +7,7 @@ in the same rounds. This runs the same CLI after undoing what the environment na
   refers back to it (engine/kafka/fetched_records.py), so a fetch the consumer drops unread
   waits for the cyclic collector;
 - ``BENCH_NO_PERIODIC_GC=1``: no backstop full collection at all (the worker's
-  full_collections.collect_when_memory_grows); the rest of the collector tuning (freeze, a
+  runtime.collect_when_memory_grows); the rest of the collector tuning (freeze, a
   young generation of 50,000) stays;
 - ``BENCH_GC_EVERY_5S=1``: the backstop as it was before it followed the memory, a full
   collection every 5 s whatever the memory does.
@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from reliable_consumer.cli import main
 from reliable_consumer.engine import worker
-from reliable_consumer.engine.full_collections import FullCollectionTimer, Trigger
 from reliable_consumer.engine.kafka import fetched_records
+from reliable_consumer.engine.runtime import FullCollectionTimer, Trigger
 
 
 def keep_aiokafkas_records() -> None:

@@ -24,7 +24,7 @@ from aiokafka.consumer.fetcher import FetchResult, PartitionRecords
 from aiokafka.structs import TopicPartition
 from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.dev.servers.redis_server import RedisServer
-from reliable_consumer.engine.full_collections import FullCollectionTimer
+from reliable_consumer.engine.runtime import FullCollectionTimer
 from tests.helpers import await_until
 from tests.integration.harness import (
     assert_invariants,

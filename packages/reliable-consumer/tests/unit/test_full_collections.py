@@ -1,9 +1,9 @@
-"""The backstop full collection runs when the memory grows, or at the ceiling, not by the clock.
+"""The backstop full collection runs when the memory grows, or at the ceiling interval.
 
-A full collection every 5 s stalled the event loop 120-210 ms with 5,000 records in flight
-whether or not there was garbage; ``full_collections`` runs one only when the process's RSS
-grew past a bound since the last, or when the ceiling interval passed. The clock, the memory
-reading and the sleep are fakes here: the loop's decisions are checked step by step.
+``runtime.collect_when_memory_grows`` runs one when the process's RSS grew past a bound since
+the last, or when the ceiling interval passed (5 s by default, the clock the worker always
+had). The clock, the memory reading and the sleep are fakes here: the loop's decisions are
+checked step by step.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import gc
 from pathlib import Path
 
 import pytest
-from reliable_consumer.engine.full_collections import (
+from reliable_consumer.engine.runtime import (
     PAGE_BYTES,
     CollectionTrigger,
     FullCollectionTimer,

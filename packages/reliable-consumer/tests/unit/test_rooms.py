@@ -37,9 +37,7 @@ OUTSIDE_ENGINE = (
 
 # Inside the engine (docs/architecture.md, "Inside the engine"). Its root holds two kinds of
 # module: the lifecycle, which starts, runs and stops the rooms, and the few every room shares.
-LIFECYCLE = frozenset(
-    {"worker", "intake", "startup", "shutdown", "runtime", "full_collections", "memory_limit"}
-)
+LIFECYCLE = frozenset({"worker", "intake", "startup", "shutdown", "runtime", "memory_limit"})
 SHARED = frozenset({"settings", "errors", "records", "stalls", "outages", "until_done"})
 ROOMS = (
     "declaration",

@@ -563,12 +563,12 @@ class Settings(BaseSettings):
     revoke_grace_s: float = Field(default=10.0, ge=0)
     shutdown_grace_s: float = Field(default=25.0, ge=0)
     # Freeze the startup heap, collect young objects less often, and collect everything when
-    # the memory asks (runtime.tune_gc, full_collections).
+    # the memory asks (runtime.tune_gc and collect_when_memory_grows).
     tune_gc: bool = True
     # With tune_gc: a full collection once the process's RSS has grown this much since the
     # last one, and at least this often whatever the memory does.
     gc_collect_growth_mb: int = Field(default=32, ge=1, le=4096)
-    gc_collect_max_interval_s: float = Field(default=60.0, ge=1.0, le=3600.0)
+    gc_collect_max_interval_s: float = Field(default=5.0, ge=1.0, le=3600.0)
     # The event loop: uvloop when installed (auto), or one of the two by name.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     # Start-up check of the dead-letter and outcome topics' replication factor and

@@ -30,7 +30,6 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.structs import OffsetAndMetadata, TopicPartition
 
 from reliable_consumer.engine.batch.processing import Processor
-from reliable_consumer.engine.full_collections import collect_when_memory_grows
 from reliable_consumer.engine.handlers.breaker import Breakers
 from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.intake import Intake, RetryPriority
@@ -56,7 +55,7 @@ from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.delay_queue import QueueGauges, RetryQueue, RetryScheduler
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.persistence_check import check_persistence
-from reliable_consumer.engine.runtime import tune_gc
+from reliable_consumer.engine.runtime import collect_when_memory_grows, tune_gc
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.engine.shutdown import (
     MIN_STEP_S,
