@@ -1096,8 +1096,8 @@ class ChaosRun:
             # A primary that does not own the service's slot and is never killed: every
             # worker, started at any moment, finds the slot's owner from it.
             owner = redis.node_for_slot(slot_of(name))
-            seed = next(node for node in redis.primaries() if node is not owner)
-            self.settings = chaos_settings(bootstrap, seed.url, name, cfg, cluster=True)
+            entry = next(node for node in redis.primaries() if node is not owner)
+            self.settings = chaos_settings(bootstrap, entry.url, name, cfg, cluster=True)
         else:
             self.settings = chaos_settings(bootstrap, redis.url, name, cfg)
         self.records = make_mix(cfg)
