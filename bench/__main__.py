@@ -25,7 +25,7 @@ from typing import Protocol, get_args
 
 from bench.baseline import Baseline
 from bench.report import Progress, Row, console, table, write_json
-from bench.stack import BenchStack, BrokerKind
+from bench.stack import BenchStack, BrokerKind, RedisKind
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,13 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--broker", choices=get_args(BrokerKind), default="kafka")
+    parser.add_argument(
+        "--redis",
+        choices=get_args(RedisKind),
+        default="single",
+        help="one redis-server, or a Redis Cluster with WORKER_REDIS__CLUSTER=true (only "
+        "with --rows throughput --throughput-rows payments)",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument(
@@ -149,6 +156,9 @@ def main(argv: list[str]) -> int:
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {list(GROUPS)}")
+    if args.redis == "cluster" and (names != ["throughput"] or args.throughput_rows != "payments"):
+        # The other rows' own clients and in-process workers take one Redis.
+        parser.error("--redis cluster: only with --rows throughput --throughput-rows payments")
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
     with contextlib.ExitStack() as exits:
@@ -179,7 +189,7 @@ def run(args: argparse.Namespace, argv: list[str], names: list[str], options: Op
     def progress(line: str) -> None:
         out.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {line}")
 
-    with BenchStack(args.broker) as stack:
+    with BenchStack(args.broker, args.redis) as stack:
         progress(f"servers up: {stack.description}")
         for name, group in groups.items():
             progress(f"{name}: preparing")

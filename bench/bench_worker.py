@@ -146,9 +146,15 @@ def service_run(
     memory = client.info("memory")
     args = ("--processes", str(processes)) if processes > 1 else ()
     run = ServiceRun(
-        stack.bootstrap, stack.redis_url, topic, group=name, prefix=name, args=args, env=env
+        stack.bootstrap,
+        stack.redis_url,
+        topic,
+        group=name,
+        prefix=name,
+        args=args,
+        env={**stack.worker_env, **(env or {})},
     )
-    ledger = ledger_key(name)
+    ledger = ledger_key(stack.key_prefix(name))
     try:
         with run:
             assert run.process is not None

@@ -6,6 +6,11 @@ embedded broker of earlier figures). Redis runs with AOF ``appendfsync always``,
 worker's durability needs. Both live in a temporary directory removed at the end. A group
 that needs PostgreSQL (the postgres store's rows) asks for ``postgres``: the embedded server
 (fsync and ``synchronous_commit`` on), started on first use and stopped with the others.
+
+``--redis cluster`` puts a Redis Cluster in Redis's place (one primary, which owns every slot,
+and its replica; AOF always on both) and runs `service run` with ``WORKER_REDIS__CLUSTER=true``,
+every key of a run under one hash tag: what the cluster mode costs the throughput rows. The
+primary stands for "Redis" in every figure (its CPU, its memory); the replica's CPU is in none.
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ from aiokafka import AIOKafkaProducer
 from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
 from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.postgres_server import PostgresServer
+from reliable_consumer.dev.servers.redis_cluster import RedisCluster
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.dev.servers.tansu import TansuBroker
 
 BrokerKind = Literal["kafka", "tansu"]
+RedisKind = Literal["single", "cluster"]
 
 
 class BenchStack:
     """A broker and a Redis server on loopback for the length of a bench run."""
 
-    def __init__(self, broker: BrokerKind = "kafka") -> None:
+    def __init__(self, broker: BrokerKind = "kafka", redis_kind: RedisKind = "single") -> None:
         self.kind: BrokerKind = broker
+        self.redis_kind: RedisKind = redis_kind
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-")
         root = Path(self._tmp.name)
         self.broker: ApacheKafkaCluster | TansuBroker
@@ -42,6 +50,9 @@ class BenchStack:
         else:
             self.broker = TansuBroker(root / "kafka")
         self.redis = RedisServer(root / "redis")
+        self.cluster: RedisCluster | None = None
+        if redis_kind == "cluster":
+            self.cluster = RedisCluster(root / "redis-cluster", primaries=1, replicas_per_primary=1)
         self._postgres: PostgresServer | None = None
 
     @property
@@ -73,6 +84,15 @@ class BenchStack:
             self._postgres = server
         return self._postgres
 
+    def key_prefix(self, prefix: str) -> str:
+        """What a run's keys start with: its prefix, as a hash tag on a cluster."""
+        return f"{{{prefix}}}" if self.cluster is not None else prefix
+
+    @property
+    def worker_env(self) -> dict[str, str]:
+        """WORKER_* variables every `service run` of the bench gets from the stack."""
+        return {"WORKER_REDIS__CLUSTER": "true"} if self.cluster is not None else {}
+
     @property
     def redis_pid(self) -> int | None:
         return self.redis.pid
@@ -80,12 +100,19 @@ class BenchStack:
     @property
     def description(self) -> str:
         name = "Apache Kafka (1 KRaft node)" if self.kind == "kafka" else "Tansu (memory)"
+        if self.cluster is not None:
+            return f"{name} + Redis Cluster (1 primary + 1 replica, AOF always), loopback"
         return f"{name} + redis-server (AOF always), loopback"
 
     def __enter__(self) -> Self:
         try:
             self.broker.start()
-            self.redis.start()
+            if self.cluster is not None:
+                self.cluster.start()
+                # The one primary owns every slot: plain clients reach every key on it.
+                self.redis = self.cluster.node_for_slot(0)
+            else:
+                self.redis.start()
         except BaseException:
             self.close()
             raise
@@ -105,7 +132,10 @@ class BenchStack:
                 self._postgres.close()  # and its cluster
         finally:
             try:
-                self.redis.stop()
+                if self.cluster is not None:
+                    self.cluster.stop()
+                else:
+                    self.redis.stop()
             finally:
                 try:
                     self.broker.stop()

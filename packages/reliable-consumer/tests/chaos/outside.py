@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import TopicPartition
 from redis.asyncio.retry import Retry
@@ -142,6 +143,7 @@ class Outside:
         sources: dict[str, int],  # source topic -> partitions
         dead_letter_topics: dict[str, str],  # source topic -> its dead-letter topic
         outcomes_topic: str,
+        cluster: bool = False,
     ) -> None:
         self.bootstrap = bootstrap
         self.prefix = prefix
@@ -152,7 +154,14 @@ class Outside:
         # The run restarts Redis: a pooled connection opened before is closed by then, and a
         # client without retries fails its next read on it instead of reconnecting. Reads
         # only, so trying one again on a fresh connection changes nothing they see.
-        self._redis = aioredis.from_url(redis_url, retry=Retry(ExponentialBackoff(0.5, 0.05), 3))
+        retry = Retry(ExponentialBackoff(0.5, 0.05), 3)
+        # On a Redis Cluster (every key under one hash tag, so in one slot) redis-py's own
+        # cluster client finds the slot's primary, and finds it again after a failover.
+        self._redis: aioredis.Redis | aiocluster.RedisCluster = (
+            aiocluster.RedisCluster.from_url(redis_url, retry=retry)
+            if cluster
+            else aioredis.from_url(redis_url, retry=retry)
+        )
         self._group: AIOKafkaConsumer | None = None
         self._dlq: _Tail | None = None
         self._outcomes: _Tail | None = None

@@ -44,9 +44,11 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaProducer
 from redis.exceptions import RedisError
 from reliable_consumer.dev.servers.broker import create_topics
+from reliable_consumer.dev.servers.redis_cluster import RedisCluster
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.handlers.emissions import event_id
 from reliable_consumer.engine.kafka.clients import connection_kwargs
+from reliable_consumer.engine.redis.slot_owner import slot_of
 from reliable_consumer.engine.settings import Settings
 from tests.chaos import claiming
 from tests.chaos.emitted import STEPS, Emitted, EmittedCheck, check_emitted, every_step
@@ -76,6 +78,17 @@ FaultKind = Literal["kill", "sigterm", "redis", "scale_up", "scale_down"]
 Metric = Literal["ledger", "committed"]
 Layout = Literal["shuffled", "crowded"]
 Say = Callable[[str], None]
+# The run's Redis: one server, or a cluster whose "redis" fault is the failover of the
+# service's slot's primary (the old primary back as a replica before the fault ends).
+RedisSide = RedisServer | RedisCluster
+# On a cluster, a write is acknowledged once a replica holds it too, so it outlives the
+# failover; a short socket timeout lets calls to the killed primary give up fast.
+CLUSTER_REDIS: dict[str, Any] = {
+    "cluster": True,
+    "durability": "wait_replicas",
+    "wait_replicas": 1,
+    "socket_timeout_s": 2.0,
+}
 
 
 def seed_from_env() -> int:
@@ -265,15 +278,23 @@ def _rank(position: float, record: sample.SampleRecord, rng: random.Random, spre
     return position
 
 
-def chaos_settings(bootstrap: str, redis_url: str, name: str, cfg: ChaosConfig) -> Settings:
+def chaos_settings(
+    bootstrap: str, redis_url: str, name: str, cfg: ChaosConfig, *, cluster: bool = False
+) -> Settings:
     """Short sessions and leases: a dead worker's partitions, claims and retries move on fast.
 
     Two topics: the payments example's and the claiming handler's (`{name}-claimed`).
+    ``cluster``: the URL is a node of a Redis Cluster (CLUSTER_REDIS).
     """
+    extra: dict[str, Any] = {}
+    if cluster:
+        # The test broker has one node: its topics cannot be what a Redis wait mode asks.
+        extra = {"redis": CLUSTER_REDIS, "topic_durability": "warn"}
     return make_settings(
         bootstrap,
         redis_url,
         name,
+        **extra,
         topics={CLAIMED: f"{name}-claimed"},
         kafka={"session_timeout_ms": cfg.session_timeout_ms, "heartbeat_interval_ms": 1_000},
         idempotency={"lease_ms": 3_000},
@@ -681,11 +702,12 @@ def make_outside(settings: Settings, cfg: ChaosConfig) -> Outside:
     return Outside(
         bootstrap=settings.kafka.bootstrap_servers,
         redis_url=settings.redis.url.get_secret_value(),
-        prefix=settings.redis.key_prefix,
+        prefix=settings.redis.effective_prefix,
         group=settings.kafka.group_id,
         sources=source_partitions(settings, cfg),
         dead_letter_topics={t: f"{t}.dlq" for t in settings.topics.values()},
         outcomes_topic=outcomes,
+        cluster=settings.redis.cluster,
     )
 
 
@@ -1061,7 +1083,7 @@ class ChaosRun:
         cfg: ChaosConfig,
         *,
         bootstrap: str,
-        redis: RedisServer,
+        redis: RedisSide,
         name: str,
         work_dir: Path,
         say: Say = print,
@@ -1070,7 +1092,14 @@ class ChaosRun:
         self.redis = redis
         self.say = say
         self.rng = random.Random(cfg.seed)
-        self.settings = chaos_settings(bootstrap, redis.url, name, cfg)
+        if isinstance(redis, RedisCluster):
+            # A primary that does not own the service's slot and is never killed: every
+            # worker, started at any moment, finds the slot's owner from it.
+            owner = redis.node_for_slot(slot_of(name))
+            entry = next(node for node in redis.primaries() if node is not owner)
+            self.settings = chaos_settings(bootstrap, entry.url, name, cfg, cluster=True)
+        else:
+            self.settings = chaos_settings(bootstrap, redis.url, name, cfg)
         self.records = make_mix(cfg)
         self.plan = plan_faults(cfg, self.records, self.rng)
         self.pool = Pool(self.settings, work_dir, name)
@@ -1295,10 +1324,22 @@ class ChaosRun:
 
         Compound (seeded): meanwhile SIGKILL a worker and start it again against the dead
         Redis; it must wait at its start-up check, not give up.
+
+        On a cluster: SIGKILL the primary of the service's slot instead; once the workers
+        felt it, wait for its replica to take over and restart the killed node, which
+        rejoins as the new primary's replica (until then no write has its replica's
+        acknowledgement, so the workers keep retrying). What is committed must then be
+        durable on the new primary.
         """
-        record.target = "redis"
         since = self.pool.log_sizes()
-        self.redis.kill()
+        killed: RedisServer | None = None
+        if isinstance(self.redis, RedisCluster):
+            slot = slot_of(self.settings.redis.key_prefix)
+            killed = self.redis.kill_primary(self.redis.node_for_slot(slot))
+            record.target = f"redis:{killed.port}"
+        else:
+            record.target = "redis"
+            self.redis.kill()
 
         def every_worker_felt_it() -> bool:
             return all(n >= fault.param for n in self.pool.retries_logged(since).values())
@@ -1321,7 +1362,10 @@ class ChaosRun:
                 record.kills_in_outage = 1
                 record.note = f"{self.pool.name(slot)} SIGKILLed and restarted meanwhile; "
         finally:
-            self.redis.restart()
+            if killed is not None:
+                await self._fail_over(killed, record)
+            else:
+                self.redis.restart()
         outage = time.monotonic() - down
         # Every record needs Redis to finish, so a worker whose partitions commit again has
         # reconnected; each running worker has to show it on a partition it holds.
@@ -1343,6 +1387,15 @@ class ChaosRun:
             lambda: f"no commit after the Redis restart on the partitions of {waiting}",
         )
         record.note += f"Redis down {outage:.1f}s"
+        if killed is not None:
+            await self._check_durable(f"after the failover of {record.target}")
+
+    async def _fail_over(self, killed: RedisServer, record: FaultRecord) -> None:
+        """Wait for a replica of the killed primary to take over; restart it as a replica."""
+        assert isinstance(self.redis, RedisCluster)
+        promoted = await asyncio.to_thread(self.redis.wait_failed_over, killed)
+        await asyncio.to_thread(self.redis.restart, killed)
+        record.note += f"failed over to {promoted.port}, {killed.port} back as its replica; "
 
     async def _scale_up(self, fault: PlannedFault, record: FaultRecord) -> None:
         idle = [s for s in range(MAX_WORKERS) if s not in self.pool.expected]
@@ -1406,7 +1459,7 @@ async def run_chaos(
     cfg: ChaosConfig,
     *,
     bootstrap: str,
-    redis: RedisServer,
+    redis: RedisSide,
     name: str,
     work_dir: Path,
     say: Say = print,

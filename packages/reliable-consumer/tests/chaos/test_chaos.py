@@ -7,6 +7,8 @@ progress passes seeded thresholds: SIGKILL, SIGTERM during a busy batch, a Redis
 and restart, scaling 1 -> 3 -> 1. After every kill and SIGTERM the committed offsets
 are checked against what is durable; at the end every invariant is checked from the
 outside. The seed is printed; `CHAOS_SEED=<seed>` replays the same records and plan.
+The last test runs the mix on a Redis Cluster, the Redis restart there being the failover
+of the service's slot's primary.
 
 The broker is the session's (tests/conftest.py): Apache Kafka where Java and Maven are
 installed (always on CI), else Tansu; `WORKER_TEST_BROKER=kafka|tansu` chooses.
@@ -19,8 +21,16 @@ from pathlib import Path
 
 import pytest
 from reliable_consumer.dev.servers.broker import Broker
+from reliable_consumer.dev.servers.redis_cluster import RedisCluster
 from reliable_consumer.dev.servers.redis_server import RedisServer
-from tests.chaos.runs import SEED_ENV, ChaosConfig, ChaosReport, run_chaos, seed_from_env
+from tests.chaos.runs import (
+    SEED_ENV,
+    ChaosConfig,
+    ChaosReport,
+    RedisSide,
+    run_chaos,
+    seed_from_env,
+)
 from tests.helpers import announce_replay
 
 
@@ -44,7 +54,7 @@ def _print_worker_logs(work_dir: Path, tail_chars: int = 4000) -> None:
 
 
 async def _run(
-    cfg: ChaosConfig, kafka_broker: Broker, redis: RedisServer, name: str, work_dir: Path
+    cfg: ChaosConfig, kafka_broker: Broker, redis: RedisSide, name: str, work_dir: Path
 ) -> ChaosReport:
     try:
         report = await run_chaos(
@@ -86,3 +96,21 @@ async def test_faults_while_three_workers_share_the_group(
     (seeded order), back to one, and a last SIGKILL of the lone worker."""
     cfg = ChaosConfig(records=4000, seed=announced_seed, layout="crowded")
     await _run(cfg, kafka_broker, redis_server, unique_name, tmp_path)
+
+
+@pytest.mark.timeout(200)
+async def test_faults_on_a_redis_cluster_with_the_slots_primary_failed_over(
+    kafka_broker: Broker,
+    redis_cluster: RedisCluster,
+    unique_name: str,
+    tmp_path: Path,
+    announced_seed: int,
+) -> None:
+    """The mix on a Redis Cluster (WORKER_REDIS__CLUSTER, each write acknowledged by a
+    replica): two SIGKILLs, a SIGTERM, 1 -> 3 -> 1 and, in place of a Redis restart, the
+    service's slot's primary SIGKILLed, failed over and back as a replica, in a seeded
+    order."""
+    cfg = ChaosConfig(records=3000, seed=announced_seed, layout="shuffled")
+    report = await _run(cfg, kafka_broker, redis_cluster, unique_name, tmp_path)
+    failover = next(f for f in report.faults if f.kind == "redis")
+    assert "failed over to" in failover.note, failover.note
