@@ -170,7 +170,11 @@ def payments_topic(settings: Settings) -> str:
 
 
 async def produce(settings: Settings, records: list[sample.SampleRecord]) -> None:
-    producer = AIOKafkaProducer(linger_ms=5, **connection_kwargs(settings.kafka))
+    """The records, acknowledged by every in-sync replica (``acks="all"``): a test that kills
+    a partition's leader next must not lose its own input. With aiokafka's default (the
+    leader alone) a leader killed before its followers fetched took the partition's records
+    with it: the new leader's high watermark was 0, read as the worker never settling."""
+    producer = AIOKafkaProducer(linger_ms=5, acks="all", **connection_kwargs(settings.kafka))
     await producer.start()
     try:
         await sample.produce(producer, payments_topic(settings), records)
