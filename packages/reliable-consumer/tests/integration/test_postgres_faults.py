@@ -121,7 +121,14 @@ async def test_a_postgres_outage_opens_the_circuit_holds_records_and_grants_once
         postgres_server.start()
         state = await wait_settled(settings, timeout=60, postgres_url=postgres_url)
         assert breaker.state == "closed"
-        assert worker.health.ready()[0]
+        # Every stall of the outage clears as its own loop next succeeds (the relay's round
+        # against the outbox table among them, after its backoff), not with the last commit:
+        # readiness is awaited, and a stall that never clears is named.
+        await await_until(
+            lambda: worker.health.ready()[0],
+            30,
+            message=lambda: f"not ready after the outage: {worker.health.ready()[1]}",
+        )
     assert_invariants(state, first + later, dlq_count=0)
     assert await _scalar(postgres_url, "SELECT count(*) FROM kafka_inbox") == 80
     # Attempts held at the gate count runs, not waiting: nobody came near the policy's 4.
