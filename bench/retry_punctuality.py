@@ -11,6 +11,8 @@ the intake fetches fresh records however late the retries are), and with the sch
 process of its own (``service retry-scheduler``, the worker's turned off with
 ``WORKER_RUN_RETRY_SCHEDULER=false``): the deployment that gives it an event loop that the
 fresh records do not share, and where the worker's intake hears nothing of the retries.
+"no-fresh" is the worker with no fresh backlog (its group starts at the topic's end): the
+retry path's own punctuality, nothing else on the machine's cores but the servers at rest.
 ``--retries-parked N`` parks N in all: the rest fall due a day after the window, so the
 queue is N deep while the same retries fall due in it. "fetched-run-on" is the priority
 pausing only the fetches (``WORKER_RETRY__PRIORITY_HOLDS_FETCHED=false``: the records fetched
@@ -82,7 +84,7 @@ class Sizes:
 
 
 FULL = Sizes(retries=100_000, spread_s=60.0, lead_s=30.0, fresh=1_200_000)
-QUICK = Sizes(retries=5_000, spread_s=10.0, lead_s=12.0, fresh=200_000)
+QUICK = Sizes(retries=5_000, spread_s=10.0, lead_s=12.0, fresh=400_000)
 
 
 @dataclass
@@ -329,17 +331,22 @@ async def measure(
     window_at: float,
     *,
     later: int = 0,
+    fresh: bool = True,
 ) -> RunResult:
     """One run on started, ready workers (the consumer first). With the retries' ``due``
     times the window is their span, and the run lasts until all ran; without, the window
-    opens ``window_at`` s after the first grant and is as long (the baseline)."""
+    opens ``window_at`` s after the first grant and is as long (the baseline). Without a
+    ``fresh`` backlog the warm-up is counted from readiness: no grant comes before the
+    first retry's."""
     client = aioredis.Redis.from_url(stack.redis_url)
     assert stack.redis.pid is not None
     redis_process = psutil.Process(stack.redis.pid)
     consumer = workers[0]
     result = RunResult(later=later)
     try:
-        result.first_grant = await first_grant(consumer, client, 120.0)
+        result.first_grant = (
+            await first_grant(consumer, client, 120.0) if fresh or due is None else time.time()
+        )
         if due is None:
             opens = result.first_grant + window_at
             result.window = (opens, opens + sizes.spread_s)
@@ -371,7 +378,11 @@ VARIANTS: dict[str, str] = {
     "fetched-run-on": "the same, fetched records not held (PRIORITY_HOLDS_FETCHED=false)",
     "no-priority": "the same, priority off (PRIORITY_AFTER_MS=0)",
     "separate": "`service retry-scheduler`",
+    "no-fresh": "scheduler in `service run`, no fresh backlog (the retries alone)",
 }
+# The group starts at the topic's end: the worker fetches nothing, so the retries' lateness
+# is the retry path's own, with nothing else on the machine's cores but the servers at rest.
+NO_FRESH = {"WORKER_KAFKA__AUTO_OFFSET_RESET": "latest"}
 
 
 BASELINE = "baseline"  # the worker without retries, for the fresh records' rate
@@ -471,6 +482,8 @@ class RetryPunctualityGroup:
             env = dict(OFF)
         elif variant == "fetched-run-on":
             env = dict(FETCHED_RUN_ON)
+        elif variant == "no-fresh":
+            env = dict(NO_FRESH)
         workers = [worker("run", env)]
         if separate:
             workers.append(worker("retry-scheduler", {}))
@@ -481,7 +494,15 @@ class RetryPunctualityGroup:
                 run.wait_ready()
             later = self.later if due is not None else 0
             result = asyncio.run(
-                measure(workers, stack, self.sizes, due, window_at or 0.0, later=later)
+                measure(
+                    workers,
+                    stack,
+                    self.sizes,
+                    due,
+                    window_at or 0.0,
+                    later=later,
+                    fresh=variant != "no-fresh",
+                )
             )
             result.parking_s = parking_s
             return result
