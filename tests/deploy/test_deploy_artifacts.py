@@ -95,6 +95,7 @@ METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "worker_outbox_publish_failures_total": ("counter", frozenset({"store"})),
     "worker_retry_priority_active": ("gauge", frozenset()),
     "worker_retry_priority_paused_seconds_total": ("counter", frozenset()),
+    "worker_retry_turn_held_seconds_total": ("counter", frozenset()),
     "worker_gc_full_collection_seconds": ("histogram", frozenset({"trigger"})),
     # prometheus-client's process collector, in the worker's registry beside its own.
     "process_resident_memory_bytes": ("gauge", frozenset()),

@@ -21,6 +21,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pydantic import BaseModel
 from reliable_consumer.engine.batch.lane import RetryLane
 from reliable_consumer.engine.handlers.pool import HandlerPool, Slot
 from reliable_consumer.engine.intake import Intake, RetryPriority
@@ -29,7 +30,14 @@ from reliable_consumer.engine.observation.http import HealthState
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.redis.delay_queue import Claim, RetryScheduler
 from reliable_consumer.engine.settings import RetrySettings, Settings
+from reliable_consumer.testing import HandlerTestKit
 from tests.helpers import await_until
+
+from service import Context, handler
+
+
+class Step(BaseModel):
+    n: int
 
 
 class Clock:
@@ -229,3 +237,103 @@ async def test_a_poll_asks_for_max_poll_records_at_most_however_much_room_there_
 
     await asyncio.wait_for(intake.run(consumer, process), 5)  # type: ignore[arg-type]
     assert consumer.asked == [2_000], "the poll overrode WORKER_KAFKA__MAX_POLL_RECORDS"
+
+
+# --- a retry's turn: fresh waves let a retry falling due go first at their checkpoints ---
+
+
+async def test_a_fresh_wave_waits_at_a_checkpoint_from_a_retrys_due_time_until_its_claim() -> None:
+    clock = Clock()
+    lane = RetryLane(clock=clock, turn_max_s=3600)
+    await asyncio.wait_for(lane.checkpoint(), 5)  # nothing expected: no wait
+    lane.expect(0.02)  # the next retry falls due in 20 ms
+    await asyncio.wait_for(lane.checkpoint(), 5)  # not due yet: no wait
+    clock.now += 0.02
+    waiting = asyncio.create_task(lane.checkpoint())
+    await settle()
+    assert not waiting.done(), "a fresh wave ran on while a retry was due and unclaimed"
+    lane.expect(1.0)  # the scheduler claimed it; the next falls due in a second
+    await asyncio.wait_for(waiting, 5)
+    assert lane.turns == 1
+
+
+async def test_a_retrys_turn_ends_at_its_bound_and_fresh_waves_then_get_as_long() -> None:
+    """A scheduler with no room, or another member's claim, never moves the due time on:
+    the turn still ends at its bound, and then fresh waves go unhindered as long as it
+    held them, so turns take half the loop at most."""
+    clock = Clock()
+    lane = RetryLane(clock=clock, turn_max_s=0.05)
+    lane.expect(0)  # due now, and never claimed
+    waiting = asyncio.create_task(lane.checkpoint())
+    await settle()
+    assert not waiting.done()
+    clock.now += 0.06
+    await asyncio.wait_for(waiting, 5)  # its wait's timeout looks again: past the bound
+    assert lane.turns == 1 and abs(lane.turns_s - 0.06) < 1e-9
+    assert not lane.retries_turn(), "fresh waves did not get their time after the turn"
+    clock.now += 0.05
+    assert not lane.retries_turn()
+    clock.now += 0.02
+    assert lane.retries_turn(), "the retry still due got no new turn"
+
+
+async def test_a_stopped_scheduler_leaves_no_turn_behind() -> None:
+    """The scheduler tells the lane before each wait when the next retry falls due, and
+    that none does once it stopped: fresh waves never wait for a scheduler gone."""
+    clock = Clock()
+    heard: list[float | None] = []
+
+    class DueSoonQueue(OneItemQueue):
+        async def due_in_ms(self) -> int | None:
+            return 30
+
+    async def process(batch: list[Delivery], give_up: Callable[[], bool]) -> Any:
+        return None
+
+    scheduler = RetryScheduler(
+        DueSoonQueue(),  # type: ignore[arg-type]
+        process,
+        RetrySettings(poll_interval_ms=3_600_000),
+        max_in_flight=10,
+        on_next_due=heard.append,
+        clock=clock,
+    )
+    loop = asyncio.create_task(scheduler.run())
+    try:
+        await await_until(lambda: 0.03 in heard, 5, message=lambda: f"heard {heard}")
+    finally:
+        scheduler.stop()
+        await asyncio.wait_for(loop, 5)
+    assert heard[-1] is None
+
+
+async def test_a_retry_falling_due_runs_before_the_rest_of_a_fresh_wave_already_running() -> None:
+    """The defect: a retry that fell due while a fresh wave ran its handlers inline waited
+    for the whole wave (and for the other partitions' waves, each 20-90 ms of the loop) before
+    its scheduler's timer, its claim's reply and its handler got the loop; an episode began
+    only once it was already late. Now the wave stops at its next checkpoint until the
+    retry's claim (or the turn's bound)."""
+    order: list[str] = []
+    ran = 0
+    kit_ref: list[HandlerTestKit] = []
+
+    async def the_retry() -> None:  # the scheduler's timer, claim and handler, in short
+        order.append("retry")
+        kit_ref[0].processor.parts.lane.expect(3600)
+
+    @handler("turns", model=Step, dedupe_key="n")
+    def turns(step: Step, ctx: Context) -> None:
+        nonlocal ran
+        ran += 1
+        order.append(f"fresh {step.n}")
+        if step.n == 10:  # a retry falls due now
+            kit_ref[0].processor.parts.lane.expect(0)
+            asyncio.get_running_loop().create_task(the_retry())
+
+    async with HandlerTestKit(turns) as kit:
+        kit_ref.append(kit)
+        results = await kit.send_batch([{"n": n} for n in range(200)])
+    assert all(r.outcome == "succeeded" for r in results)
+    assert ran == 200
+    at = order.index("retry")
+    assert at == 64, f"the retry ran after {at} fresh records (the next checkpoint is 64)"

@@ -286,6 +286,9 @@ class Worker:
                 max_in_flight=max(1, s.max_in_flight // 4),
                 on_gauges=self._set_retry_gauges,
                 on_lateness=self._retry_priority(s) if self.consume else None,
+                on_next_due=self.processor.parts.lane.expect
+                if self.consume and s.retry.priority_after_ms and s.retry.priority_holds_fetched
+                else None,
             )
             if self.retry_priority is not None:
                 self.retry_priority.running_late = self.scheduler.running_late_ms
@@ -459,6 +462,7 @@ class Worker:
         self.intake.retries_first = priority.active
         if s.retry.priority_holds_fetched:  # and what was fetched waits too (batch/lane.py)
             self.processor.parts.lane.follow(priority.active)
+            self.processor.parts.lane.on_turn_ended = self.metrics.retry_turn_held.inc
         return priority.observe
 
     def _retry_priority_changed(self, active: bool, why: str, paused_s: float) -> None:

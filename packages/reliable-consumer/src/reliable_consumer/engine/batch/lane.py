@@ -9,17 +9,35 @@ waves already past it finish, so what is done is still committed. Retries never 
 
 The wait is as long as the episode, which RetryPriority bounds (PRIORITY_MAX_PAUSE_MS; then
 fresh records get as long as it lasted) and ends at once on a rebalance or a shutdown.
+
+An episode starts only once a retry is already late, and the waves past the door ran their
+records in steps of 20-90 ms each (a partition's share of a fetch decoded, its handlers run
+inline): a retry falling due waited for several such steps before its scheduler's timer, its
+claim's reply and its handler each got the loop. So there is also *a retry's turn*: the
+scheduler tells the lane when the next retry falls due (``expect``), and from that moment
+until the scheduler has claimed it (its next ``expect`` is later) a fresh wave waits at its
+next checkpoint, which it passes every ``CHECK_EVERY`` records (``checkpoint``). A turn is
+bounded (``turn_max_s``), and fresh waves then get as long as it lasted, so turns take half
+the loop at most, however the retries fall due.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import Callable
 
 # How often a waiting wave looks at the episode again, should no end be announced (the
 # episode ends on its time bound when a reading is asked for, not by itself).
 RECHECK_S = 0.1
+# A fresh wave passes a checkpoint every this many records (a few ms of the loop): where it
+# waits for a retry's turn. Passing one costs a clock reading.
+CHECK_EVERY = 64
+# A retry's turn ends this long after fresh waves began to wait for it, claimed or not (a
+# scheduler with no room, or another member's claim, must not hold them longer).
+TURN_MAX_S = 0.05
 
 
 def _never() -> bool:
@@ -29,11 +47,26 @@ def _never() -> bool:
 class RetryLane:
     """Whether fresh waves may start their handlers now, and the wait until they may."""
 
-    def __init__(self, *, recheck_s: float = RECHECK_S) -> None:
+    def __init__(
+        self,
+        *,
+        recheck_s: float = RECHECK_S,
+        turn_max_s: float = TURN_MAX_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._holding: Callable[[], bool] = _never
         self._recheck_s = recheck_s
         self._ended = asyncio.Event()  # replaced at every end: set wakes that episode's waiters
         self.waiting = 0  # fresh waves at the door now
+        self._turn_max_s = turn_max_s
+        self._clock = clock
+        self._due_at = math.inf  # when the next retry falls due (clock), as last told
+        self._turn_since: float | None = None  # when fresh waves began to wait for it
+        self._fresh_until = -math.inf  # no turn holds fresh waves before this moment
+        self._turn_ended = asyncio.Event()  # replaced at every end, as ``_ended``
+        self.turns = 0  # retries' turns that held a fresh wave
+        self.turns_s = 0.0  # and how long they held them, in all
+        self.on_turn_ended: Callable[[float], None] | None = None  # hears each turn's length
 
     def follow(self, holding: Callable[[], bool]) -> None:
         """Hold fresh waves while ``holding()`` (RetryPriority.active) says retries go first."""
@@ -61,3 +94,51 @@ class RetryLane:
                     await asyncio.wait_for(ended.wait(), self._recheck_s)
         finally:
             self.waiting -= 1
+
+    # --- a retry's turn ---
+
+    def expect(self, due_in_s: float | None) -> None:
+        """The scheduler's reading: the next retry falls due in ``due_in_s`` (None: none
+        waits). A later moment than the one expected ends the turn: it has been claimed."""
+        now = self._clock()
+        self._due_at = math.inf if due_in_s is None else now + max(due_in_s, 0.0)
+        if self._turn_since is not None and self._due_at > now:
+            self._end_turn(now)
+
+    def retries_turn(self) -> bool:
+        """True while a fresh wave at a checkpoint must wait: a retry is due and not yet
+        claimed, within the turn's bound, outside fresh waves' own time."""
+        now = self._clock()
+        if now < self._due_at or now < self._fresh_until:
+            return False
+        if self._turn_since is None:
+            self._turn_since = now
+        elif now - self._turn_since >= self._turn_max_s:
+            self._end_turn(now)
+            return False
+        return True
+
+    async def checkpoint(self) -> None:
+        """Where a fresh wave, every ``CHECK_EVERY`` records, lets due retries go first:
+        at once unless a retry's turn or an episode (``wait_turn``) holds it."""
+        if self._holding():
+            await self.wait_turn()
+        while self.retries_turn():
+            ended = self._turn_ended
+            since = self._turn_since
+            assert since is not None
+            left = self._turn_max_s - (self._clock() - since)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), max(left, 0.001))
+
+    def _end_turn(self, now: float) -> None:
+        assert self._turn_since is not None
+        held = now - self._turn_since
+        self.turns += 1
+        self.turns_s += held
+        self._turn_since = None
+        self._fresh_until = now + held  # fresh waves' time: as long as they waited
+        self._turn_ended.set()
+        self._turn_ended = asyncio.Event()
+        if self.on_turn_ended is not None:
+            self.on_turn_ended(held)

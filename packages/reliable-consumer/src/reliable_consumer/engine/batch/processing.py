@@ -39,6 +39,7 @@ from reliable_consumer.engine.batch import traces
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.batch.gate import Gate, GaveUp
 from reliable_consumer.engine.batch.jobs import Fate, Job, key_waves, log_fields
+from reliable_consumer.engine.batch.lane import CHECK_EVERY
 from reliable_consumer.engine.batch.leases import LeaseKeeper
 from reliable_consumer.engine.batch.parts import Parts
 from reliable_consumer.engine.batch.postgres_wave import PostgresWaves
@@ -280,13 +281,27 @@ class Processor:
             await self.decisions.fetch_writer_schemas(deliveries, give_up or _never)
         except WaitAbandoned:
             raise GaveUp from None  # left uncommitted, like a record held at an open circuit
-        jobs = [self.decisions.prepare(d) for d in deliveries]
+        jobs = await self._prepare(deliveries)
         if self.tracer is None:
             await self._decide(jobs, ordered, give_up)
         else:
             with traces.traced(self.tracer, jobs):  # a span per record, ended with the batch
                 await self._decide(jobs, ordered, give_up)
         return [j.outcome or Outcome.DEAD_LETTERED for j in jobs]
+
+    async def _prepare(self, deliveries: Sequence[Delivery]) -> list[Job]:
+        """Every record decoded and vetted; a fresh batch lets a retry falling due go first
+        every ``CHECK_EVERY`` records (lane.py), as it does between its handler calls."""
+        prepare = self.decisions.prepare
+        if len(deliveries) <= CHECK_EVERY or deliveries[0].is_retry:
+            return [prepare(d) for d in deliveries]
+        lane = self.parts.lane
+        jobs: list[Job] = []
+        for start in range(0, len(deliveries), CHECK_EVERY):
+            if start:
+                await lane.checkpoint()
+            jobs.extend(prepare(d) for d in deliveries[start : start + CHECK_EVERY])
+        return jobs
 
     async def _decide(
         self, jobs: list[Job], ordered: bool, give_up: Callable[[], bool] | None

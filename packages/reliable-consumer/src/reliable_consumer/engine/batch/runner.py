@@ -12,8 +12,9 @@ record's savepoint and asks the runner for the rest). The runner owns, for each 
   failure (``failed``), told here and nowhere else, once per call; then the record's fate
   is decisions.py's.
 
-While late retries go first (intake.RetryPriority) a fresh wave waits at ``run``'s door
-(lane.py), and a retry wave's async calls go ahead of the fresh ones queued for the pool.
+While late retries go first (intake.RetryPriority), or a retry falls due, a fresh wave waits
+at ``run``'s door and at its checkpoints between inline calls (lane.py), and a retry wave's
+async calls go ahead of the fresh ones queued for the pool.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 from reliable_consumer.engine.batch.decisions import Decisions
 from reliable_consumer.engine.batch.jobs import Job, log_fields
+from reliable_consumer.engine.batch.lane import CHECK_EVERY
 from reliable_consumer.engine.batch.parts import Parts
 from reliable_consumer.engine.handlers import faults
 from reliable_consumer.engine.handlers.breaker import BreakerState, Failure
@@ -81,7 +83,7 @@ class HandlerRunner:
         lane = self._parts.lane
         retries = jobs[0].delivery.is_retry
         if not retries:
-            await lane.wait_turn()
+            await lane.checkpoint()
         inject = self._settings.fault_injection
         later: list[tuple[Job, Context, bool]] = []
         inline = Counter[str]()  # handler name -> inline runs
@@ -90,7 +92,9 @@ class HandlerRunner:
         # (the breaker sees the runs in the same order).
         untold = Counter[tuple[str, bool]]()
         started = time.perf_counter()
-        for job in jobs:
+        for i, job in enumerate(jobs):
+            if i and not retries and not i % CHECK_EVERY:  # a retry due meanwhile goes first
+                await lane.checkpoint()
             ctx = self.context(job)
             handler, payload = job.handler, job.payload
             assert handler is not None and payload is not None

@@ -112,6 +112,12 @@ class Metrics:
             "Seconds this worker held fresh fetches back for late retries (ended episodes)",
             registry=r,
         )
+        self.retry_turn_held = Counter(
+            "worker_retry_turn_held_seconds",
+            "Seconds this worker's fresh waves waited at their checkpoints for a retry "
+            "falling due to be claimed (retries' turns, ended)",
+            registry=r,
+        )
         # The outbox relay (engine/outbox/relay.py), per store ("redis", "postgres").
         self.outbox_pending = Gauge(
             "worker_outbox_pending",

@@ -286,10 +286,14 @@ class RetryScheduler:
         on_depth: Callable[[int, int, int], None] | None = None,
         on_gauges: Callable[[QueueGauges], None] | None = None,
         on_lateness: Callable[[int], None] | None = None,
+        on_next_due: Callable[[float | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``on_lateness(ms)`` hears, after every claim, how late the oldest retry not yet
-        run is (RetryPriority.observe: late retries then go before fresh records)."""
+        run is (RetryPriority.observe: late retries then go before fresh records);
+        ``on_next_due(s)``, before each wait, in how long the next retry falls due (None:
+        none waits, or the scheduler stopped; RetryLane.expect: fresh records then let it
+        go first)."""
         self._queue = queue
         self._process = process
         self._policy = policy
@@ -305,6 +309,7 @@ class RetryScheduler:
         self._on_depth = on_depth
         self._on_gauges = on_gauges
         self._on_lateness = on_lateness
+        self._on_next_due = on_next_due
         # Set while run() is not running: no batch can start then.
         self._loop_ended = asyncio.Event()
         self._loop_ended.set()
@@ -324,6 +329,8 @@ class RetryScheduler:
             await self._loop()
         finally:
             self._loop_ended.set()
+            if self._on_next_due:  # no turn waits for a scheduler that stopped
+                self._on_next_due(None)
 
     async def _loop(self) -> None:
         reap_every_s = max(self._policy.lease_ms / 4000, 0.1)
@@ -377,6 +384,8 @@ class RetryScheduler:
         ends (the room it frees is claimed at once; the priority hears it has run)."""
         wait_s = self._policy.poll_interval_ms / 1000
         due_in = await self._queue.due_in_ms()
+        if self._on_next_due:
+            self._on_next_due(None if due_in is None else due_in / 1000)
         if due_in is not None:
             wait_s = min(wait_s, due_in / 1000)
         with contextlib.suppress(TimeoutError):
