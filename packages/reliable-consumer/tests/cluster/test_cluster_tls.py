@@ -212,3 +212,6 @@ async def test_the_slot_owner_finds_a_failed_over_slot_among_the_nodes_it_learne
         assert await on_promoted.get(key) == b"after"
     finally:
         await on_promoted.aclose()
+    # The killed primary comes back as the new primary's replica, over TLS.
+    await asyncio.to_thread(tls_cluster.restart, killed)
+    assert tls_cluster.replicas_of(promoted) == [killed]

@@ -132,11 +132,11 @@ class ClusterTls:
     client_key: Path
 
     def node_config(self, tls_port: int) -> dict[str, str]:
-        """The directives of a node serving TLS on ``tls_port``, its bus on ``tls_port``
-        + 10,000 (said explicitly: with ``tls-cluster`` the bus follows the TLS port)."""
+        """The directives of a node serving TLS on ``tls_port``. With ``tls-cluster`` its bus
+        port follows the TLS port (+10,000), not the plaintext one (no ``cluster-port``,
+        which Redis 6 lacks)."""
         return {
             "tls-port": str(tls_port),
-            "cluster-port": str(tls_port + BUS_PORT_OFFSET),
             "tls-cert-file": _path(self.cert),
             "tls-key-file": _path(self.key),
             "tls-client-cert-file": _path(self.client_cert),
@@ -360,7 +360,8 @@ class RedisCluster:
     @property
     def startup_nodes(self) -> list[aiocluster.ClusterNode]:
         """For ``redis.asyncio.cluster.RedisCluster(startup_nodes=...)``: fresh ones each time
-        (a client owns the connections of its nodes). A sync client takes ``addresses``."""
+        (a client owns the connections of its nodes). A sync client takes ``addresses``. With
+        TLS these are the TLS ports: the client needs ``ssl=True`` and the CA."""
         return [aiocluster.ClusterNode(host, port) for host, port in self.addresses]
 
     def running(self) -> list[RedisServer]:
