@@ -25,7 +25,7 @@ from typing import Protocol, get_args
 
 from bench.baseline import Baseline
 from bench.report import Progress, Row, console, table, write_json
-from bench.stack import BenchStack, BrokerKind, RedisKind
+from bench.stack import BenchStack, BrokerKind, RedisDurability, RedisKind
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,14 @@ def main(argv: list[str]) -> int:
         help="one redis-server, or a Redis Cluster with WORKER_REDIS__CLUSTER=true (only "
         "with --rows throughput --throughput-rows payments)",
     )
+    parser.add_argument(
+        "--redis-durability",
+        choices=get_args(RedisDurability),
+        default="local",
+        help="WORKER_REDIS__DURABILITY of the service runs (wait_replicas only with --redis "
+        "cluster, which has a replica; not local only with --rows throughput "
+        "--throughput-rows payments)",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument(
@@ -159,6 +167,14 @@ def main(argv: list[str]) -> int:
     if args.redis == "cluster" and (names != ["throughput"] or args.throughput_rows != "payments"):
         # The other rows' own clients and in-process workers take one Redis.
         parser.error("--redis cluster: only with --rows throughput --throughput-rows payments")
+    if args.redis_durability != "local" and (
+        names != ["throughput"] or args.throughput_rows != "payments"
+    ):
+        # Only `service run` takes the stack's environment; the other rows build their own.
+        parser.error("--redis-durability: only with --rows throughput --throughput-rows payments")
+    if args.redis_durability == "wait_replicas" and args.redis != "cluster":
+        # The single redis-server has no replica: every wait would hold until its timeout.
+        parser.error("--redis-durability wait_replicas: only with --redis cluster")
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
     with contextlib.ExitStack() as exits:
@@ -189,7 +205,7 @@ def run(args: argparse.Namespace, argv: list[str], names: list[str], options: Op
     def progress(line: str) -> None:
         out.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {line}")
 
-    with BenchStack(args.broker, args.redis) as stack:
+    with BenchStack(args.broker, args.redis, args.redis_durability) as stack:
         progress(f"servers up: {stack.description}")
         for name, group in groups.items():
             progress(f"{name}: preparing")

@@ -167,6 +167,7 @@ def service_run(
             meter.stop()
             wall = time.perf_counter() - started
             rss = run.rss_bytes()
+        _check_waited(stack, client, name)
     finally:
         client.close()
     rate = (n - first) / wall
@@ -184,6 +185,19 @@ def service_run(
         "rss_mb": rss / MB,
         "redis_mb": float(memory["used_memory"]) / MB,
     }
+
+
+def _check_waited(stack: BenchStack, client: redis.Redis, name: str) -> None:
+    """With a durability wait asked for, its fence was written (each wait increments it): a
+    figure labelled with the wait must not have been measured without it."""
+    if stack.durability == "local":
+        return
+    fence = f"{stack.key_prefix(name)}:durability:fence"
+    if not int(client.get(fence) or 0):
+        raise RuntimeError(
+            f"WORKER_REDIS__DURABILITY={stack.durability} but the run never waited ({fence} "
+            "unwritten)"
+        )
 
 
 def empty_redis(client: redis.Redis, timeout_s: float = 120.0) -> None:

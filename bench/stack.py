@@ -11,6 +11,10 @@ that needs PostgreSQL (the postgres store's rows) asks for ``postgres``: the emb
 and its replica; AOF always on both) and runs `service run` with ``WORKER_REDIS__CLUSTER=true``,
 every key of a run under one hash tag: what the cluster mode costs the throughput rows. The
 primary stands for "Redis" in every figure (its CPU, its memory); the replica's CPU is in none.
+``--redis-durability wait_replicas`` (or ``wait_aof``) runs it with that
+``WORKER_REDIS__DURABILITY``: what the wait that makes a failover lose nothing costs. The bench's
+one Kafka broker cannot give the dead-letter topics the replicas that setting asks of them, so
+those runs also get ``WORKER_TOPIC_DURABILITY=warn``.
 """
 
 from __future__ import annotations
@@ -34,14 +38,21 @@ from reliable_consumer.dev.servers.tansu import TansuBroker
 
 BrokerKind = Literal["kafka", "tansu"]
 RedisKind = Literal["single", "cluster"]
+RedisDurability = Literal["local", "wait_replicas", "wait_aof"]
 
 
 class BenchStack:
     """A broker and a Redis server on loopback for the length of a bench run."""
 
-    def __init__(self, broker: BrokerKind = "kafka", redis_kind: RedisKind = "single") -> None:
+    def __init__(
+        self,
+        broker: BrokerKind = "kafka",
+        redis_kind: RedisKind = "single",
+        durability: RedisDurability = "local",
+    ) -> None:
         self.kind: BrokerKind = broker
         self.redis_kind: RedisKind = redis_kind
+        self.durability: RedisDurability = durability
         self._tmp = tempfile.TemporaryDirectory(prefix="bench-")
         root = Path(self._tmp.name)
         self.broker: ApacheKafkaCluster | TansuBroker
@@ -91,7 +102,11 @@ class BenchStack:
     @property
     def worker_env(self) -> dict[str, str]:
         """WORKER_* variables every `service run` of the bench gets from the stack."""
-        return {"WORKER_REDIS__CLUSTER": "true"} if self.cluster is not None else {}
+        env = {"WORKER_REDIS__CLUSTER": "true"} if self.cluster is not None else {}
+        if self.durability != "local":
+            env["WORKER_REDIS__DURABILITY"] = self.durability
+            env["WORKER_TOPIC_DURABILITY"] = "warn"  # one broker: no topic can have replicas
+        return env
 
     @property
     def redis_pid(self) -> int | None:
@@ -100,9 +115,10 @@ class BenchStack:
     @property
     def description(self) -> str:
         name = "Apache Kafka (1 KRaft node)" if self.kind == "kafka" else "Tansu (memory)"
+        wait = f", WORKER_REDIS__DURABILITY={self.durability}" if self.durability != "local" else ""
         if self.cluster is not None:
-            return f"{name} + Redis Cluster (1 primary + 1 replica, AOF always), loopback"
-        return f"{name} + redis-server (AOF always), loopback"
+            return f"{name} + Redis Cluster (1 primary + 1 replica, AOF always{wait}), loopback"
+        return f"{name} + redis-server (AOF always{wait}), loopback"
 
     def __enter__(self) -> Self:
         try:

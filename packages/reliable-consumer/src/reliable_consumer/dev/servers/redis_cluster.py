@@ -13,6 +13,14 @@ may not exist, or may be taken at any moment as the local port of another test's
 socket. ``cluster_ports()`` draws below that range instead (ports 10,000-22,767, buses
 20,000-32,767) and probes both by binding them; a start that still loses the race is retried
 on the next pair.
+
+TLS (``tls=ClusterTls(...)``, a redis-server built with TLS): each node serves clients on a
+TLS port (drawn as above, its bus port +10,000 beside it) and keeps a plaintext port on loopback
+for the harness's own probes and admin calls. ``tls-cluster`` and ``tls-replication`` put the
+cluster bus and replication on TLS too, and the nodes meet on their TLS ports, so the cluster
+names those ports to a client that asks over TLS (CLUSTER SLOTS, MOVED). Asked over the
+plaintext port, Redis 7.0 names the plaintext ports instead: the harness's own reads of the
+cluster map work on either.
 """
 
 from __future__ import annotations
@@ -106,6 +114,40 @@ def start_cluster_node(
     raise AssertionError("unreachable")
 
 
+def _path(path: Path) -> str:
+    """A path as a redis.conf value (quoted, for a path with spaces)."""
+    return '"' + str(path).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@dataclass(frozen=True)
+class ClusterTls:
+    """The certificates a TLS cluster's nodes use: ``cert``/``key`` served to clients and to
+    the other nodes, ``client_cert``/``client_key`` shown by a node on the bus and replication
+    links it opens (every node asks for a client certificate issued by ``ca_cert``)."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+    client_cert: Path
+    client_key: Path
+
+    def node_config(self, tls_port: int) -> dict[str, str]:
+        """The directives of a node serving TLS on ``tls_port``. With ``tls-cluster`` its bus
+        port follows the TLS port (+10,000), not the plaintext one (no ``cluster-port``,
+        which Redis 6 lacks)."""
+        return {
+            "tls-port": str(tls_port),
+            "tls-cert-file": _path(self.cert),
+            "tls-key-file": _path(self.key),
+            "tls-client-cert-file": _path(self.client_cert),
+            "tls-client-key-file": _path(self.client_key),
+            "tls-ca-cert-file": _path(self.ca_cert),
+            "tls-auth-clients": "yes",
+            "tls-cluster": "yes",
+            "tls-replication": "yes",
+        }
+
+
 @dataclass(frozen=True)
 class NodeView:
     """One line of CLUSTER NODES: a node as the answering node sees it."""
@@ -196,6 +238,7 @@ class RedisCluster:
         extra_config: dict[str, str] | None = None,
         binary: Path | None = None,
         timeout: float = DEFAULT_CLUSTER_TIMEOUT_S,
+        tls: ClusterTls | None = None,
     ) -> None:
         if primaries < 1 or replicas_per_primary < 0:
             raise ValueError("a cluster needs a primary; replicas cannot be negative")
@@ -208,7 +251,9 @@ class RedisCluster:
         self.extra_config = dict(extra_config or {})
         self.binary = binary or find_redis_server()
         self.timeout = timeout
+        self.tls = tls
         self.nodes: list[RedisServer] = []
+        self._tls_ports: dict[int, int] = {}  # plaintext port -> TLS port, with ``tls``
         self._ids: dict[int, str] = {}  # port -> node id (kept in nodes.conf across restarts)
         self._killed_replicas: dict[int, set[str]] = {}  # a killed primary's port -> replica ids
 
@@ -232,6 +277,7 @@ class RedisCluster:
             node.stop()
         self.nodes = []
         self._ids.clear()
+        self._tls_ports.clear()
         self._killed_replicas.clear()
 
     def __enter__(self) -> Self:
@@ -250,14 +296,24 @@ class RedisCluster:
         ports = cluster_ports()
         total = self.primary_count * (1 + self.replicas_per_primary)
         for _ in range(total):
-            node = start_cluster_node(
-                lambda port: RedisServer(
-                    self.data_dir / f"node-{port}", port, extra_config=config, binary=self.binary
-                ),
-                ports,
-            )
+            node = start_cluster_node(lambda port: self._node(port, config), ports)
             self.nodes.append(node)
+            if self.tls is not None:
+                self._tls_ports[node.port] = int(node.extra_config["tls-port"])
             self._ids[node.port] = _command(node.port, "CLUSTER", "MYID")
+
+    def _node(self, port: int, config: dict[str, str]) -> RedisServer:
+        """The node whose clients (and bus, at +10,000) use ``port``: with TLS that is its
+        TLS port, and its plaintext port, for the harness only, is any free one."""
+        if self.tls is None:
+            return RedisServer(
+                self.data_dir / f"node-{port}", port, extra_config=config, binary=self.binary
+            )
+        return RedisServer(
+            self.data_dir / f"node-{port}",
+            extra_config=config | self.tls.node_config(port),
+            binary=self.binary,
+        )
 
     def _form(self) -> None:
         primaries = self.nodes[: self.primary_count]
@@ -273,7 +329,7 @@ class RedisCluster:
         # Every pair meets directly: gossip alone takes a second or more to spread them.
         for index, node in enumerate(self.nodes):
             for other in self.nodes[index + 1 :]:
-                _command(node.port, "CLUSTER", "MEET", LOOPBACK, other.port)
+                _command(node.port, "CLUSTER", "MEET", LOOPBACK, self.client_port(other))
         self._wait("the nodes to meet", self._unmet)
         for index, replica in enumerate(replicas):
             primary = primaries[index // self.replicas_per_primary]
@@ -282,19 +338,30 @@ class RedisCluster:
 
     # --- what the cluster looks like ------------------------------------------------------------
 
+    def client_port(self, node: RedisServer) -> int:
+        """The port clients and the other nodes reach ``node`` on: its TLS port with TLS."""
+        return self._tls_ports.get(node.port, node.port)
+
+    def url(self, node: RedisServer) -> str:
+        """``node``'s URL for a client: ``rediss://`` to its TLS port with TLS."""
+        if self.tls is None:
+            return node.url
+        return f"rediss://{LOOPBACK}:{self.client_port(node)}/0"
+
     @property
     def urls(self) -> list[str]:
         """Every running node's URL (a cluster client needs one to find the rest)."""
-        return [node.url for node in self.running()]
+        return [self.url(node) for node in self.running()]
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
-        return [(LOOPBACK, node.port) for node in self.running()]
+        return [(LOOPBACK, self.client_port(node)) for node in self.running()]
 
     @property
     def startup_nodes(self) -> list[aiocluster.ClusterNode]:
         """For ``redis.asyncio.cluster.RedisCluster(startup_nodes=...)``: fresh ones each time
-        (a client owns the connections of its nodes). A sync client takes ``addresses``."""
+        (a client owns the connections of its nodes). A sync client takes ``addresses``. With
+        TLS these are the TLS ports: the client needs ``ssl=True`` and the CA."""
         return [aiocluster.ClusterNode(host, port) for host, port in self.addresses]
 
     def running(self) -> list[RedisServer]:
@@ -312,11 +379,13 @@ class RedisCluster:
         return [node for node in self.running() if self._role(node) == "slave"]
 
     def replicas_of(self, primary: RedisServer) -> list[RedisServer]:
-        """The running replicas that follow ``primary``, each by its own word."""
+        """The running replicas that follow ``primary``, each by its own word (a replica
+        names the port it replicates from: the TLS port with TLS)."""
         return [
             node
             for node in self.replicas()
-            if int(_info(node.port, "replication").get("master_port", 0)) == primary.port
+            if int(_info(node.port, "replication").get("master_port", 0))
+            == self.client_port(primary)
         ]
 
     def node_for_slot(self, slot: int) -> RedisServer:
@@ -472,7 +541,9 @@ class RedisCluster:
         return _info(node.port, "replication").get("role", "")
 
     def _node_at(self, port: int) -> RedisServer:
+        """The node listening on ``port``, its plaintext or its TLS port (what CLUSTER NODES
+        names depends on how it was asked)."""
         for node in self.nodes:
-            if node.port == port:
+            if port in (node.port, self.client_port(node)):
                 return node
         raise DevStackError(f"no node of this cluster listens on {port}")
