@@ -337,3 +337,34 @@ async def test_a_retry_falling_due_runs_before_the_rest_of_a_fresh_wave_already_
     assert ran == 200
     at = order.index("retry")
     assert at == 64, f"the retry ran after {at} fresh records (the next checkpoint is 64)"
+
+
+async def test_a_claim_that_left_nothing_due_ends_the_turn_before_the_next_reading() -> None:
+    """The turn held fresh waves for a second round trip (the reading of the next due
+    moment) after the claim that took every due retry; the claimed batch, started before
+    the waves are released, runs first anyway."""
+    heard: list[float | None] = []
+
+    class DueSoonQueue(OneItemQueue):
+        async def due_in_ms(self) -> int | None:
+            return 30
+
+    async def process(batch: list[Delivery], give_up: Callable[[], bool]) -> Any:
+        return None
+
+    scheduler = RetryScheduler(
+        DueSoonQueue(),  # type: ignore[arg-type]
+        process,
+        RetrySettings(poll_interval_ms=3_600_000),
+        max_in_flight=10,
+        on_next_due=heard.append,
+    )
+    loop = asyncio.create_task(scheduler.run())
+    try:
+        await await_until(lambda: len(heard) >= 3, 5, message=lambda: f"heard {heard}")
+    finally:
+        scheduler.stop()
+        await asyncio.wait_for(loop, 5)
+    # The first claim left an item due (120 ms late): the turn goes on until the reading;
+    # the second took nothing and left nothing due: the turn ends at once.
+    assert heard[:3] == [0.03, None, 0.03]

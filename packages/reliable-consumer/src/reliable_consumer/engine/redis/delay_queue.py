@@ -365,6 +365,11 @@ class RetryScheduler:
                 self._on_lateness(max(claim.oldest_due_late_ms, self.running_late_ms()))
             if claimed and len(claimed) == min(free, self._policy.claim_batch):
                 continue  # more may be due right now
+            if self._on_next_due and not claim.oldest_due_late_ms:
+                # Nothing left due: the turn is over now, not a round trip later (the batch
+                # just started runs before the waves it released); the next due moment
+                # comes with the reading below.
+                self._on_next_due(None)
             await self._wait_for_next()
 
     def running_late_ms(self) -> int:
