@@ -37,6 +37,7 @@ ENGINE_NAMESPACES = frozenset(
         "tickets",
         "ops",
         "outbox",
+        "layout",
     }
 )
 
