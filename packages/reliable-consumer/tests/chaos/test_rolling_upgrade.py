@@ -315,7 +315,7 @@ class Run:
         """(ledger key, source) of every entry, in ledger order: a refund's entry counts
         under ``<payment_id>.refund`` (docs/contracts.md, Ledger)."""
         entries = cast(
-            list[Any], await self.redis.xrange(ledger_key(self.settings.redis.key_prefix))
+            list[Any], await self.redis.xrange(ledger_key(self.settings.redis.effective_prefix))
         )
         out = []
         for _, fields in entries:
@@ -343,7 +343,7 @@ class Run:
 
     async def queue_empty(self) -> bool:
         """Nothing due, in flight or waiting in the delay queue (the contract's key names)."""
-        prefix = self.settings.redis.key_prefix
+        prefix = self.settings.redis.effective_prefix
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zcard(f"{prefix}:retry:due")
             pipe.zcard(f"{prefix}:retry:inflight")
@@ -352,7 +352,7 @@ class Run:
         return not any(sizes)
 
     async def chain_keys(self) -> list[str]:
-        pattern = f"{self.settings.redis.key_prefix}:retry:chain:*"
+        pattern = f"{self.settings.redis.effective_prefix}:retry:chain:*"
         return [k.decode() async for k in self.redis.scan_iter(match=pattern, count=1000)]
 
     async def close(self) -> None:

@@ -42,7 +42,7 @@ async def _wait_grants(settings: Settings, ids: set[str]) -> dict[str, int]:
     url = settings.redis.url.get_secret_value()
 
     async def granted() -> dict[str, int] | None:
-        grants = dict(await audit.ledger_grants(url, settings.redis.key_prefix))
+        grants = dict(await audit.ledger_grants(url, settings.redis.effective_prefix))
         return grants if ids <= set(grants) else None
 
     found = await await_until(granted, 60, interval=0.2, message=f"not granted: {sorted(ids)}")

@@ -58,7 +58,7 @@ async def _grants(settings: Settings, want: set[str]) -> dict[str, int]:
     url = settings.redis.url.get_secret_value()
 
     async def granted() -> dict[str, int] | None:
-        grants = dict(await audit.ledger_grants(url, settings.redis.key_prefix))
+        grants = dict(await audit.ledger_grants(url, settings.redis.effective_prefix))
         return grants if want <= set(grants) else None
 
     found = await await_until(granted, 60, interval=0.2, message=f"not granted: {sorted(want)}")
@@ -95,7 +95,7 @@ async def test_filtered_runs_leave_the_rest_redrivable_none_lost_none_twice(
     letters = await _dead_lettered(faulty, 8)
     assert len(letters) == 8 and {d.reason for d in letters} == {"permanent"}
     keys = [d.dedupe_key for d in letters]
-    prefix = unique_name
+    prefix = f"{{{unique_name}}}"  # the worker's keys: the prefix as a hash tag
     fixed = faulty.model_copy(update={"fault_injection": False})  # the cause is fixed
     source_high = await audit.high_watermarks(fixed.kafka, unique_name)
 

@@ -22,6 +22,7 @@ from reliable_consumer.engine.declaration.naming import KEY_PREFIX, TOPIC_NAME, 
 from reliable_consumer.engine.declaration.naming import check_topic as _check_topic
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.kafka.outcome_events import Layout
+from reliable_consumer.engine.redis.keys import tagged_prefix
 from reliable_consumer.engine.redis.url import url_problem
 
 
@@ -118,7 +119,7 @@ class RedisSettings(BaseModel):
         """What every key of the service starts with: ``{prefix}``, a hash tag, on one Redis
         and on a cluster alike, so all keys hash to one slot and one layout serves both
         (an older layout without the tag is moved by ``service redis migrate``)."""
-        return f"{{{self.key_prefix}}}"
+        return tagged_prefix(self.key_prefix)
 
     @model_validator(mode="after")
     def _cluster_url(self) -> RedisSettings:

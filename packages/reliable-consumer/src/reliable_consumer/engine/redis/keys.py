@@ -42,6 +42,12 @@ ENGINE_NAMESPACES = frozenset(
 )
 
 
+def tagged_prefix(key_prefix: str) -> str:
+    """What every key of a service starts with: its prefix as a hash tag, ``{<prefix>}``, so
+    all of them hash to one slot (one layout for one Redis and a cluster)."""
+    return f"{{{key_prefix}}}"
+
+
 def escape_part(part: str) -> str:
     """One key component, whatever it holds: '%' and ':' percent-encoded (injective)."""
     if "%" in part or ":" in part:
