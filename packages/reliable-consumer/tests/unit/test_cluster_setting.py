@@ -1,5 +1,6 @@
-"""WORKER_REDIS__CLUSTER without a server: one hash tag for every key (with or without it), the URLs a cluster takes,
-and which cluster errors the reconnect policy holds and retries."""
+"""WORKER_REDIS__CLUSTER without a server: one hash tag for every key (with the setting or
+without it), the URLs a cluster takes, and which cluster errors the reconnect policy holds
+and retries."""
 
 from __future__ import annotations
 
