@@ -73,7 +73,7 @@ async def old_service(
     """Topics, a Redis the version before filled, and the granted records redelivered
     (waiting in the topic: what an offset reset or a replay hands a new worker)."""
     settings = make_settings(broker.bootstrap, redis_url, name)
-    await prepare_topics(settings)
+    await prepare_topics(settings, partitions=1)  # every partition gets records: settles
     records = sample.generate(n, ALL_GRANTED, prefix=name)
     client = aioredis.from_url(redis_url)
     try:

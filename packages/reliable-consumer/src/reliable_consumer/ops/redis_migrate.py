@@ -17,8 +17,10 @@ is written last, once no old key is left.
 
 ``to_url`` then copies the migrated keys into a Redis Cluster (DUMP and PTTL from this
 Redis, RESTORE on the primary owning the service's slot): a key already restored with
-the same payload is skipped, one holding another payload is a conflict. The cluster's
-marker is written last. The source is left as it is (migrated), to fall back to.
+the same payload is skipped, one holding another payload is a conflict. The audit stream
+is copied once: this run's own end entry, and whatever either side appends later, stay
+where they were written. The cluster's marker is written last. The source is left as it
+is (migrated), to fall back to.
 
 The run is audited (``redis.migrate``); the old audit stream is renamed first, so that
 the run's own entries land beside the older ones.
@@ -28,11 +30,18 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from aiokafka.errors import (
+    CoordinatorLoadInProgressError,
+    CoordinatorNotAvailableError,
+    NotCoordinatorError,
+)
 from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
@@ -47,13 +56,22 @@ from reliable_consumer.engine.redis.layout import (
     old_prefix,
 )
 from reliable_consumer.engine.settings import RedisSettings, Settings
+from reliable_consumer.engine.until_done import until_done
 from reliable_consumer.ops.action_log import ActionRun, audited
 from reliable_consumer.ops.offsets_reset import refusal
 from reliable_consumer.ops.status import GroupView, describe_group
 
+log = logging.getLogger(__name__)
+
 ACTION = "redis.migrate"
 COMMAND = "redis migrate"
 DEFAULT_CHUNK = 500
+COORDINATOR_WAIT_S = 30.0
+COORDINATOR_NOT_READY = (
+    CoordinatorNotAvailableError,
+    CoordinatorLoadInProgressError,
+    NotCoordinatorError,
+)
 
 
 class MigrateRefused(Exception):
@@ -208,7 +226,7 @@ async def migrate_layout(
     """
     redis_settings = settings.redis
     target = _cluster_settings(redis_settings, to_url) if to_url is not None else None
-    view = await describe_group(settings.kafka, settings.kafka.group_id)
+    view = await _describe(settings)
     why = await members_refusal(settings, view)
     moving = f"{old_prefix(redis_settings)}* -> {redis_settings.effective_prefix}:*"
     report = MigrateReport(view, moving, dry_run=dry_run, refused=why if dry_run else "")
@@ -241,6 +259,23 @@ async def migrate_layout(
     finally:
         await client.aclose()
     return report
+
+
+async def _describe(settings: Settings) -> GroupView:
+    """The group as its coordinator sees it; a coordinator not ready yet (a new cluster
+    creates its offsets topic on the first group's lookup) is asked again for a while."""
+    deadline = time.monotonic() + COORDINATOR_WAIT_S
+    return await until_done(
+        lambda: describe_group(settings.kafka, settings.kafka.group_id),
+        transient=lambda exc: isinstance(exc, COORDINATOR_NOT_READY),
+        stopping=lambda: time.monotonic() > deadline,
+        on_failure=lambda exc, attempt: log.info(
+            "redis migrate: the group's coordinator is not ready, asking again",
+            extra={"attempt": attempt, "error": repr(exc)},
+        ),
+        first_wait_s=0.1,
+        max_wait_s=2.0,
+    )
 
 
 def _cluster_settings(settings: RedisSettings, to_url: str) -> RedisSettings:
@@ -400,13 +435,14 @@ async def _copy(
     client = make_client(target_settings)
     target = RedisOps(client, target_settings)
     marker = layout_key(settings).encode()
+    audit_stream = RedisKeys(settings.effective_prefix).ops_audit.encode()
     try:
         cursor = 0
         while True:
             cursor, keys = await _scan(source, cursor, f"{settings.effective_prefix}:*", chunk)
             keys = [k for k in keys if k != marker]
             if keys:
-                await run.step(_copy_chunk(source, target, keys, report))
+                await run.step(_copy_chunk(source, target, keys, report, audit_stream))
             if cursor == 0:
                 break
         if not report.conflicts:
@@ -417,7 +453,11 @@ async def _copy(
 
 
 async def _copy_chunk(
-    source: RedisOps, target: RedisOps, keys: list[bytes], report: CopyReport
+    source: RedisOps,
+    target: RedisOps,
+    keys: list[bytes],
+    report: CopyReport,
+    audit_stream: bytes,
 ) -> None:
     async def read() -> list[Any]:
         async with source.client.pipeline(transaction=True) as pipe:  # payload and TTL at once
@@ -465,5 +505,7 @@ async def _copy_chunk(
     for (key, payload), found in zip(busy, await target.call(dump), strict=True):
         if found == payload:
             report.already += 1  # restored by an earlier run
+        elif key == audit_stream:
+            report.already += 1  # copied once; later entries stay where they were written
         else:
             report.conflicts.append(Conflict(_text(key), _text(key)))
