@@ -613,10 +613,10 @@ async def test_an_upgrade_across_the_key_layout_loses_nothing_and_grants_nothing
     assert set(writers) <= set(ids.values()), f"events by unknown workers: {writers}, {ids}"
     crossing = _crossing_problems(events, parked_a, ids["old-consumer"], ids["new-scheduler"])
     assert not crossing, f"parked by one release, not finished by the other: {crossing[:10]}"
+    # C's second deliveries (the queue empty by then, so none waits in a chain): each read
+    # the marker the previous release, or this one, wrote, and was taken as a duplicate.
     read = _duplicate_problems(
-        events,
-        [p for p in batch_b + batch_c if p.routed.kind == "duplicate"],
-        ids["new-consumer"],
+        events, [p for p in batch_c if p.routed.kind == "duplicate"], ids["new-consumer"]
     )
     assert not read, f"second deliveries not taken as duplicates across releases: {read[:10]}"
     print(
