@@ -376,13 +376,14 @@ async def _rename_all(
     cursor, done = 0, 0
     while True:
         cursor, keys = await _scan(ops, cursor, old_pattern(settings), chunk)
-        if limit is not None:
+        if limit is not None and len(keys) > limit - done:
             keys = keys[: max(0, limit - done)]
+            report.left = True  # keys of this scan's batch left for the next run
         if keys:
             pairs = [(k, renamed_key(settings, k)) for k in keys]
             _tally(report, pairs, await run.step(_renamenx(ops, pairs)))
             done += len(keys)
-        if cursor == 0:
+        if cursor == 0 or report.left:
             return
         if limit is not None and done >= limit:
             report.left = True
