@@ -63,7 +63,7 @@ async def test_redrive_by_reason_leaves_other_reasons_for_a_later_redrive(
         await await_until(
             lambda: _count(audit.read_all(faulty.kafka, dlq), 12), 60, message="dead letters"
         )
-    assert not await audit.ledger_grants(redis_server.url, unique_name)
+    assert not await audit.ledger_grants(redis_server.url, faulty.redis.effective_prefix)
     first_high = await audit.high_watermarks(faulty.kafka, unique_name)
 
     fixed = faulty.model_copy(update={"fault_injection": False})  # the cause is fixed

@@ -200,6 +200,6 @@ async def test_cli_dry_run_then_paced_redrive_with_json_and_audit(
     assert back[-1].timestamp - back[0].timestamp >= 0.8 * 3 / rate * 1000, [
         r.timestamp for r in back
     ]
-    (entry,) = await read_actions(redis_client, unique_name, action="dlq.redrive")
+    (entry,) = await read_actions(redis_client, f"{{{unique_name}}}", action="dlq.redrive")
     assert entry.actor == "erin" and entry.counts["redriven"] == 4
     assert entry.filters["rate"] == rate

@@ -18,11 +18,13 @@ refused (:class:`UnmigratedTarget`, not skipped by ``force``); read commands war
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
+from redis.exceptions import RedisError
 
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.observation.member_report import read_member_reports
@@ -146,7 +148,11 @@ async def refuse_wrong_target(
     It never skips the second: the command's writes would be lost to the worker.
     ``layout`` False: the command that moves the old layout.
     """
-    state = await check_layout_of(settings) if layout else LayoutState(marked=True)
+    state = LayoutState(marked=True)
+    # Redis not answering: the action meets the same server and says so in its own words.
+    with contextlib.suppress(RedisError, OSError):
+        if layout:
+            state = await check_layout_of(settings)
     if state.unmigrated:
         assert state.old_key is not None
         raise UnmigratedTarget(refusal(settings.redis, state.old_key, action))
