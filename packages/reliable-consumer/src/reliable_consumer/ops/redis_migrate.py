@@ -279,7 +279,8 @@ async def _describe(settings: Settings) -> GroupView:
 
 
 def _cluster_settings(settings: RedisSettings, to_url: str) -> RedisSettings:
-    """The source's settings (credentials, TLS files, durability) aimed at the cluster."""
+    """The source's settings (TLS files, durability) aimed at the cluster: its URL (with
+    its user and password) is ``to_url``."""
     try:
         return RedisSettings.model_validate(
             {**settings.model_dump(), "url": to_url, "cluster": True}

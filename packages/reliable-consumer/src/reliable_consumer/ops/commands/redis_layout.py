@@ -41,7 +41,8 @@ def migrate_command(
         typer.Option(
             "--to-url",
             help="Then copy the keys into this Redis Cluster (any node, redis:// or "
-            "rediss://; the credentials and TLS settings are WORKER_REDIS__*'s).",
+            "rediss://, its user and password in the URL; the TLS files and the durability "
+            "mode are WORKER_REDIS__*'s).",
         ),
     ] = None,
     chunk: Annotated[int, typer.Option(min=1, help="Keys per SCAN and pipeline.")] = 500,
