@@ -43,11 +43,6 @@ def old_pattern(settings: RedisSettings) -> str:
     return f"{old_prefix(settings)}*"
 
 
-def new_name(settings: RedisSettings, old: str) -> str:
-    """The key an old-layout key becomes: the same name under the tagged prefix."""
-    return settings.effective_prefix + old[len(settings.key_prefix) :]
-
-
 class UnmigratedLayout(ConfigurationError):
     """Redis holds keys of the old layout: a start would ignore them (refused)."""
 
