@@ -15,12 +15,9 @@ decides). The one value that names another key, a parked retry's chain
 (``Delivery.chain``), is rewritten to the chain's new name after the renames. The marker
 is written last, once no old key is left.
 
-``to_url`` then copies the migrated keys into a Redis Cluster (DUMP and PTTL from this
-Redis, RESTORE on the primary owning the service's slot): a key already restored with
-the same payload is skipped, one holding another payload is a conflict. The audit stream
-is copied once: this run's own end entry, and whatever either side appends later, stay
-where they were written. The cluster's marker is written last. The source is left as it
-is (migrated), to fall back to.
+``to_url`` then copies the migrated keys into a Redis Cluster (ops/redis_copy.py), so a
+service moves from one Redis to a cluster; the source is left as it is (migrated), to
+fall back to.
 
 The run is audited (``redis.migrate``); the old audit stream is renamed first, so that
 the run's own entries land beside the older ones.
@@ -34,7 +31,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from aiokafka.errors import (
@@ -42,7 +38,6 @@ from aiokafka.errors import (
     CoordinatorNotAvailableError,
     NotCoordinatorError,
 )
-from pydantic import ValidationError
 from redis.exceptions import ResponseError
 
 from reliable_consumer.engine.observation.member_report import read_member_reports
@@ -59,6 +54,16 @@ from reliable_consumer.engine.settings import RedisSettings, Settings
 from reliable_consumer.engine.until_done import until_done
 from reliable_consumer.ops.action_log import ActionRun, audited
 from reliable_consumer.ops.offsets_reset import refusal
+from reliable_consumer.ops.redis_copy import (
+    Conflict,
+    CopyRefused,
+    CopyReport,
+    address,
+    cluster_settings,
+    copy_into_cluster,
+    key_text,
+    scan_chunk,
+)
 from reliable_consumer.ops.status import GroupView, describe_group
 
 log = logging.getLogger(__name__)
@@ -76,44 +81,6 @@ COORDINATOR_NOT_READY = (
 
 class MigrateRefused(Exception):
     """Nothing was changed: the group has live members, or the target cannot be used."""
-
-
-def _text(key: bytes) -> str:
-    return key.decode("utf-8", "backslashreplace")
-
-
-@dataclass(frozen=True)
-class Conflict:
-    """A key left as it is: ``target`` exists already (with another payload, for a copy)."""
-
-    key: str
-    target: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"key": self.key, "target": self.target}
-
-
-@dataclass
-class CopyReport:
-    """The copy into a cluster: keys ``restored``, ``already`` there with the same
-    payload, ``gone`` (expired) before they were read, and the ``conflicts``."""
-
-    target: str  # host:port of the node named, never its credentials
-    restored: int = 0
-    already: int = 0
-    gone: int = 0
-    conflicts: list[Conflict] = field(default_factory=list)
-    marked: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "target": self.target,
-            "restored": self.restored,
-            "already": self.already,
-            "gone": self.gone,
-            "conflicts": [c.to_json() for c in self.conflicts],
-            "marked": self.marked,
-        }
 
 
 @dataclass
@@ -225,7 +192,10 @@ async def migrate_layout(
     cannot be written.
     """
     redis_settings = settings.redis
-    target = _cluster_settings(redis_settings, to_url) if to_url is not None else None
+    try:
+        target = cluster_settings(redis_settings, to_url) if to_url is not None else None
+    except CopyRefused as exc:
+        raise MigrateRefused(str(exc)) from None
     view = await _describe(settings)
     why = await members_refusal(settings, view)
     moving = f"{old_prefix(redis_settings)}* -> {redis_settings.effective_prefix}:*"
@@ -244,7 +214,7 @@ async def migrate_layout(
             redis_settings.effective_prefix,
             actor=actor,
             action=ACTION,
-            filters={"keys": moving, "to_url": _address(to_url) if to_url else None},
+            filters={"keys": moving, "to_url": address(to_url) if to_url else None},
             counts=report.counts,
             source=source,
         ) as run:
@@ -254,8 +224,8 @@ async def migrate_layout(
             if not report.conflicts and not report.left:
                 await _mark_if_done(ops, redis_settings, report)
             if target is not None and to_url is not None and report.marked:
-                report.copy = CopyReport(_address(to_url))
-                await _copy(ops, redis_settings, target, report.copy, chunk, run)
+                report.copy = CopyReport(address(to_url))
+                await copy_into_cluster(ops, redis_settings, target, report.copy, chunk, run)
     finally:
         await client.aclose()
     return report
@@ -278,30 +248,6 @@ async def _describe(settings: Settings) -> GroupView:
     )
 
 
-def _cluster_settings(settings: RedisSettings, to_url: str) -> RedisSettings:
-    """The source's settings (TLS files, durability) aimed at the cluster: its URL (with
-    its user and password) is ``to_url``."""
-    try:
-        return RedisSettings.model_validate(
-            {**settings.model_dump(), "url": to_url, "cluster": True}
-        )
-    except ValidationError as exc:
-        problems = "; ".join(str(e["msg"]) for e in exc.errors())
-        raise MigrateRefused(f"--to-url {_address(to_url)}: {problems}") from None
-
-
-def _address(url: str) -> str:
-    """host:port of a URL, never its user or password."""
-    parts = urlsplit(url)
-    return f"{parts.hostname or '?'}:{parts.port or 6379}"
-
-
-async def _scan(ops: RedisOps, cursor: int, pattern: str, chunk: int) -> tuple[int, list[bytes]]:
-    client = ops.client
-    found = await ops.call(functools.partial(client.scan, cursor, match=pattern, count=chunk))
-    return int(found[0]), cast(list[bytes], found[1])
-
-
 async def _plan(ops: RedisOps, settings: RedisSettings, report: MigrateReport, chunk: int) -> None:
     """Count the keys a run would rename and name the conflicts: reads only."""
     if settings.cluster:
@@ -311,7 +257,7 @@ async def _plan(ops: RedisOps, settings: RedisSettings, report: MigrateReport, c
         return
     cursor, seen = 0, set[bytes]()
     while True:
-        cursor, keys = await _scan(ops, cursor, old_pattern(settings), chunk)
+        cursor, keys = await scan_chunk(ops, cursor, old_pattern(settings), chunk)
         keys = [k for k in keys if k not in seen]
         seen.update(keys)
         if keys:
@@ -324,7 +270,9 @@ async def _plan(ops: RedisOps, settings: RedisSettings, report: MigrateReport, c
 
             for key, taken in zip(keys, await ops.call(exists), strict=True):
                 if taken:
-                    report.conflicts.append(Conflict(_text(key), _text(renamed_key(settings, key))))
+                    report.conflicts.append(
+                        Conflict(key_text(key), key_text(renamed_key(settings, key)))
+                    )
                 else:
                     report.renamed += 1
         if cursor == 0:
@@ -351,9 +299,9 @@ def _tally(report: MigrateReport, pairs: list[tuple[bytes, bytes]], replies: lis
             report.gone += 1  # expired since the scan (or renamed by a re-sent call)
         elif reply:
             report.renamed += 1
-        elif _text(old) not in known:
-            known.add(_text(old))
-            report.conflicts.append(Conflict(_text(old), _text(new)))
+        elif key_text(old) not in known:
+            known.add(key_text(old))
+            report.conflicts.append(Conflict(key_text(old), key_text(new)))
 
 
 async def _rename_audit_stream(
@@ -376,7 +324,7 @@ async def _rename_all(
 ) -> None:
     cursor, done = 0, 0
     while True:
-        cursor, keys = await _scan(ops, cursor, old_pattern(settings), chunk)
+        cursor, keys = await scan_chunk(ops, cursor, old_pattern(settings), chunk)
         if limit is not None and len(keys) > limit - done:
             keys = keys[: max(0, limit - done)]
             report.left = True  # keys of this scan's batch left for the next run
@@ -423,91 +371,3 @@ async def _mark_if_done(ops: RedisOps, settings: RedisSettings, report: MigrateR
             return
     await ops.call(functools.partial(mark_layout, ops.client, settings), durable=True)
     report.marked = True
-
-
-async def _copy(
-    source: RedisOps,
-    settings: RedisSettings,
-    target_settings: RedisSettings,
-    report: CopyReport,
-    chunk: int,
-    run: ActionRun,
-) -> None:
-    """Every tagged key into the cluster's primary owning the slot; its marker last."""
-    client = make_client(target_settings)
-    target = RedisOps(client, target_settings)
-    marker = layout_key(settings).encode()
-    audit_stream = RedisKeys(settings.effective_prefix).ops_audit.encode()
-    try:
-        cursor = 0
-        while True:
-            cursor, keys = await _scan(source, cursor, f"{settings.effective_prefix}:*", chunk)
-            keys = [k for k in keys if k != marker]
-            if keys:
-                await run.step(_copy_chunk(source, target, keys, report, audit_stream))
-            if cursor == 0:
-                break
-        if not report.conflicts:
-            await target.call(functools.partial(mark_layout, client, target_settings), durable=True)
-            report.marked = True
-    finally:
-        await client.aclose()
-
-
-async def _copy_chunk(
-    source: RedisOps,
-    target: RedisOps,
-    keys: list[bytes],
-    report: CopyReport,
-    audit_stream: bytes,
-) -> None:
-    async def read() -> list[Any]:
-        async with source.client.pipeline(transaction=True) as pipe:  # payload and TTL at once
-            for key in keys:
-                pipe.dump(key)
-                pipe.pttl(key)
-            return list(await pipe.execute())
-
-    replies = await source.call(read)
-    entries: list[tuple[bytes, bytes, int]] = []
-    for i, key in enumerate(keys):
-        payload, ttl = replies[2 * i], int(replies[2 * i + 1])
-        if payload is None or ttl == -2 or ttl == 0:
-            report.gone += 1
-        else:
-            entries.append((key, payload, max(ttl, 0)))
-    if not entries:
-        return
-
-    async def restore() -> list[Any]:
-        async with target.client.pipeline(transaction=False) as pipe:
-            for key, payload, ttl in entries:
-                pipe.restore(key, ttl, payload)
-            return list(await pipe.execute(raise_on_error=False))
-
-    busy: list[tuple[bytes, bytes]] = []
-    for (key, payload, _), reply in zip(
-        entries, await target.call(restore, durable=True), strict=True
-    ):
-        if not isinstance(reply, ResponseError):
-            report.restored += 1
-        elif "BUSYKEY" not in str(reply):
-            raise reply
-        else:
-            busy.append((key, payload))
-    if not busy:
-        return
-
-    async def dump() -> list[Any]:
-        async with target.client.pipeline(transaction=False) as pipe:
-            for key, _ in busy:
-                pipe.dump(key)
-            return list(await pipe.execute())
-
-    for (key, payload), found in zip(busy, await target.call(dump), strict=True):
-        if found == payload:
-            report.already += 1  # restored by an earlier run
-        elif key == audit_stream:
-            report.already += 1  # copied once; later entries stay where they were written
-        else:
-            report.conflicts.append(Conflict(_text(key), _text(key)))
