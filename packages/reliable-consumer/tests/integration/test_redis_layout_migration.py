@@ -35,7 +35,13 @@ from reliable_consumer.ops import audit
 from reliable_consumer.ops.action_log import read_actions
 from reliable_consumer.ops.redis_migrate import Conflict, MigrateRefused, migrate_layout
 from reliable_consumer.ops.status import describe_group
-from reliable_consumer.ops.target import Target, UnmigratedTarget, refuse_wrong_target
+from reliable_consumer.ops.target import (
+    Target,
+    UnmigratedTarget,
+    check_layout_of,
+    layout_warning,
+    refuse_wrong_target,
+)
 from tests.helpers import await_until
 from tests.integration.harness import (
     assert_invariants,
@@ -111,9 +117,11 @@ async def test_an_upgrade_that_did_not_migrate_refuses_to_start_instead_of_grant
     assert await names(redis, f"{settings.redis.effective_prefix}:*") == set()
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, unique_name)
     assert all(p.committed is None or p.committed <= 0 for p in offsets), offsets
-    # An operator's write is refused the same way, --force or not.
+    # An operator's write is refused the same way, --force or not; a read is warned.
     with pytest.raises(UnmigratedTarget, match="service redis migrate"):
         await refuse_wrong_target(settings, Target.of(settings), action="dlq redrive", force=True)
+    said = layout_warning(settings, await check_layout_of(settings))
+    assert said is not None and f"'{bare}:" in said and "service redis migrate" in said, said
 
 
 async def test_migrated_keys_keep_their_ttls_and_the_worker_treats_them_as_its_own(
