@@ -211,7 +211,7 @@ async def run_once(
     registry = Registry([chained if s.chains else unchained], settings.topics)
     worker = Worker(settings, registry, metrics=Metrics())
     task = asyncio.create_task(worker.run())
-    prefix = settings.redis.key_prefix
+    prefix = settings.redis.effective_prefix
     stream = f"{prefix}:chained:done"
     client = aioredis.from_url(redis_url)
     try:

@@ -322,7 +322,7 @@ async def worker_run(
     transactions = worker.inbox.commits if worker.inbox is not None else 0
     wal_after = await wal_stats(pg.url)
     redis_counts, pg_counts = perf_redis.stop(), perf_pg.stop()
-    got = await granted(name, redis_server.url, pg.url, settings.redis.key_prefix)
+    got = await granted(name, redis_server.url, pg.url, settings.redis.effective_prefix)
     if got != n:
         raise AssertionError(f"{name}: {got} grants for {n} payments")
     return Run(

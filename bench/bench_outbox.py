@@ -54,8 +54,8 @@ class Measured:
 async def _measure(stack: BenchStack, records: int, emits: int) -> Measured:
     prefix = f"ob{uuid.uuid4().hex[:8]}"
     client = aioredis.from_url(stack.redis_url)
-    keys = RedisKeys(prefix)
     settings = RedisSettings(url=stack.redis_url, key_prefix=prefix)
+    keys = RedisKeys(settings.effective_prefix)
     idem = Idempotency(RedisOps(client, settings), keys, ttl_s=None, lease_ms=60_000)
     requests = []
     for n in range(records):
@@ -69,7 +69,7 @@ async def _measure(stack: BenchStack, records: int, emits: int) -> Measured:
                 "T",
                 "fp",
                 "",
-                [("XADD", f"{prefix}:ledger:grants", "*", "payment_id", dedupe_key)],
+                [("XADD", f"{keys.prefix}:ledger:grants", "*", "payment_id", dedupe_key)],
                 emissions=box.emitted,
                 emitted_by="grants",
             )

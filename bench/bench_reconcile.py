@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 outcome_partitions=args.outcome_partitions,
                 base_ts_ms=1_760_000_000_000,
                 redis_url=redis_url,
-                ledger_key="payments-worker:ledger:purchases",
+                ledger_key="{payments-worker}:ledger:purchases",
                 key_field="payment_id",  # the example's notifications, as its worker writes them
                 handler="payments",
             )

@@ -154,7 +154,7 @@ def service_run(
         args=args,
         env={**stack.worker_env, **(env or {})},
     )
-    ledger = ledger_key(stack.key_prefix(name))
+    ledger = ledger_key(name)
     try:
         with run:
             assert run.process is not None

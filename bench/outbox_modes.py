@@ -127,8 +127,8 @@ class Outbox:
         topic = f"bench.outbox.{mode}.{prefix}"
         await create_topics(stack.bootstrap, {topic: PARTITIONS})
         client = aioredis.from_url(stack.redis_url)
-        keys = RedisKeys(prefix)
         settings = RedisSettings(url=stack.redis_url, key_prefix=prefix)
+        keys = RedisKeys(settings.effective_prefix)
         idem = Idempotency(RedisOps(client, settings), keys, ttl_s=None, lease_ms=60_000)
         requests = []
         for n in range(records):
@@ -155,7 +155,7 @@ class Outbox:
         )
 
     async def producer(self) -> AIOKafkaProducer:
-        producer = producer_for(self.mode, self.stack.bootstrap, self.keys.prefix)
+        producer = producer_for(self.mode, self.stack.bootstrap, self.keys.prefix.strip("{}"))
         await producer.start()
         return producer
 

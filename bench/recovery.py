@@ -37,6 +37,7 @@ import redis
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from reliable_consumer.engine.observation.member_report import read_member_reports
+from reliable_consumer.engine.redis.keys import tagged_prefix
 from reliable_consumer.engine.settings import KafkaSettings
 
 from bench.latency import log_tail, wait_granted
@@ -177,7 +178,11 @@ async def owners(redis_url: str, prefix: str, pids: Sequence[int]) -> dict[int, 
     hold every partition, each member some; else None (the group is still settling)."""
     client = aioredis.Redis.from_url(redis_url)
     try:
-        reports = {r.pid: r for r in await read_member_reports(client, prefix) if r.pid in pids}
+        reports = {
+            r.pid: r
+            for r in await read_member_reports(client, tagged_prefix(prefix))
+            if r.pid in pids
+        }
     finally:
         await client.aclose()
     if set(reports) != set(pids) or len({r.generation for r in reports.values()}) != 1:

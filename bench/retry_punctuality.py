@@ -46,7 +46,7 @@ import redis.asyncio as aioredis
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.redis.delay_queue import ParkRequest, ParkStatus, RetryQueue
-from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.keys import RedisKeys, tagged_prefix
 from reliable_consumer.engine.settings import RedisSettings
 
 from bench.latency import percentiles
@@ -206,7 +206,7 @@ async def park_retries(
     due time (the row would measure parking, not the scheduler)."""
     settings = RedisSettings(url=redis_url, key_prefix=prefix)
     client = aioredis.Redis.from_url(redis_url)
-    keys = RedisKeys(prefix)
+    keys = RedisKeys(settings.effective_prefix)
     queue = RetryQueue(RedisOps(client, settings), keys)
     rng = random.Random(7)
     try:
@@ -276,7 +276,7 @@ async def sample_until(
     """Sample grants, parked items and CPU until the host clock reaches ``deadline`` or,
     with ``until_unparked``, until no retry is left in the queue after the window opened.
     The CPU is the sum over ``workers`` (the consumer, and the scheduler when separate)."""
-    keys = RedisKeys(workers[0].prefix)
+    keys = RedisKeys(tagged_prefix(workers[0].prefix))
     ledger = ledger_key(workers[0].prefix)
     while True:
         for worker in workers:

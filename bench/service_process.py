@@ -27,7 +27,7 @@ import redis
 from reliable_consumer.dev.servers.broker import create_topics
 from reliable_consumer.dev.servers.process import free_port
 from reliable_consumer.engine.handlers.registry import Registry
-from reliable_consumer.engine.redis.keys import effect_key
+from reliable_consumer.engine.redis.keys import effect_key, tagged_prefix
 from reliable_consumer.engine.settings import Settings
 
 READY_TIMEOUT_S = 120.0
@@ -35,7 +35,7 @@ READY_TIMEOUT_S = 120.0
 
 def ledger_key(prefix: str) -> str:
     """The stream the example payments handler appends a grant to."""
-    return effect_key(prefix, "ledger", "purchases")
+    return effect_key(tagged_prefix(prefix), "ledger", "purchases")
 
 
 def granted(redis_url: str, prefix: str) -> int:

@@ -95,10 +95,6 @@ class BenchStack:
             self._postgres = server
         return self._postgres
 
-    def key_prefix(self, prefix: str) -> str:
-        """What a run's keys start with: its prefix, as a hash tag on a cluster."""
-        return f"{{{prefix}}}" if self.cluster is not None else prefix
-
     @property
     def worker_env(self) -> dict[str, str]:
         """WORKER_* variables every `service run` of the bench gets from the stack."""

@@ -240,8 +240,8 @@ def _sample_record(a: Answers, old: str) -> str:
 def _sample_effect(a: Answers, old: str) -> str:
     """The redis-cli command that shows the sample record's effect: the key its handler writes."""
     if a.deploy_first_handler == EXAMPLE_HANDLER:
-        return f"XRANGE {a.prefix}:ledger:purchases - +"
-    return f"HGETALL {a.prefix}:{a.first_handler}:{SCAFFOLD_SAMPLE_ID}"
+        return f"XRANGE {{{a.prefix}}}:ledger:purchases - +"
+    return f"HGETALL {{{a.prefix}}}:{a.first_handler}:{SCAFFOLD_SAMPLE_ID}"
 
 
 def _deploy_first_handler(a: Answers, old: str) -> str:
@@ -299,9 +299,9 @@ SITES: tuple[Site, ...] = (
     # The Redis key prefix.
     Site(YAML, r"WORKER_REDIS__KEY_PREFIX:\s*\"?" + NAME_TOKEN, _prefix, True, yaml_scalar=True),
     Site(DOCS, r"WORKER_REDIS__KEY_PREFIX \|[^|\n]*\| " + NAME_TOKEN, _prefix),
-    # The least-privilege Redis ACL user (docs/security.md): its keys are the prefix's.
+    # The least-privilege Redis ACL user (docs/security.md): its keys are the tagged prefix's.
     Site(DOCS, r"^user (?P<old>payments-worker) on ", _slug, required=True),
-    Site(DOCS, r" ~(?P<old>payments-worker):\* ", _prefix, required=True),
+    Site(DOCS, r" ~\{(?P<old>payments-worker)\}:\* ", _prefix, required=True),
     # deploy/README.md's test record: produced to the first topic, so it is one that
     # topic's handler accepts, and the effect shown is the one that handler writes.
     Site(DEPLOY_README, r"payload model: `(?P<old>PaymentSucceeded)`", _first_model, True),
@@ -310,7 +310,7 @@ SITES: tuple[Site, ...] = (
     Site(
         DEPLOY_README, r"redis-cli (?P<old>XRANGE \S+:ledger:purchases - \+)", _sample_effect, True
     ),
-    Site(DOCS, r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?=:ledger:)", _prefix),
+    Site(DOCS, r"(?<![A-Za-z0-9._-])(?P<old>payments-worker)(?=\}?:ledger:)", _prefix),
     Site(TESTS, r"key_prefix == \"(?P<old>payments-worker)\"", _prefix),
     # The topic bindings and the first topic.
     # The base deploy files run the example on Redis, the postgres overlays (compose,

@@ -24,15 +24,13 @@ def test_the_cluster_is_refused_for_rows_whose_clients_take_one_redis(
         )
 
 
-def test_on_a_cluster_every_run_sets_the_cluster_mode_and_its_keys_share_a_hash_tag() -> None:
+def test_on_a_cluster_every_run_sets_the_cluster_mode() -> None:
     cluster = BenchStack("tansu", "cluster")
     single = BenchStack("tansu")
     try:
         assert cluster.worker_env == {"WORKER_REDIS__CLUSTER": "true"}
-        assert cluster.key_prefix("tp-payments-0") == "{tp-payments-0}"
         assert "Redis Cluster (1 primary + 1 replica" in cluster.description
         assert single.worker_env == {}
-        assert single.key_prefix("tp-payments-0") == "tp-payments-0"
         assert "redis-server" in single.description
     finally:
         cluster.close()

@@ -111,8 +111,8 @@ dedupe_key = handler.key_of(event)
 ctx = Context(
     topic=topic, partition=0, offset=0, key=key.encode(), headers=(), timestamp_ms=0,
     attempt=1, dedupe_key=dedupe_key, redis=FakeAsyncRedis(),
-    effects=Effects(prefix=app.redis_key_prefix, namespaces=handler.namespaces),
-    key_prefix=app.redis_key_prefix,
+    effects=Effects(prefix="{%s}" % app.redis_key_prefix, namespaces=handler.namespaces),
+    key_prefix="{%s}" % app.redis_key_prefix,
     emissions=Emissions(handler.name, frozenset(handler.emits), dedupe_key),
 )
 asyncio.run(handler(event, ctx))
@@ -165,14 +165,14 @@ def test_redis_acl_example_admits_every_key_the_service_writes(
         assert created in (b"OK", True), created
         prefix = LEDGER["redis_key_prefix"]
         for key in (
-            f"{prefix}:retry:due",
-            f"{prefix}:idem:billing_refunds_issued_v2:=evt_1",
-            f"{prefix}:billing_refunds_issued_v2:evt_1",
-            f"{prefix}:redrive:ticket:abc",
+            f"{{{prefix}}}:retry:due",
+            f"{{{prefix}}}:idem:billing_refunds_issued_v2:=evt_1",
+            f"{{{prefix}}}:billing_refunds_issued_v2:evt_1",
+            f"{{{prefix}}}:redrive:ticket:abc",
         ):
             assert worker.set(key, "1"), key
         with pytest.raises(NoPermissionError):
-            worker.set("payments-worker:retry:due", "1")
+            worker.set("{payments-worker}:retry:due", "1")
         assert worker.info("persistence")["aof_enabled"] == 1
     finally:
         worker.close()

@@ -143,7 +143,7 @@ def test_a_new_engine_version_reaches_a_service_by_its_pin_alone(
         asyncio.run(_produce(tansu_broker.bootstrap, topic, {"event_id": "evt-1"}))
         redis = Redis.from_url(redis_url)
         effect = wait_until(
-            lambda: redis.hgetall(f"{prefix}:{handler}:evt-1"),
+            lambda: redis.hgetall(f"{{{prefix}}}:{handler}:evt-1"),
             timeout=60,
             message=lambda: (
                 f"no effect of {handler} for evt-1 in Redis; worker still "

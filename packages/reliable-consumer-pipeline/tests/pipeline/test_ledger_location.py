@@ -3,7 +3,7 @@
 The ledger is where a service's handlers record each effect they apply; which Redis stream
 and which PostgreSQL table that is, and which record an entry is for, is the service's
 business, declared on its app. Reconcile used to read the example service's names whatever
-service it ran for (``{key_prefix}:ledger:purchases``, the table ``purchases``): another
+service it ran for (``{<key_prefix>}:ledger:purchases``, the table ``purchases``): another
 service's grants went unread and every record was judged by its outcome events alone, or,
 with an empty ``purchases`` table in its database, lost.
 """
@@ -28,7 +28,7 @@ from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.declaration import location as app_location
 from reliable_consumer.engine.handlers import registry
-from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.keys import RedisKeys, tagged_prefix
 from reliable_consumer_pipeline.cli import pipeline_app
 from reliable_consumer_pipeline.reconcile import (
     DedupeField,
@@ -51,7 +51,7 @@ ORDER_ID = DedupeField("order_id", "order_id")
 # insert into order_grants; neither is a name of the example's.
 STREAM = ("audit", "orders")
 TABLE = "order_grants"
-STREAM_KEY = RedisKeys(KEY_PREFIX).effect(*STREAM)
+STREAM_KEY = RedisKeys(tagged_prefix(KEY_PREFIX)).effect(*STREAM)
 
 
 def order_key(entry: Mapping[str, str]) -> str | None:
@@ -134,7 +134,7 @@ def test_reconcile_reads_the_ledger_stream_the_app_declares(
     make_topics: Callable[[dict[str, int]], None],
     app_with_ledger: Callable[[Ledger | None], None],
 ) -> None:
-    """The default stream is the app's (`{key_prefix}:audit:orders` here); --ledger-stream
+    """The default stream is the app's (`{<key_prefix>}:audit:orders` here); --ledger-stream
     still overrides it."""
     app_with_ledger(ORDERS_LEDGER)
     scenario = Scenario(n=150, doubled=frozenset({5}), without_ledger=frozenset({6}))
@@ -221,9 +221,9 @@ def test_an_app_without_a_ledger_has_none_read_and_reconcile_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """No ledger declared: no stream and no table is read, though the example's exist here
-    (a stream at `{key_prefix}:ledger:purchases`, the `purchases` table), one line each."""
+    (a stream at `{<key_prefix>}:ledger:purchases`, the `purchases` table), one line each."""
     client = redis.Redis.from_url(redis_server.url)
-    client.xadd(f"{KEY_PREFIX}:ledger:purchases", {"order_id": "o1", "source": "r/0/0"})
+    client.xadd(f"{{{KEY_PREFIX}}}:ledger:purchases", {"order_id": "o1", "source": "r/0/0"})
     client.close()
     app_with_ledger(None)
     rc = ReconcileConfig(

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.integration
 
 BASE_TS = 1_760_000_000_000
 KEY_PREFIX = "pw"
-LEDGER_KEY = f"{KEY_PREFIX}:ledger:purchases"
+LEDGER_KEY = f"{{{KEY_PREFIX}}}:ledger:purchases"
 RECORD_ID = DedupeField("record_id", "record_id")
 
 

@@ -99,7 +99,7 @@ def ledger(settings: Settings) -> list[tuple[str, str]]:
     """(payment_id, source topic/partition/offset) of every ledger entry."""
     client = redis.Redis.from_url(settings.redis.url.get_secret_value())
     try:
-        stream = f"{settings.redis.key_prefix}:ledger:purchases"
+        stream = f"{settings.redis.effective_prefix}:ledger:purchases"
         return [
             (fields[b"payment_id"].decode(), fields[b"source"].decode())
             for _, fields in client.xrange(stream)
@@ -168,7 +168,11 @@ def test_replay_after_a_worker_run_applies_nothing(
     assert len(by_partition) == 3
     for offsets in by_partition.values():
         assert offsets == list(range(len(offsets)))
-    assert asyncio.run(audit.retry_queue_depth(redis_url, settings.redis.key_prefix)) == (0, 0, 0)
+    assert asyncio.run(audit.retry_queue_depth(redis_url, settings.redis.effective_prefix)) == (
+        0,
+        0,
+        0,
+    )
 
 
 def test_replay_applies_exactly_the_missing_records(

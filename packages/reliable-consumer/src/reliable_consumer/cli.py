@@ -37,6 +37,7 @@ from reliable_consumer.ops.commands.records import (
     retries_app,
     trace_command,
 )
+from reliable_consumer.ops.commands.redis_layout import redis_app
 from reliable_consumer.ops.commands.unreachable import unreachable
 
 # Never print local variables in a crash report: they hold unwrapped secrets (the Redis URL,
@@ -68,6 +69,7 @@ dlq_app.command("show")(dlq_show)
 app.command("trace")(trace_command)
 app.command("audit")(audit_command)
 app.command("acls")(acls_command)  # reliable_consumer/ops/commands/acls.py
+app.add_typer(redis_app, name="redis")  # reliable_consumer/ops/commands/redis_layout.py
 app.add_typer(
     db_app, name="db"
 )  # reliable_consumer/ops/commands/db.py: the PostgreSQL effects store's schema

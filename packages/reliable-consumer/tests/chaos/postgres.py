@@ -140,7 +140,7 @@ class PgState:
 
 async def pg_state(settings: Settings, postgres_url: str) -> PgState:
     topic = settings.topics["purchases"]
-    prefix = settings.redis.key_prefix
+    prefix = settings.redis.effective_prefix
     url = settings.redis.url.get_secret_value()
     retry_depth = await audit.retry_queue_depth(url, prefix)
     client = aioredis.from_url(url)

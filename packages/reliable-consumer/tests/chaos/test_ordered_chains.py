@@ -129,7 +129,7 @@ class Run:
         self.settings = settings
         self.outside = outside
         self.topic = settings.topics["payments"]
-        self.prefix = settings.redis.key_prefix
+        self.prefix = settings.redis.effective_prefix
         self.redis = aioredis.from_url(settings.redis.url.get_secret_value())
         self.placed: dict[Where, Payment] = {}
         self.by_key: dict[str, list[Where]] = defaultdict(list)
@@ -262,7 +262,7 @@ async def test_per_key_order_survives_kills_and_rebalances_mid_chain(
     outside = Outside(
         bootstrap=kafka_broker.bootstrap,
         redis_url=redis_server.url,
-        prefix=settings.redis.key_prefix,
+        prefix=settings.redis.effective_prefix,
         group=settings.kafka.group_id,
         sources={topic: PARTITIONS},
         dead_letter_topics={topic: settings.dead_letter_topic(topic)},

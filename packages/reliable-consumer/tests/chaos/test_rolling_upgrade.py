@@ -1,31 +1,36 @@
-"""Two releases in one group: what the previous release wrote, this one reads, and back.
+"""An upgrade from the previous release: what it wrote, this one reads, after the migration.
 
-A rolling upgrade runs a worker of the previous release (`releases.PREVIOUS_RELEASE`, taken
-out of git) and one of this tree in one consumer group, on one broker and one Redis. Every
-record's state crosses from one version to the other: done-markers and dead-markers,
-claims (the claiming handler, tests/chaos/claiming.py), retry items, per-key chains (a
-refund and a later payment waiting behind a parked payment), dead letters and outcome
-events. Who runs a parked record is made certain, not left to timing: the consumers run no
-retry scheduler (``WORKER_RUN_RETRY_SCHEDULER=false``), so the delay queue is run only by
-the one scheduler the test starts, of the other release.
+The previous release (`releases.PREVIOUS_RELEASE`, taken out of git) kept its Redis keys
+under the bare prefix (`<prefix>:...`); this one keeps them under the prefix as a hash tag
+(`{<prefix>}:...`, docs/redis-cluster.md) and refuses to start on a Redis that holds the
+old layout. So the two never share a group: the upgrade is stop, `service redis migrate`,
+start (docs/operations.md, *The key layout*), and this test runs it with every record's
+state crossing the move: done-markers and dead-markers, claims (the claiming handler,
+tests/chaos/claiming.py), retry items, per-key chains (a refund and a later payment waiting
+behind a parked payment), dead letters and outcome events. The consumers run no retry
+scheduler (``WORKER_RUN_RETRY_SCHEDULER=false``), so the delay queue is run only by the one
+scheduler the test starts.
 
 1. **A** — the previous release's consumer alone: payments, transient failures, permanent
    and malformed ones, refund chains on every partition, one payment that fails every
    attempt. Everything retryable stays parked, exactly the records expected.
-2. **B** — this release's consumer joins (a rebalance while B's first half is in flight):
-   more of the mix, a later payment on every chain's key (blocked behind the previous
-   release's parked head), second deliveries of A's payments and of its dead letters.
-3. This release's retry scheduler (`service retry-scheduler`) alone runs the queue: every
+2. This release's consumer, started beside it without a migration (a rolling upgrade),
+   refuses to start (exit code 2, naming `service redis migrate`): nothing is granted
+   twice, the previous release keeps every partition.
+3. The previous release gets SIGTERM (the group stopped); this release's `service redis
+   migrate` moves every key.
+4. **B** — this release's consumer alone: more of the mix, a later payment on every chain's
+   key (blocked behind the previous release's parked head), second deliveries of A's
+   payments and of its dead letters (markers the previous release wrote).
+5. This release's retry scheduler (`service retry-scheduler`) alone runs the queue: every
    item the previous release parked is finished (or parked again, and dead-lettered when
-   spent) by this release, chains released in order.
-4. The previous release's consumer gets SIGTERM; this release's takes every partition.
-5. **C** — the reverse: this release's consumer alone parks a fresh mix with chains and
-   takes second deliveries of A's and B's payments (done-markers the previous release
-   wrote). Exactly the records expected are parked.
-6. A consumer of the previous release with its retry scheduler joins (a rollback) and runs
-   everything this release parked; this release's consumer gets SIGTERM.
-7. **D** — the previous release alone takes second deliveries of C's payments and dead
-   letters (markers this release wrote).
+   spent) by this release, chains released in order (the items name their chains by the
+   names the migration gave them).
+6. **C** — this release alone parks a fresh mix with chains and takes second deliveries of
+   A's and B's payments; its scheduler runs what it parked.
+
+A rollback to the previous release after the migration is not possible (it would read none
+of the moved keys); there is no reverse migration.
 
 At the end, from the outside (tests/chaos/outside.py, this release's outcome decoder):
 every payment granted once (the ledger), refunds and later payments after their payment
@@ -63,12 +68,14 @@ from reliable_consumer.dev.servers.postgres_server import PostgresServer
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.settings import Settings
+from reliable_consumer.ops.status import describe_group
 from tests.chaos.outside import TP, Outside, View, Where, ledger_key, wait_settled
 from tests.chaos.releases import (
     PREVIOUS_RELEASE,
     Release,
     ReleaseProcess,
     current_release,
+    explicit_env,
     materialize,
     run_command,
 )
@@ -275,6 +282,13 @@ class Run:
         )
         self.began = time.monotonic()
         self.notes: list[str] = []
+        # The keys read: the previous release's layout until the migration moves them.
+        self.prefix = settings.redis.key_prefix
+        outside.prefix = self.prefix
+
+    def migrated(self) -> None:
+        """From now on the keys are read where this release keeps them."""
+        self.prefix = self.outside.prefix = self.settings.redis.effective_prefix
 
     def note(self, what: str) -> None:
         self.notes.append(f"{time.monotonic() - self.began:6.1f}s {what}")
@@ -314,9 +328,7 @@ class Run:
     async def ledger(self) -> list[tuple[str, Where]]:
         """(ledger key, source) of every entry, in ledger order: a refund's entry counts
         under ``<payment_id>.refund`` (docs/contracts.md, Ledger)."""
-        entries = cast(
-            list[Any], await self.redis.xrange(ledger_key(self.settings.redis.key_prefix))
-        )
+        entries = cast(list[Any], await self.redis.xrange(ledger_key(self.prefix)))
         out = []
         for _, fields in entries:
             key = fields[b"payment_id"].decode()
@@ -343,7 +355,7 @@ class Run:
 
     async def queue_empty(self) -> bool:
         """Nothing due, in flight or waiting in the delay queue (the contract's key names)."""
-        prefix = self.settings.redis.key_prefix
+        prefix = self.prefix
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zcard(f"{prefix}:retry:due")
             pipe.zcard(f"{prefix}:retry:inflight")
@@ -352,7 +364,7 @@ class Run:
         return not any(sizes)
 
     async def chain_keys(self) -> list[str]:
-        pattern = f"{self.settings.redis.key_prefix}:retry:chain:*"
+        pattern = f"{self.prefix}:retry:chain:*"
         return [k.decode() async for k in self.redis.scan_iter(match=pattern, count=1000)]
 
     async def close(self) -> None:
@@ -418,7 +430,7 @@ def _order_problems(ledger: list[tuple[str, Where]], chain_list: list[Chain]) ->
 
 
 @pytest.mark.timeout(240)
-async def test_two_releases_in_one_group_lose_nothing_and_grant_nothing_twice(
+async def test_an_upgrade_across_the_key_layout_loses_nothing_and_grants_nothing_twice(
     kafka_broker: Broker,
     redis_server: RedisServer,
     unique_name: str,
@@ -486,10 +498,10 @@ async def test_two_releases_in_one_group_lose_nothing_and_grant_nothing_twice(
 
     with worker_processes() as procs:
         old_consumer = process(previous_release, "old-consumer", "run", scheduler=False)
+        refused = process(current, "new-unmigrated", "run", scheduler=False)
         new_consumer = process(current, "new-consumer", "run", scheduler=False)
         new_scheduler = process(current, "new-scheduler", "retry-scheduler", scheduler=True)
-        old_rollback = process(previous_release, "old-rollback", "run", scheduler=True)
-        workers = [old_consumer, new_consumer, new_scheduler, old_rollback]
+        workers = [old_consumer, refused, new_consumer, new_scheduler]
         procs.extend(workers)
         try:
             # 1. A: the previous release alone parks everything retryable.
@@ -510,43 +522,53 @@ async def test_two_releases_in_one_group_lose_nothing_and_grant_nothing_twice(
             granted_a = set(view.grants)
             run.note(f"A: {len(parked_a)} parked by the previous release, {len(granted_a)} granted")
 
-            # 2. B: this release joins; B's first half goes out during the rebalance.
+            # 2. A rolling upgrade without the migration: this release refuses to start.
+            refused.start()
+            code = await asyncio.to_thread(refused.wait, 60)
+            assert code == 2, f"{refused.label} exited {code}:\n{refused.tail()}"
+            assert "service redis migrate" in refused.tail(), refused.tail()
+            assert set((await run.view()).grants) == granted_a
+            assert _holding([old_consumer], total), "the previous release lost partitions"
+            run.note("this release refused the unmigrated Redis (exit 2)")
+
+            # 3. The group stopped, the keys moved.
+            await sigterm(old_consumer)
+            await wait(lambda: _group_empty(settings), "the group never emptied")
+            migrated = run_command(
+                current, ["redis", "migrate", "--json"], explicit_env(settings), tmp_path
+            )
+            assert migrated.returncode == 0, f"{migrated.stdout}\n{migrated.stderr}"
+            report = json.loads(migrated.stdout)
+            assert report["complete"] and report["conflicts"] == [], report
+            run.migrated()
+            run.note(f"migrated: {report['renamed']} keys renamed, {report['chains_rewritten']} "
+                     "parked items' chains renamed")  # fmt: skip
+            view = await run.view()
+            assert view.parked == parked_a and set(view.grants) == granted_a, "moved as it was"
+
+            # 4. B: this release alone; later payments behind A's chains, second deliveries.
             mix_b = fresh_mix("b", 24, 10)
             later_b = [o for c in chains_a for o in c.out([later_payment(c, "b")])]
             for c, o in zip(chains_a, later_b, strict=True):
                 c.records.append(o.routed)
             again_a = second_deliveries(batch_a, granted_a)
             new_consumer.start()
-            batch_b = await run.produce("B1", mix_b[: len(mix_b) // 2])
             await wait(new_consumer.started, "this release's consumer never started")
-            await wait(
-                lambda: _holding([old_consumer, new_consumer], total),
-                "the two releases never shared the partitions",
-            )
-            run.note(
-                f"shared: old {sorted(current_assignment(old_consumer))}, "
-                f"new {sorted(current_assignment(new_consumer))}"
-            )
-            batch_b += await run.produce("B2", mix_b[len(mix_b) // 2 :] + later_b + again_a)
+            await wait(lambda: _holding([new_consumer], total), "new-consumer never took all")
+            batch_b = await run.produce("B", mix_b + later_b + again_a)
             parked_b = expected_parked(batch_b, waiting)
             view = await wait(run.committed_at_ends, "B never reached a fate")
             missing = (parked_a | parked_b) - view.parked
             assert not missing, f"B: expected parked, not in the delay queue: {sorted(missing)}"
             run.note(f"B: {len(view.parked)} parked in all")
 
-            # 3. This release's scheduler alone runs what both parked.
+            # 5. This release's scheduler runs what both parked.
             new_scheduler.start()
             await wait(new_scheduler.started, "this release's retry scheduler never started")
             await wait(run.queue_empty, "this release never emptied the delay queue")
-            await sigterm(new_scheduler)
+            await durable("after the previous release's queue ran", [new_consumer])
 
-            # 4. The previous release leaves; this one takes every partition.
-            await sigterm(old_consumer)
-            await wait(lambda: _holding([new_consumer], total), "new-consumer never took all")
-            await durable("after the previous release left", [new_consumer])
-            run.note("new-consumer holds every partition")
-
-            # 5. C: the reverse. This release alone parks; second deliveries of A and B.
+            # 6. C: this release alone parks; second deliveries of A and B; its scheduler runs.
             view = await run.view()
             granted_ab = set(view.grants)
             chains_c = chains("c", rng)
@@ -558,34 +580,16 @@ async def test_two_releases_in_one_group_lose_nothing_and_grant_nothing_twice(
                 + [o for c in chains_c for o in c.out(c.records)]
                 + second_deliveries(batch_a + batch_b, granted_ab),
             )
-            parked_c = expected_parked(batch_c, set())
-            view = await wait(run.committed_at_ends, "C never reached a fate")
-            assert view.parked == parked_c, (
-                f"C: parked {sorted(view.parked ^ parked_c)} differ from what was expected"
-            )
-            run.note(f"C: {len(parked_c)} parked by this release")
-
-            # 6. The previous release rolls back in, with its scheduler; this one leaves.
-            old_rollback.start()
-            await wait(old_rollback.started, "the previous release's rollback never started")
-            await wait(
-                lambda: _holding([new_consumer, old_rollback], total),
-                "the rollback never shared the partitions",
-            )
-            await wait(run.queue_empty, "the previous release never emptied the queue")
-            await sigterm(new_consumer)
-            await wait(lambda: _holding([old_rollback], total), "old-rollback never took all")
-            await durable("after this release left", [old_rollback])
-
-            # 7. D: the previous release reads the markers this release wrote.
-            view = await run.view()
-            batch_d = await run.produce("D", second_deliveries(batch_c, set(view.grants)))
             final = await wait_settled(outside, run.ends(), timeout=STEP_TIMEOUT_S)
-            await sigterm(old_rollback)
+            await sigterm(new_scheduler)
+            await sigterm(new_consumer)
             run.note("settled")
             end = await read_end_state(outside, run.ends(), [p.log_path for p in procs])
             ledger = await run.ledger()
             chain_keys = await run.chain_keys()
+            old_keys = [
+                k async for k in run.redis.scan_iter(match=f"{settings.redis.key_prefix}:*")
+            ]
         finally:
             await run.close()
             await outside.close()
@@ -598,28 +602,33 @@ async def test_two_releases_in_one_group_lose_nothing_and_grant_nothing_twice(
     verdict = final_verdict(final, end, run.placed, problems)
     assert verdict.ok, "\n".join(verdict.problems)
     assert chain_keys == [], f"chains left in Redis: {chain_keys}"
+    assert old_keys == [], f"keys of the previous layout left: {old_keys[:10]}"
     order = _order_problems(ledger, chains_a + chains_c)
     assert not order, f"ledger out of offset order: {order}"
 
     # Who did what, from the outcome events (decoded by this release, whoever wrote them).
     events = _events_by_record(end.events)
     writers = Counter(str(e["worker"]) for e in end.events)
-    ids = {p.label: p.worker_id() for p in workers}
+    ids = {p.label: p.worker_id() for p in workers if p.label != refused.label}
     assert set(writers) <= set(ids.values()), f"events by unknown workers: {writers}, {ids}"
     crossing = _crossing_problems(events, parked_a, ids["old-consumer"], ids["new-scheduler"])
-    crossing += _crossing_problems(events, parked_c, ids["new-consumer"], ids["old-rollback"])
     assert not crossing, f"parked by one release, not finished by the other: {crossing[:10]}"
+    # C's second deliveries (the queue empty by then, so none waits in a chain): each read
+    # the marker the previous release, or this one, wrote, and was taken as a duplicate.
     read = _duplicate_problems(
         events, [p for p in batch_c if p.routed.kind == "duplicate"], ids["new-consumer"]
     )
-    read += _duplicate_problems(events, batch_d, ids["old-rollback"])
     assert not read, f"second deliveries not taken as duplicates across releases: {read[:10]}"
     print(
-        f"[rolling upgrade] {PREVIOUS_RELEASE} -> {current.name}: {len(run.placed)} records, "
+        f"[upgrade] {PREVIOUS_RELEASE} -> {current.name}: {len(run.placed)} records, "
         f"{verdict.expected_grants} granted, {sum(verdict.dead_by_reason.values())} dead-lettered "
-        f"{dict(verdict.dead_by_reason)}, parked across: {len(parked_a)} old->new, "
-        f"{len(parked_c)} new->old; events by {dict(writers)}"
+        f"{dict(verdict.dead_by_reason)}, parked across the migration: {len(parked_a)}; "
+        f"events by {dict(writers)}"
     )
+
+
+async def _group_empty(settings: Settings) -> bool:
+    return not (await describe_group(settings.kafka, settings.kafka.group_id)).live
 
 
 # --- the PostgreSQL store's schema ---

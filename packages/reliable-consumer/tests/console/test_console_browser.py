@@ -72,7 +72,7 @@ def _shot(page: Any, tmp_path: Path, name: str) -> None:
 
 def _grants(settings: Settings) -> dict[str, int]:
     url = settings.redis.url.get_secret_value()
-    return dict(_run(audit.ledger_grants(url, settings.redis.key_prefix)))
+    return dict(_run(audit.ledger_grants(url, settings.redis.effective_prefix)))
 
 
 def _offsets(settings: Settings) -> list[audit.PartitionOffsets]:
@@ -86,7 +86,7 @@ def _actions(settings: Settings) -> list[Any]:
     async def read() -> list[Any]:
         client = aioredis.from_url(settings.redis.url.get_secret_value())
         try:
-            return await read_actions(client, settings.redis.key_prefix)
+            return await read_actions(client, settings.redis.effective_prefix)
         finally:
             await client.aclose()
 
@@ -128,7 +128,7 @@ def test_console_shows_the_data_and_redrives_only_with_the_token(
         lambda: (
             granted_first <= set(_grants(faulty))
             and len(_run(audit.read_all(faulty.kafka, dlq))) == 1
-            and _run(audit.retry_queue_depth(redis_url, faulty.redis.key_prefix))[2] == 1
+            and _run(audit.retry_queue_depth(redis_url, faulty.redis.effective_prefix))[2] == 1
             and all(p.committed == p.high_watermark for p in _offsets(faulty))
         ),
         60,

@@ -143,7 +143,8 @@ def seeded(
     wait_until(
         lambda: (
             len(asyncio.run(audit.read_all(settings.kafka, dlq))) == 1
-            and asyncio.run(audit.retry_queue_depth(redis_url, settings.redis.key_prefix))[2] == 1
+            and asyncio.run(audit.retry_queue_depth(redis_url, settings.redis.effective_prefix))[2]
+            == 1
         ),
         60,
         interval=0.3,

@@ -95,7 +95,7 @@ async def _produce(
 async def _ledger(settings: Settings) -> list[dict[str, str]]:
     client = aioredis.from_url(settings.redis.url.get_secret_value())
     try:
-        stream = RedisKeys(settings.redis.key_prefix).effect("ledger", "purchases")
+        stream = RedisKeys(settings.redis.effective_prefix).effect("ledger", "purchases")
         entries = await client.xrange(stream)
         return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
     finally:

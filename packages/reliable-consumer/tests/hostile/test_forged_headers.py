@@ -102,7 +102,7 @@ async def outcomes(settings: Settings, n: int) -> list[dict[str, Any]]:
 
 async def grants(settings: Settings) -> dict[str, int]:
     url = settings.redis.url.get_secret_value()
-    return dict(await audit.ledger_grants(url, settings.redis.key_prefix))
+    return dict(await audit.ledger_grants(url, settings.redis.effective_prefix))
 
 
 async def refused_then_conflicting(settings: Settings, producer: Producer) -> str:
@@ -162,9 +162,9 @@ async def test_genuine_redrive_still_grants_a_dead_lettered_payment_once_its_cau
 
     client = aioredis.from_url(url)
     try:
-        ((_, entry),) = await client.xrange(f"{settings.redis.key_prefix}:ledger:purchases")
+        ((_, entry),) = await client.xrange(f"{settings.redis.effective_prefix}:ledger:purchases")
         assert entry[b"currency"] == b"XXX"
-        tickets = await client.keys(f"{settings.redis.key_prefix}:redrive:ticket:*")
+        tickets = await client.keys(f"{settings.redis.effective_prefix}:redrive:ticket:*")
         assert len(tickets) == 1  # the conflict's: never used; pA's was consumed by its claim
     finally:
         await client.aclose()

@@ -168,7 +168,7 @@ async def env(redis_url: str) -> AsyncIterator[Env]:
         producer=producer,
         metrics=Metrics(),
     )
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     await client.set(keys.redrive_ticket(TICKETED), redrive_ticket_value(TOPIC, b"{}"))
     try:
         yield Env(processor, producer, client, keys, itertools.count())

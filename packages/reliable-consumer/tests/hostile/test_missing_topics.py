@@ -127,7 +127,7 @@ async def test_missing_dead_letter_topic_stalls_loudly_then_resumes_when_created
     assert audit.header(dl, "x-dlq-reason") == "malformed"
     assert dl.key == b"bad" and dl.value == b"not json"
     grants = await audit.ledger_grants(
-        settings.redis.url.get_secret_value(), settings.redis.key_prefix
+        settings.redis.url.get_secret_value(), settings.redis.effective_prefix
     )
     assert dict(grants) == dict.fromkeys(ids, 1)
 

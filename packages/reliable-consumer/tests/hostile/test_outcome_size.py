@@ -115,7 +115,7 @@ async def test_a_1_mib_dedupe_key_stalls_no_partition_and_its_event_carries_its_
         committed = await committed_to_the_end(settings)
     assert {p.partition: p.high_watermark for p in committed} == {0: 3, 1: 5}
 
-    grants = await audit.ledger_grants(redis_url, settings.redis.key_prefix)
+    grants = await audit.ledger_grants(redis_url, settings.redis.effective_prefix)
     assert grants[long_key] == 1 and all(grants[k] == 1 for k in ordinary)
     outcomes = settings.outcomes_topic()
     assert outcomes is not None

@@ -155,7 +155,7 @@ async def _run(
         await producer.stop()
     started = time.monotonic()
     settled_in: float | None = None
-    url, prefix = settings.redis.url.get_secret_value(), settings.redis.key_prefix
+    url, prefix = settings.redis.url.get_secret_value(), settings.redis.effective_prefix
     async with running_worker(settings, registry=registry(settings) if registry else None):
         settled_once = False
         while True:

@@ -289,7 +289,9 @@ async def test_redis_crash_and_restart_loses_no_parked_retry(
             state = await observe(settings)
             if not all(p.committed == p.high_watermark for p in state.offsets):
                 return False
-            before = await audit.retry_queue_depth(redis_server.url, settings.redis.key_prefix)
+            before = await audit.retry_queue_depth(
+                redis_server.url, settings.redis.effective_prefix
+            )
             return before[0] >= 10
 
         await await_until(parked_and_committed, 60, interval=0.1, message="no parked retries")
@@ -298,7 +300,7 @@ async def test_redis_crash_and_restart_loses_no_parked_retry(
         # Redis stays down until the worker has hit the outage (the loop keeps running).
         await await_until(lambda: redis_errors(worker) >= errors + 3, 30, message="no outage seen")
         redis_server.start()  # same port, same AOF (started from this thread: see devstack)
-        after = await audit.retry_queue_depth(redis_server.url, settings.redis.key_prefix)
+        after = await audit.retry_queue_depth(redis_server.url, settings.redis.effective_prefix)
         # The parked retries came back with Redis (a few may have finished meanwhile).
         assert 0 < after[2] <= before[2], (before, after)
         state = await wait_settled(settings, timeout=90)
@@ -547,7 +549,7 @@ async def test_wait_aof_mode_runs_the_worker_on_a_server_with_waitaof(
     client = redis.Redis(port=server.port)
     try:
         # The writes did wait (one fence write per FINISH, PARK or MARK_DEAD call).
-        assert int(client.get(f"{settings.redis.key_prefix}:durability:fence") or 0) > 0
+        assert int(client.get(f"{settings.redis.effective_prefix}:durability:fence") or 0) > 0
     finally:
         client.close()
 

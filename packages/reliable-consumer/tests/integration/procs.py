@@ -332,7 +332,9 @@ async def ledger_len(settings: Settings) -> int:
     client = aioredis.from_url(settings.redis.url.get_secret_value())
     try:
         return int(
-            await client.xlen(RedisKeys(settings.redis.key_prefix).effect("ledger", "purchases"))
+            await client.xlen(
+                RedisKeys(settings.redis.effective_prefix).effect("ledger", "purchases")
+            )
         )
     finally:
         await client.aclose()
@@ -376,11 +378,11 @@ def hanging_ids(records: list[sample.SampleRecord]) -> list[str]:
 
 async def fates(settings: Settings) -> Fates:
     topic = settings.topics["payments"]
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     url = settings.redis.url.get_secret_value()
     # Retry queue first (see harness.observe): read last, a retry finishing between the
     # reads could look settled without its ledger entry or dead letter.
-    retry_depth = await audit.retry_queue_depth(url, settings.redis.key_prefix)
+    retry_depth = await audit.retry_queue_depth(url, settings.redis.effective_prefix)
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
     client = aioredis.from_url(url)
     try:

@@ -233,7 +233,7 @@ async def test_a_retry_parked_by_a_skewed_host_is_due_after_its_delay_by_redis_t
             with clock_off_by(monkeypatch, skew_s):
                 assert await processor.process_batch([d]) == [Outcome.RETRY_SCHEDULED]
             after = await server_ms(client)
-        due = await client.zscore(RedisKeys(settings.redis.key_prefix).retry_due, d.retry_id)
+        due = await client.zscore(RedisKeys(settings.redis.effective_prefix).retry_due, d.retry_id)
     finally:
         await client.aclose()
     assert due is not None

@@ -141,7 +141,7 @@ async def env(redis_url: str) -> AsyncIterator[Env]:
     )
     client = make_client(settings.redis)
     ops = RedisOps(client, settings.redis)
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     producer = LateAck()
     registry = Registry([lease_race], {"lease_race": TOPIC})
     processor = Processor.build(settings, registry, ops=ops, producer=producer, metrics=Metrics())

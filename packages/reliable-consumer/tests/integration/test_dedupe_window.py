@@ -41,7 +41,9 @@ class Env:
     redis: aioredis.Redis
 
     async def grants(self, payment_id: str) -> int:
-        entries = await self.redis.xrange(f"{self.settings.redis.key_prefix}:ledger:purchases")
+        entries = await self.redis.xrange(
+            f"{self.settings.redis.effective_prefix}:ledger:purchases"
+        )
         return sum(1 for _, fields in entries if fields[b"payment_id"] == payment_id.encode())
 
     def dead_letter_reasons(self) -> list[str | None]:
@@ -125,7 +127,7 @@ async def test_record_beyond_a_configured_dedupe_window_is_dead_lettered_not_gra
     env = await make_env(ttl_s=2 * DAY_S, window_margin_s=3600)
     start = int(time.time() * 1000)
     assert await env.processor.process(payment("pay_1", start)) is Outcome.SUCCEEDED
-    marker_ttl = await env.redis.ttl("win:idem:payments:=pay_1")
+    marker_ttl = await env.redis.ttl("{win}:idem:payments:=pay_1")
     assert DAY_S < marker_ttl <= 2 * DAY_S, "with a TTL configured, markers use it"
     # Two days and a second later the marker is gone, and the record is redelivered.
     later = 2 * DAY_S + 1

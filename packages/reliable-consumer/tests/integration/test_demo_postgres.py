@@ -123,7 +123,7 @@ def test_make_run_with_the_postgres_example_grants_into_postgresql(state_dir: Pa
     assert inbox is not None and inbox[0] == expected
     ledger = redis.Redis.from_url(info.redis_url, socket_timeout=5)
     try:
-        assert ledger.xlen("demo:ledger:purchases") == 0  # the Redis example's ledger: unused
+        assert ledger.xlen("{demo}:ledger:purchases") == 0  # the Redis example's ledger: unused
     finally:
         ledger.close()
 

@@ -76,7 +76,7 @@ async def _check_commits(settings: Settings, client: aioredis.Redis, watch: Watc
     the queue in the same script that writes its ledger entry).
     """
     topic = settings.topics["payments"]
-    prefix = settings.redis.key_prefix
+    prefix = settings.redis.effective_prefix
     url = settings.redis.url.get_secret_value()
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
     items = {k.decode() for k in await client.hkeys(RedisKeys(prefix).retry_items)}

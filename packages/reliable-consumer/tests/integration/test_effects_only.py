@@ -86,10 +86,10 @@ class Env:
         return Delivery(**fields)  # type: ignore[arg-type]
 
     def idem_key(self, name: str, payment_id: str) -> str:
-        return RedisKeys(self.settings.redis.key_prefix).idempotency(name, payment_id)
+        return RedisKeys(self.settings.redis.effective_prefix).idempotency(name, payment_id)
 
     async def ledger(self, name: str) -> list[str]:
-        entries = await self.redis.xrange(f"{self.settings.redis.key_prefix}:ledger:{name}")
+        entries = await self.redis.xrange(f"{self.settings.redis.effective_prefix}:ledger:{name}")
         return [fields[b"payment_id"].decode() for _, fields in entries]
 
     async def sets(self) -> int:
@@ -178,7 +178,7 @@ async def test_an_effects_only_delivery_never_overtakes_a_live_claim(env: Env) -
     assert outcomes == [Outcome.RETRY_SCHEDULED]
     assert await env.ledger("optimistic") == []
     assert (await env.redis.get(key) or b"").startswith(b"c|someone-else|"), "claim was touched"
-    keys = RedisKeys(env.settings.redis.key_prefix)
+    keys = RedisKeys(env.settings.redis.effective_prefix)
     item = await env.redis.hget(keys.retry_items, f"{env.topics['optimistic']}/0/0")
     assert item is not None and b"busy: key claimed by another delivery" in item
 
@@ -207,7 +207,7 @@ async def test_a_failing_duplicate_is_a_duplicate_not_a_dead_letter_or_retry(
     failing = env.delivery("optimistic", "p_f", offset=1, headers=((FAULT_HEADER, fault.encode()),))
     assert await env.processor.process_batch([failing]) == [Outcome.DUPLICATE]
     assert await dead_letter_reasons(env, "optimistic") == []
-    assert await env.redis.zcard(RedisKeys(env.settings.redis.key_prefix).retry_due) == 0
+    assert await env.redis.zcard(RedisKeys(env.settings.redis.effective_prefix).retry_due) == 0
 
 
 @pytest.mark.timeout(60)

@@ -79,7 +79,7 @@ class Env:
         return found
 
     async def last_errors(self) -> list[str]:
-        keys = RedisKeys(self.settings.redis.key_prefix)
+        keys = RedisKeys(self.settings.redis.effective_prefix)
         items = await self.redis.hvals(keys.retry_items)
         return [json.loads(raw)["last_error"] for raw in items]
 

@@ -101,7 +101,7 @@ def test_the_issues_handler_named_idem_cannot_be_declared() -> None:
 
 @pytest.mark.timeout(60)
 async def test_no_handler_can_write_another_payments_done_marker(env: Env) -> None:
-    prefix = env.settings.redis.key_prefix
+    prefix = env.settings.redis.effective_prefix
     marker = RedisKeys(prefix).idempotency("payments", "pP")
     assert marker == f"{prefix}:idem:payments:=pP"
     forged = [
@@ -125,7 +125,7 @@ async def test_no_handler_can_write_another_payments_done_marker(env: Env) -> No
 
 @pytest.mark.timeout(60)
 async def test_effects_outside_the_declared_namespaces_are_dead_lettered(env: Env) -> None:
-    prefix = env.settings.redis.key_prefix
+    prefix = env.settings.redis.effective_prefix
     outcomes = await env.processor.process_batch(
         [
             env.order(0, "by_hand", "ledger:purchases"),  # payments declares it; orders does not

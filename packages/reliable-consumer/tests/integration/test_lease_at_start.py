@@ -101,7 +101,7 @@ class Env:
         )
 
     async def grants(self, key: str) -> int:
-        stream = RedisKeys(self.settings.redis.key_prefix).effect("ledger", "slow")
+        stream = RedisKeys(self.settings.redis.effective_prefix).effect("ledger", "slow")
         entries = await self.redis.xrange(stream) or []
         return sum(1 for _, fields in entries if fields and fields[b"key"] == key.encode())
 
@@ -131,7 +131,7 @@ class Env:
 
     @property
     def _keys(self) -> RedisKeys:
-        return RedisKeys(self.settings.redis.key_prefix)
+        return RedisKeys(self.settings.redis.effective_prefix)
 
 
 @pytest.fixture
@@ -152,7 +152,7 @@ async def env(kafka_broker: Broker, redis_url: str, unique_name: str) -> AsyncIt
     topic = settings.topics["slow_claiming"]
     registry = Registry([slow_claiming], {"slow_claiming": topic})
     client = aioredis.from_url(redis_url)
-    queue = RetryQueue(RedisOps(client, settings.redis), RedisKeys(settings.redis.key_prefix))
+    queue = RetryQueue(RedisOps(client, settings.redis), RedisKeys(settings.redis.effective_prefix))
     runs.clear()
     try:
         async with open_processor(settings, registry) as processor:
@@ -220,7 +220,7 @@ async def test_a_retry_lease_outlives_the_wait_for_a_runner_and_fences_the_park(
     # Parked again by the run that held the lease: next attempt, back in the due set.
     assert await env.queue.depth() == (1, 0)
     item = await env.redis.hget(
-        RedisKeys(env.settings.redis.key_prefix).retry_items, retry.retry_id
+        RedisKeys(env.settings.redis.effective_prefix).retry_items, retry.retry_id
     )
     assert item is not None and json.loads(item)["attempt"] == 3
 
@@ -229,7 +229,7 @@ async def test_a_retry_lease_outlives_the_wait_for_a_runner_and_fences_the_park(
 async def test_a_lost_claim_is_not_run_but_parked_as_busy(env: Env) -> None:
     """When the claim is gone by the time a runner is free, the handler does not start."""
     batch = [env.delivery("filler-1", 0), env.delivery("filler-2", 1), env.delivery("K", 2)]
-    key = RedisKeys(env.settings.redis.key_prefix).idempotency("slow_claiming", "K")
+    key = RedisKeys(env.settings.redis.effective_prefix).idempotency("slow_claiming", "K")
     first = asyncio.create_task(env.processor.process_batch(batch))
     await await_until(lambda: len(runs.started) == 2, 10, message="fillers never started")
     # Another delivery takes K over while ours waits for a runner (its lease was stolen,
@@ -239,7 +239,7 @@ async def test_a_lost_claim_is_not_run_but_parked_as_busy(env: Env) -> None:
     assert await first == [Outcome.SUCCEEDED, Outcome.SUCCEEDED, Outcome.RETRY_SCHEDULED]
     assert "K" not in runs.started
     assert await env.redis.get(key) == b"c|rival.1|fp", "the rival's claim is untouched"
-    (parked,) = await env.redis.hvals(RedisKeys(env.settings.redis.key_prefix).retry_items)
+    (parked,) = await env.redis.hvals(RedisKeys(env.settings.redis.effective_prefix).retry_items)
     assert json.loads(parked)["attempt"] == 1, "busy is not a failed attempt"
 
 
@@ -270,7 +270,7 @@ async def test_a_fresh_delivery_running_beside_a_retry_of_its_key_never_overlaps
     retry = await env.retry(env.delivery("K", 2))
     assert await env.processor.process_batch([retry]) == [Outcome.RETRY_SCHEDULED]
     item = await env.redis.hget(
-        RedisKeys(env.settings.redis.key_prefix).retry_items, retry.retry_id
+        RedisKeys(env.settings.redis.effective_prefix).retry_items, retry.retry_id
     )
     assert item is not None and json.loads(item)["attempt"] == 2, "busy: same attempt"
 

@@ -74,7 +74,7 @@ async def env(redis_url: str) -> AsyncIterator[tuple[Processor, RetryQueue, Sett
     )
     client = make_client(settings.redis)
     ops = RedisOps(client, settings.redis)
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     registry = Registry([long_batch], {"long_batch": TOPIC})
     producer = RecordingProducer()
     processor = Processor.build(settings, registry, ops=ops, producer=producer, metrics=Metrics())

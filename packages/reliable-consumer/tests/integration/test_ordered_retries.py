@@ -99,8 +99,8 @@ async def _run(
         await wait_settled(settings, timeout=60)
     client = aioredis.from_url(redis_url)
     try:
-        entries = await client.xrange(f"{name}:ledger:events")
-        chains = [k async for k in client.scan_iter(match=f"{name}:retry:chain:*")]
+        entries = await client.xrange(f"{{{name}}}:ledger:events")
+        chains = [k async for k in client.scan_iter(match=f"{{{name}}}:retry:chain:*")]
     finally:
         await client.aclose()
     assert chains == [], f"chains left behind: {chains}"

@@ -210,7 +210,7 @@ async def test_a_relay_killed_between_ack_and_mark_republishes_the_same_event_id
     topic = f"{unique_name}.granted"
     await create_topics(settings.kafka.bootstrap_servers, {topic: 1})
     client = aioredis.from_url(redis_server.url)
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     store = RedisOutboxStore(client, keys)
     idem = Idempotency(RedisOps(client, settings.redis), keys, ttl_s=None, lease_ms=5000)
     box = Emissions("grants", frozenset({topic}), "g1")
@@ -284,7 +284,7 @@ async def test_an_entry_kafka_refuses_lets_no_later_entry_of_its_key_through(
     topic = f"{unique_name}.granted"
     await _limited_topic(settings, topic, LIMIT)
     client = aioredis.from_url(redis_server.url)
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     store = RedisOutboxStore(client, keys)
     idem = Idempotency(RedisOps(client, settings.redis), keys, ttl_s=None, lease_ms=5000)
     box = Emissions("grants", frozenset({topic}), "g1")
@@ -382,7 +382,7 @@ async def test_the_relay_publishes_to_a_topic_taking_less_than_its_producers_bat
             topic, b"x" * (largest + 1), key="u1"
         )
     client = aioredis.from_url(redis_server.url)
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     store = RedisOutboxStore(client, keys)
     idem = Idempotency(RedisOps(client, settings.redis), keys, ttl_s=None, lease_ms=5000)
     values = [json.dumps({"n": n, "pad": "x" * 1_500}).encode() for n in range(40)]

@@ -83,7 +83,7 @@ async def test_partial_effects_are_dead_lettered_after_a_crash_before_the_dead_l
     def worker(producer: RecordingProducer) -> Processor:
         return Processor.build(settings, registry, ops=ops, producer=producer, metrics=Metrics())
 
-    ledger = f"{settings.redis.key_prefix}:ledger:purchases"
+    ledger = f"{settings.redis.effective_prefix}:ledger:purchases"
     try:
         with pytest.raises(Killed):  # applied in part, then died before the ack
             await worker(DiesBeforeTheDeadLetterAck()).process(delivery(0))

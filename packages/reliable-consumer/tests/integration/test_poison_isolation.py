@@ -44,7 +44,7 @@ async def test_a_record_that_breaks_processing_is_isolated_and_dead_lettered(
 
         await await_until(settled, 90, interval=0.3, message="the partition stalled")
 
-    grants = await audit.ledger_grants(redis_url, settings.redis.key_prefix)
+    grants = await audit.ledger_grants(redis_url, settings.redis.effective_prefix)
     expected = {r.payment_id for r in records if r is not poison}
     assert set(grants) == expected and set(grants.values()) == {1}
     dead = await audit.read_all(settings.kafka, settings.dead_letter_topic(unique_name))

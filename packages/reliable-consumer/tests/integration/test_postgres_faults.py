@@ -112,7 +112,7 @@ async def test_a_postgres_outage_opens_the_circuit_holds_records_and_grants_once
         assert state_value in (1.0, 2.0), state_value  # half-open or open, never closed
         client = aioredis.from_url(redis_url)
         try:
-            depth = await audit.retry_queue_depth(redis_url, settings.redis.key_prefix)
+            depth = await audit.retry_queue_depth(redis_url, settings.redis.effective_prefix)
         finally:
             await client.aclose()
         assert depth[2] <= BUDGET, f"retry queue grew to {depth} during the outage"

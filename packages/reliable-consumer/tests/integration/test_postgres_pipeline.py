@@ -123,7 +123,7 @@ async def _settled(settings: Settings, postgres_url: str) -> tuple[Counter[str],
     async def look() -> bool:
         async with asyncio.timeout(OBSERVATION_TIMEOUT_S):
             depth = await audit.retry_queue_depth(
-                settings.redis.url.get_secret_value(), settings.redis.key_prefix
+                settings.redis.url.get_secret_value(), settings.redis.effective_prefix
             )
             offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
             grants = await postgres_rows(postgres_url, "SELECT payment_id FROM purchases")

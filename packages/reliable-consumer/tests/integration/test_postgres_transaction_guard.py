@@ -135,7 +135,7 @@ class Observed:
 async def _observe(settings: Settings, postgres_url: str) -> Observed:
     topic = settings.topics["guarded_orders"]
     depth = await audit.retry_queue_depth(
-        settings.redis.url.get_secret_value(), settings.redis.key_prefix
+        settings.redis.url.get_secret_value(), settings.redis.effective_prefix
     )
     offsets = await audit.group_offsets(settings.kafka, settings.kafka.group_id, topic)
     grants = Counter(

@@ -134,7 +134,7 @@ class RecordPath(RuleBasedStateMachine):
             fault_injection=True,
             http={"enabled": False},
         )
-        self.keys = RedisKeys(prefix)
+        self.keys = RedisKeys(self.settings.redis.effective_prefix)
         self.client: aioredis.Redis = self.run(self._connect())
         ops = RedisOps(self.client, self.settings.redis)
         self.queue = RetryQueue(ops, self.keys)

@@ -42,7 +42,7 @@ async def _wait_grants(settings: Settings, ids: set[str]) -> dict[str, int]:
     url = settings.redis.url.get_secret_value()
 
     async def granted() -> dict[str, int] | None:
-        grants = dict(await audit.ledger_grants(url, settings.redis.key_prefix))
+        grants = dict(await audit.ledger_grants(url, settings.redis.effective_prefix))
         return grants if ids <= set(grants) else None
 
     found = await await_until(granted, 60, interval=0.2, message=f"not granted: {sorted(ids)}")
@@ -63,7 +63,7 @@ async def test_redrive_by_reason_leaves_other_reasons_for_a_later_redrive(
         await await_until(
             lambda: _count(audit.read_all(faulty.kafka, dlq), 12), 60, message="dead letters"
         )
-    assert not await audit.ledger_grants(redis_server.url, unique_name)
+    assert not await audit.ledger_grants(redis_server.url, faulty.redis.effective_prefix)
     first_high = await audit.high_watermarks(faulty.kafka, unique_name)
 
     fixed = faulty.model_copy(update={"fault_injection": False})  # the cause is fixed

@@ -44,7 +44,7 @@ async def test_a_refund_waits_for_its_failing_payment_and_revokes_it_once(
 
     # Each exactly once (ledger keys pay_r1, pay_r1.refund, pay_k1); nothing dead-lettered.
     assert_invariants(state, records, dlq_count=0)
-    prefix, url = settings.redis.key_prefix, settings.redis.url.get_secret_value()
+    prefix, url = settings.redis.effective_prefix, settings.redis.url.get_secret_value()
     order = await audit.ledger_order(url, prefix, {"pay_r1", "pay_r1.refund"})
     assert order == ["pay_r1", "pay_r1.refund"]
     # The payment really did fail twice first: its third run granted it.

@@ -60,7 +60,7 @@ async def test_a_dead_workers_retry_runs_again_after_its_lease(
     # A worker parked this payment, claimed the retry and its dedupe key, then died.
     client = aioredis.from_url(redis_url)
     ops = RedisOps(client, settings.redis)
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     queue = RetryQueue(ops, keys)
     idem = Idempotency(ops, keys, ttl_s=3600, lease_ms=DEAD_LEASE_MS)
     try:
@@ -101,7 +101,7 @@ async def test_a_dead_workers_retry_runs_again_after_its_lease(
     assert state.grants.get(orphan.payment_id) == 1
     # The orphan counts as one more payment to grant exactly once.
     assert_invariants(state, [*others, orphan])
-    ledger = await _ledger_entries(redis_url, settings.redis.key_prefix)
+    ledger = await _ledger_entries(redis_url, settings.redis.effective_prefix)
     (entry,) = [e for e in ledger if e["payment_id"] == orphan.payment_id]
     assert entry["source"] == f"{topic}/0/4242"
     assert int(entry["granted_at"]) >= lease_ends, "run again before the dead worker's lease ended"

@@ -81,7 +81,7 @@ def end_to_end(metrics: Metrics, series: str) -> float:
 async def make_overdue(settings: Settings, by_ms: int) -> int:
     """Move every due time ``by_ms`` into the past, by Redis's clock: what a queue looks
     like after its schedulers were down that long. Returns how many items moved."""
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     client = aioredis.from_url(settings.redis.url.get_secret_value())
     try:
         sec, usec = await client.time()
@@ -97,7 +97,9 @@ async def make_overdue(settings: Settings, by_ms: int) -> int:
 async def breakdown(settings: Settings) -> dict[tuple[str, str], int]:
     client = aioredis.from_url(settings.redis.url.get_secret_value())
     try:
-        queue = RetryQueue(RedisOps(client, settings.redis), RedisKeys(settings.redis.key_prefix))
+        queue = RetryQueue(
+            RedisOps(client, settings.redis), RedisKeys(settings.redis.effective_prefix)
+        )
         return await queue.breakdown()
     finally:
         await client.aclose()

@@ -71,7 +71,7 @@ async def test_poison_retry_is_dead_lettered_and_its_batch_mates_granted(
     kafka_broker: Broker, redis_url: str, unique_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = make_settings(kafka_broker.bootstrap, redis_url, unique_name)
-    topic, prefix = settings.topics["payments"], settings.redis.key_prefix
+    topic, prefix = settings.topics["payments"], settings.redis.effective_prefix
     await prepare_topics(settings, partitions=1)
     now = int(time.time() * 1000)
     retries = [

@@ -76,7 +76,7 @@ async def park_due_retries(
     """``count`` retries of records never fetched, parked as the worker parks them, due now."""
     client = make_client(redis)
     try:
-        queue = RetryQueue(RedisOps(client, redis), RedisKeys(redis.key_prefix))
+        queue = RetryQueue(RedisOps(client, redis), RedisKeys(redis.effective_prefix))
         requests = [
             ParkRequest(
                 delivery=Delivery(

@@ -106,7 +106,7 @@ async def test_records_failing_on_their_own_never_open_the_circuit_and_their_ret
     }
     # Each run of a retry is one poll away at most, and the handler takes microseconds.
     bound_s = _schedule_s(POLICY) + POLICY.max_attempts * POLL_INTERVAL_MS / 1000 + SLACK_S
-    url, prefix = settings.redis.url.get_secret_value(), settings.redis.key_prefix
+    url, prefix = settings.redis.url.get_secret_value(), settings.redis.effective_prefix
     await produce(settings, records)
     async with running_worker(settings) as worker:
         breaker = worker.processor.breakers.for_handler("payments")

@@ -148,8 +148,8 @@ async def test_relay_publishes_every_grants_events_in_order_through_a_leader_kil
     grants = backlog()
     granted = {g.payment_id for g in grants if not g.refused}
     client = aioredis.from_url(redis_url)
-    lease = f"{unique_name}:outbox:lease:redis"
-    outbox = f"{unique_name}:outbox"
+    lease = f"{settings.redis.effective_prefix}:outbox:lease:redis"
+    outbox = f"{settings.redis.effective_prefix}:outbox"
     ends = AIOKafkaConsumer(bootstrap_servers=kafka3.bootstrap_servers, request_timeout_ms=10_000)
     await ends.start()
     tps = [TopicPartition(t, p) for t, p in emitted_tps]
@@ -166,7 +166,7 @@ async def test_relay_publishes_every_grants_events_in_order_through_a_leader_kil
             await produce(settings, grants)
 
             async def all_granted() -> bool:
-                return len(await ledger(client, unique_name)) == len(granted)
+                return len(await ledger(client, settings.redis.effective_prefix)) == len(granted)
 
             await await_until(
                 all_granted,
@@ -215,7 +215,7 @@ async def test_relay_publishes_every_grants_events_in_order_through_a_leader_kil
             await await_until(drained, WAIT_S, interval=0.1, message="the outbox never drained")
             assert worker.relay is not None
         emitted = await read_emitted(kafka3.bootstrap_servers, emitted_topic, EMITTED_PARTITIONS)
-        assert sorted(await ledger(client, unique_name)) == sorted(granted)
+        assert sorted(await ledger(client, settings.redis.effective_prefix)) == sorted(granted)
     finally:
         if leader is not None:
             await asyncio.to_thread(kafka3.restart, leader)

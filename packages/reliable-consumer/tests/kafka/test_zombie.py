@@ -63,7 +63,7 @@ async def test_zombie_commit_is_fenced_by_the_group_coordinator(
     granted = {r.payment_id for r in wave1 if r.expect_grant}
 
     async def a_granted_wave1() -> bool:
-        grants = await audit.ledger_grants(redis_url, unique_name)
+        grants = await audit.ledger_grants(redis_url, settings.redis.effective_prefix)
         return granted <= set(grants)
 
     with worker_processes() as procs:

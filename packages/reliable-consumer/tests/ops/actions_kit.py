@@ -27,7 +27,7 @@ async def audit_stream(settings: Settings) -> list[dict[str, str]]:
     """The audit stream's raw entries, oldest first, as text."""
     client = aioredis.from_url(settings.redis.url.get_secret_value())
     try:
-        entries = await client.xrange(RedisKeys(settings.redis.key_prefix).ops_audit)
+        entries = await client.xrange(RedisKeys(settings.redis.effective_prefix).ops_audit)
     finally:
         await client.aclose()
     return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
@@ -75,7 +75,9 @@ async def park(settings: Settings, n: int) -> list[str]:
     """n retries parked an hour away by the engine's own PARK (what a worker writes)."""
     client = aioredis.from_url(settings.redis.url.get_secret_value())
     try:
-        queue = RetryQueue(RedisOps(client, settings.redis), RedisKeys(settings.redis.key_prefix))
+        queue = RetryQueue(
+            RedisOps(client, settings.redis), RedisKeys(settings.redis.effective_prefix)
+        )
         requests = [
             ParkRequest(delivery(settings, i), HOUR_MS, "", "", "payments") for i in range(n)
         ]
@@ -87,7 +89,7 @@ async def park(settings: Settings, n: int) -> list[str]:
 
 async def queue(settings: Settings) -> dict[str, tuple[float | None, float | None]]:
     """Every item in the delay queue: (due score, lease score)."""
-    keys = RedisKeys(settings.redis.key_prefix)
+    keys = RedisKeys(settings.redis.effective_prefix)
     client = aioredis.from_url(settings.redis.url.get_secret_value())
     try:
         ids = [i.decode() for i in await client.hkeys(keys.retry_items)]

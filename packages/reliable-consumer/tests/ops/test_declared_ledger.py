@@ -49,9 +49,10 @@ async def _write(redis_url: str, prefix: str, entries: list[dict[str, str]]) -> 
 async def test_trace_and_the_counts_read_the_apps_own_ledger_not_the_examples(
     redis_url: str, unique_name: str
 ) -> None:
+    prefix = f"{{{unique_name}}}"  # the keys of key prefix unique_name
     await _write(
         redis_url,
-        unique_name,
+        prefix,
         [
             {"order_id": "o1", "source": "orders/0/1"},
             {"order_id": "o2", "source": "orders/0/2"},
@@ -60,9 +61,9 @@ async def test_trace_and_the_counts_read_the_apps_own_ledger_not_the_examples(
             {"note": "not an entry of any record"},
         ],
     )
-    counts = await audit.ledger_grants(redis_url, unique_name, ORDERS)
+    counts = await audit.ledger_grants(redis_url, prefix, ORDERS)
     assert counts == {"o1": 1, "o2": 2, "o1/shipped": 1}
-    assert await audit.ledger_order(redis_url, unique_name, {"o1/shipped", "o1"}, ORDERS) == [
+    assert await audit.ledger_order(redis_url, prefix, {"o1/shipped", "o1"}, ORDERS) == [
         "o1",
         "o1/shipped",
     ]

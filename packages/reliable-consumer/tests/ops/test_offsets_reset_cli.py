@@ -88,7 +88,9 @@ async def test_offsets_reset_refused_while_live_dry_run_changes_nothing_then_res
 
     client = aioredis.from_url(redis_server.url)
     try:
-        actions = await read_actions(client, unique_name, action="offsets.reset")
+        actions = await read_actions(
+            client, settings.redis.effective_prefix, action="offsets.reset"
+        )
     finally:
         await client.aclose()
     assert len(actions) == 2  # the real resets only

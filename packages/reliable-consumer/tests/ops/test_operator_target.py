@@ -54,7 +54,7 @@ async def test_a_redrive_aimed_at_the_default_group_and_prefix_is_refused_naming
     )
     code, out, err = await service_cli(default, "dlq", "redrive", "--topic", unique_name)
     assert code == 2, (out, err)
-    assert f"{unique_name}-default-g" in err and f"'{unique_name}-default'" in err, err
+    assert f"{unique_name}-default-g" in err and f"'{{{unique_name}-default}}'" in err, err
     assert "dlq redrive refused" in err and "--force" in err and "Traceback" not in err, err
     redriven = [
         r
@@ -67,7 +67,7 @@ async def test_a_redrive_aimed_at_the_default_group_and_prefix_is_refused_naming
 
     client = aioredis.from_url(url)
     try:
-        for prefix in (unique_name, f"{unique_name}-default"):
+        for prefix in (f"{{{unique_name}}}", f"{{{unique_name}-default}}"):
             assert await read_actions(client, prefix, limit=10) == []  # nothing audited
     finally:
         await client.aclose()
@@ -76,13 +76,15 @@ async def test_a_redrive_aimed_at_the_default_group_and_prefix_is_refused_naming
     code, out, err = await service_cli(default, "dlq", "list", "--topic", unique_name, "--json")
     assert code == 0, err
     assert len(json.loads(out)["dead_letters"]) == 2
-    assert f"target: group {unique_name}-default-g, Redis key prefix {unique_name}-default" in err
+    assert (
+        f"target: group {unique_name}-default-g, Redis key prefix {{{unique_name}-default}}" in err
+    )
     assert "warning" in err and "service demo" in err, err
 
     # Aimed right (the demo's group has committed offsets), the same read says nothing more.
     code, out, err = await service_cli(demo, "dlq", "list", "--topic", unique_name, "--json")
     assert code == 0, err
-    assert f"target: group {unique_name}-g, Redis key prefix {unique_name}," in err
+    assert f"target: group {unique_name}-g, Redis key prefix {{{unique_name}}}," in err
     assert "warning" not in err, err
 
 

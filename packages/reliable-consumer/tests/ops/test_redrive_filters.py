@@ -58,7 +58,7 @@ async def _grants(settings: Settings, want: set[str]) -> dict[str, int]:
     url = settings.redis.url.get_secret_value()
 
     async def granted() -> dict[str, int] | None:
-        grants = dict(await audit.ledger_grants(url, settings.redis.key_prefix))
+        grants = dict(await audit.ledger_grants(url, settings.redis.effective_prefix))
         return grants if want <= set(grants) else None
 
     found = await await_until(granted, 60, interval=0.2, message=f"not granted: {sorted(want)}")
@@ -95,7 +95,7 @@ async def test_filtered_runs_leave_the_rest_redrivable_none_lost_none_twice(
     letters = await _dead_lettered(faulty, 8)
     assert len(letters) == 8 and {d.reason for d in letters} == {"permanent"}
     keys = [d.dedupe_key for d in letters]
-    prefix = unique_name
+    prefix = f"{{{unique_name}}}"  # the worker's keys: the prefix as a hash tag
     fixed = faulty.model_copy(update={"fault_injection": False})  # the cause is fixed
     source_high = await audit.high_watermarks(fixed.kafka, unique_name)
 
@@ -200,6 +200,6 @@ async def test_cli_dry_run_then_paced_redrive_with_json_and_audit(
     assert back[-1].timestamp - back[0].timestamp >= 0.8 * 3 / rate * 1000, [
         r.timestamp for r in back
     ]
-    (entry,) = await read_actions(redis_client, unique_name, action="dlq.redrive")
+    (entry,) = await read_actions(redis_client, f"{{{unique_name}}}", action="dlq.redrive")
     assert entry.actor == "erin" and entry.counts["redriven"] == 4
     assert entry.filters["rate"] == rate

@@ -75,7 +75,7 @@ class Stack:
 
         async def read() -> list[str]:
             url = self.settings.redis.url.get_secret_value()
-            prefix = self.settings.redis.key_prefix
+            prefix = self.settings.redis.effective_prefix
             return [audit.ledger_key(f) async for _, f in audit.ledger_entries(url, prefix)]
 
         return asyncio.run(read())
@@ -222,7 +222,9 @@ def test_drop_dead_letters_releases_the_chain_and_is_audited(stack: Stack) -> No
     [letter] = letters["dead_letters"]
     assert letter["dedupe_key"] == "b1" and letter["handler"] == "payments"
     assert "alice" in letter["error"] and letter["attempts"] == 2
-    marker = stack.get(RedisKeys(stack.settings.redis.key_prefix).idempotency("payments", "b1"))
+    marker = stack.get(
+        RedisKeys(stack.settings.redis.effective_prefix).idempotency("payments", "b1")
+    )
     assert marker is not None and marker.startswith(b"x|")  # its key is dead
     # Its refund, waiting behind it, is released and runs; c1 is untouched.
     wait_until(lambda: "b1.refund" in stack.ledger(), 30, interval=0.2, message="refund waits")

@@ -63,9 +63,11 @@ async def test_status_json_reports_offsets_positions_retries_and_dead_letters(
 
             async def settled() -> bool:
                 offsets = await audit.group_offsets(settings.kafka, f"{unique_name}-g", unique_name)
-                due = await audit.retry_queue_depth(redis_server.url, unique_name)
+                due = await audit.retry_queue_depth(
+                    redis_server.url, settings.redis.effective_prefix
+                )
                 dead = await audit.read_all(settings.kafka, settings.dead_letter_topic(unique_name))
-                reports = await read_member_reports(client, unique_name)
+                reports = await read_member_reports(client, settings.redis.effective_prefix)
                 positions = {
                     p.partition: p.position for r in reports for p in r.partitions
                 }  # the member has read to the end of each partition

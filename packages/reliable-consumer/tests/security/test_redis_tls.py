@@ -99,7 +99,7 @@ def _tls_config(pki: Pki, tls_port: int) -> dict[str, str]:
         "tls-ca-cert-file": _q(pki.ca_cert),
         "tls-auth-clients": "yes",
         "user default": "on nopass -@all +ping +info",
-        f"user {USER}": f"on >{PASSWORD} ~{PREFIX}:* resetchannels +@all -@dangerous +info",
+        f"user {USER}": f"on >{PASSWORD} ~{{{PREFIX}}}:* resetchannels +@all -@dangerous +info",
     }
 
 
@@ -149,7 +149,7 @@ async def test_acl_user_over_tls_can_do_its_work(tls_redis: TlsRedis) -> None:
         ops = RedisOps(client, settings)
         # INFO is granted, CONFIG is not: the check still runs, appendfsync is unknown.
         assert await check_persistence(ops.client, ops.settings) == []
-        await client.set(f"{PREFIX}:probe", "1")
+        await client.set(f"{{{PREFIX}}}:probe", "1")
         with pytest.raises(NoPermissionError):
             await client.set("someone-else:key", "1")
         with pytest.raises(NoPermissionError):
@@ -191,7 +191,7 @@ async def _settled(
 ) -> dict[str, int]:
     redis_settings = tls.settings()
     client = make_client(redis_settings)
-    keys = RedisKeys(PREFIX)
+    keys = RedisKeys(redis_settings.effective_prefix)
     try:
 
         async def check() -> dict[str, int] | None:

@@ -1,5 +1,6 @@
-"""WORKER_REDIS__CLUSTER without a server: one hash tag for every key, the URLs a cluster takes,
-and which cluster errors the reconnect policy holds and retries."""
+"""WORKER_REDIS__CLUSTER without a server: one hash tag for every key (with the setting or
+without it), the URLs a cluster takes, and which cluster errors the reconnect policy holds
+and retries."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from reliable_consumer.engine.redis.slot_owner import (
 from reliable_consumer.engine.settings import RedisSettings
 
 
-def test_the_prefix_is_a_hash_tag_only_with_the_setting() -> None:
-    assert RedisSettings(key_prefix="pay").effective_prefix == "pay"
+def test_the_prefix_is_a_hash_tag_with_or_without_the_setting() -> None:
+    """One layout: the setting routes connections, it does not rename keys."""
+    assert RedisSettings(key_prefix="pay").effective_prefix == "{pay}"
     assert RedisSettings(key_prefix="pay", cluster=True).effective_prefix == "{pay}"
 
 
@@ -56,7 +58,7 @@ def test_every_key_the_engine_names_is_in_the_slot_of_the_tag() -> None:
         fence_key(settings),
     ]
     assert {key_slot(name.encode()) for name in names} == {slot_of("payments-worker")}
-    # Without the setting they spread: what the cluster refusal at start is for.
+    # Under the bare prefix (the layout before) they would spread over slots.
     plain = RedisKeys("payments-worker")
     assert len({key_slot(n.encode()) for n in (plain.retry_due, plain.outbox)}) == 2
 

@@ -79,7 +79,7 @@ async def env(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Env]:
     monkeypatch.setattr(
         retry_admin, "make_client", lambda _settings: fakeredis.FakeAsyncRedis(server=server)
     )
-    keys = RedisKeys(PREFIX)
+    keys = RedisKeys(settings.redis.effective_prefix)
     try:
         yield Env(
             server,
@@ -153,7 +153,7 @@ async def test_retry_now_moves_only_due_items_and_writes_one_audit_entry(env: En
 
     dry = await retry_now(env.settings, env.registry, everything, actor="op", dry_run=True)
     assert dry == {"made_due": 1, "in_flight_skipped": 1, "waiting_skipped": 1}
-    assert await read_actions(env.redis, PREFIX) == []  # a dry run writes nothing
+    assert await read_actions(env.redis, env.keys.prefix) == []  # a dry run writes nothing
     assert (await env.queue.due_in_ms() or 0) > HOUR_MS // 2  # nor moves anything
 
     counts = await retry_now(env.settings, env.registry, everything, actor="op")
@@ -161,7 +161,7 @@ async def test_retry_now_moves_only_due_items_and_writes_one_audit_entry(env: En
     assert await env.queue.due_in_ms() == 0
     assert await env.redis.zscore(env.keys.retry_inflight, f"{TOPIC}/0/3") == lease_before
     assert await env.redis.zscore(env.keys.retry_due, f"{TOPIC}/0/2") is None  # still waits
-    [entry] = await read_actions(env.redis, PREFIX)
+    [entry] = await read_actions(env.redis, env.keys.prefix)
     assert (entry.action, entry.actor, entry.counts["made_due"]) == ("retries.retry-now", "op", 1)
     assert entry.filters == everything.to_json()
 

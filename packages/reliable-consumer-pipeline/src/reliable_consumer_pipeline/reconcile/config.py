@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from reliable_consumer.engine.declaration.ledger import EntryKey, Ledger
 from reliable_consumer.engine.declaration.location import current_app
 from reliable_consumer.engine.errors import ConfigurationError
-from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.keys import RedisKeys, tagged_prefix
 
 from reliable_consumer_pipeline.source import DEFAULT_SOURCE
 
@@ -128,13 +128,14 @@ class ReconcileConfig:
 
     @property
     def ledger_stream(self) -> str | None:
-        """The Redis ledger: `ledger_key`, else the declared stream under `key_prefix` (the
-        key its handlers' ``ctx.redis_key(*stream)`` names); None when neither says one."""
+        """The Redis ledger: `ledger_key`, else the declared stream under `key_prefix`, as a
+        hash tag (the key its handlers' ``ctx.redis_key(*stream)`` names); None when neither
+        says one."""
         if self.ledger_key:
             return self.ledger_key
         if self.ledger is None or self.ledger.stream is None:
             return None
-        return RedisKeys(self.key_prefix).effect(*self.ledger.stream)
+        return RedisKeys(tagged_prefix(self.key_prefix)).effect(*self.ledger.stream)
 
     @property
     def ledger_table(self) -> str | None:

@@ -50,7 +50,7 @@ from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import AuditIncomplete, AuditUnavailable
 from reliable_consumer.ops.dead_letters import DeadLetter
 from reliable_consumer.ops.retry_admin import RetryFilter, RetryItem
-from reliable_consumer.ops.target import WrongTarget
+from reliable_consumer.ops.target import TargetRefused
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
                 return render(request, "result.html", await handler(request, form, actor))
             except Refusal as exc:
                 return render(request, "refused.html", {"error": exc.message}, exc.status)
-            except WrongTarget as exc:  # ops/target.py: nothing was touched
+            except TargetRefused as exc:  # ops/target.py: nothing was touched
                 return render(request, "refused.html", {"error": str(exc)}, 409)
             except AuditUnavailable as exc:
                 log.error("console: %s", exc)

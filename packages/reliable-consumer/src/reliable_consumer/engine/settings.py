@@ -22,6 +22,7 @@ from reliable_consumer.engine.declaration.naming import KEY_PREFIX, TOPIC_NAME, 
 from reliable_consumer.engine.declaration.naming import check_topic as _check_topic
 from reliable_consumer.engine.handlers.policies import BreakerPolicy, RetryPolicy
 from reliable_consumer.engine.kafka.outcome_events import Layout
+from reliable_consumer.engine.redis.keys import tagged_prefix
 from reliable_consumer.engine.redis.url import url_problem
 
 
@@ -109,15 +110,16 @@ class RedisSettings(BaseModel):
     wait_timeout_ms: int = Field(default=1000, ge=1)
     # Refuse to start when Redis has persistence off: a parked retry would die with the server.
     require_persistence: bool = True
-    # A Redis Cluster (managed cluster mode): every key under the hash tag of the prefix, so
-    # the service lives in one hash slot, on the primary owning it (docs/redis-cluster.md).
+    # A Redis Cluster (managed cluster mode): connections go to the primary owning the
+    # service's hash slot (docs/redis-cluster.md). The key names are the same either way.
     cluster: bool = False
 
     @property
     def effective_prefix(self) -> str:
-        """What every key of the service starts with: ``{prefix}`` (a hash tag) on a cluster,
-        so all of them hash to one slot; the prefix itself on one Redis."""
-        return f"{{{self.key_prefix}}}" if self.cluster else self.key_prefix
+        """What every key of the service starts with: ``{prefix}``, a hash tag, on one Redis
+        and on a cluster alike, so all keys hash to one slot and one layout serves both
+        (an older layout without the tag is moved by ``service redis migrate``)."""
+        return tagged_prefix(self.key_prefix)
 
     @model_validator(mode="after")
     def _cluster_url(self) -> RedisSettings:

@@ -54,6 +54,7 @@ from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.delay_queue import QueueGauges, RetryQueue, RetryScheduler
 from reliable_consumer.engine.redis.keys import RedisKeys
+from reliable_consumer.engine.redis.layout import check_layout
 from reliable_consumer.engine.redis.persistence_check import check_persistence
 from reliable_consumer.engine.runtime import collect_when_memory_grows, tune_gc
 from reliable_consumer.engine.settings import Settings
@@ -203,6 +204,10 @@ class Worker:
         )
         for warning in checked:
             log.warning(warning)
+        await self._unless_stopped(
+            self.ops.call(functools.partial(check_layout, self.redis, s.redis)),
+            "checking the Redis key layout",
+        )
         self.health.redis_ok = True
         self._producer = make_producer(s.kafka)
         await self._unless_stopped(

@@ -134,8 +134,10 @@ class ResetPlan:
         }
 
 
-def refusal(group: GroupView, reports: Sequence[MemberReport] = ()) -> str:
-    """Why the reset is refused, naming the members (empty when it is not).
+def refusal(
+    group: GroupView, reports: Sequence[MemberReport] = (), *, action: str = "offsets reset"
+) -> str:
+    """Why the reset (or ``action``) is refused, naming the members (empty when it is not).
 
     A member is named as it reports itself (``reports``, matched by member id): the
     coordinator's client id and host may be empty (a broker that does not keep them).
@@ -146,7 +148,7 @@ def refusal(group: GroupView, reports: Sequence[MemberReport] = ()) -> str:
     names = ", ".join(_member_name(m, by_id.get(m.member_id)) for m in group.members)
     return (
         f"group {group.id!r} is {group.state} with {len(group.members)} live member(s): "
-        f"{names or 'joining'}; stop them first (offsets reset needs an Empty group)"
+        f"{names or 'joining'}; stop them first ({action} needs an Empty group)"
     )
 
 

@@ -10,19 +10,31 @@ names its target, and :func:`check_target` asks whether that target shows any si
 worker: committed offsets on the bound topics, or a member report under the prefix.
 Neither is the mark of a wrong target: read commands warn, write actions refuse
 (:class:`WrongTarget`) unless forced.
+
+A Redis still in the old key layout (engine/redis/layout.py) is a wrong target of another
+kind: a write there would land beside keys the worker no longer reads. Write actions are
+refused (:class:`UnmigratedTarget`, not skipped by ``force``); read commands warn.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
+from redis.exceptions import RedisError
 
 from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.observation.member_report import read_member_reports
 from reliable_consumer.engine.redis.client import make_client
+from reliable_consumer.engine.redis.layout import (
+    LayoutState,
+    read_layout,
+    refusal,
+    unmigrated_text,
+)
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.audit import high_watermarks
 
@@ -83,12 +95,20 @@ class TargetCheck:
         )
 
 
-class WrongTarget(Exception):
+class TargetRefused(Exception):
+    """A write action refused before it touched anything, for what its target is."""
+
+
+class WrongTarget(TargetRefused):
     """A write action refused (nothing touched) because its target shows no worker."""
 
     def __init__(self, check: TargetCheck, action: str) -> None:
         super().__init__(f"{action} refused, nothing was changed: {check.warning()}")
         self.check = check
+
+
+class UnmigratedTarget(TargetRefused):
+    """A write action refused (nothing touched): Redis holds the old key layout."""
 
 
 async def check_target(settings: Settings, target: Target) -> TargetCheck:
@@ -119,15 +139,44 @@ async def check_target(settings: Settings, target: Target) -> TargetCheck:
 
 
 async def refuse_wrong_target(
-    settings: Settings, target: Target, *, action: str, force: bool = False
+    settings: Settings, target: Target, *, action: str, force: bool = False, layout: bool = True
 ) -> TargetCheck | None:
-    """Raise ``WrongTarget`` before a write action whose target shows no worker.
+    """Raise ``WrongTarget`` before a write action whose target shows no worker, and
+    ``UnmigratedTarget`` when Redis holds the old key layout.
 
-    ``force`` skips the check (None): acting on a fresh group or prefix on purpose.
+    ``force`` skips the first check (None): acting on a fresh group or prefix on purpose.
+    It never skips the second: the command's writes would be lost to the worker.
+    ``layout`` False: the command that moves the old layout.
     """
+    state = LayoutState(marked=True)
+    # Redis not answering: the action meets the same server and says so in its own words.
+    with contextlib.suppress(RedisError, OSError):
+        if layout:
+            state = await check_layout_of(settings)
+    if state.unmigrated:
+        assert state.old_key is not None
+        raise UnmigratedTarget(refusal(settings.redis, state.old_key, action))
     if force:
         return None
     check = await check_target(settings, target)
     if check.looks_wrong:
         raise WrongTarget(check, action)
     return check
+
+
+async def check_layout_of(settings: Settings) -> LayoutState:
+    """The key layout the target's Redis holds (read only: a command never marks it)."""
+    redis = make_client(settings.redis)
+    try:
+        return await read_layout(redis, settings.redis)
+    finally:
+        await redis.aclose()
+
+
+def layout_warning(settings: Settings, layout: LayoutState) -> str | None:
+    """What a read command says about an unmigrated Redis (None when there is nothing)."""
+    if not layout.unmigrated:
+        return None
+    assert layout.old_key is not None
+    said = unmigrated_text(settings.redis, layout.old_key)
+    return f"what this command reads may be incomplete: {said}"

@@ -37,8 +37,15 @@ ENGINE_NAMESPACES = frozenset(
         "tickets",
         "ops",
         "outbox",
+        "layout",
     }
 )
+
+
+def tagged_prefix(key_prefix: str) -> str:
+    """What every key of a service starts with: its prefix as a hash tag, ``{<prefix>}``, so
+    all of them hash to one slot (one layout for one Redis and a cluster)."""
+    return f"{{{key_prefix}}}"
 
 
 def escape_part(part: str) -> str:

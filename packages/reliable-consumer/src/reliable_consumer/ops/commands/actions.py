@@ -27,7 +27,15 @@ from rich.markup import escape
 from reliable_consumer.engine.settings import Settings
 from reliable_consumer.ops.action_log import AuditIncomplete, AuditUnavailable
 from reliable_consumer.ops.commands.unreachable import quiet_client_logs, unreachable
-from reliable_consumer.ops.target import Target, WrongTarget, check_target, refuse_wrong_target
+from reliable_consumer.ops.target import (
+    Target,
+    TargetRefused,
+    WrongTarget,
+    check_layout_of,
+    check_target,
+    layout_warning,
+    refuse_wrong_target,
+)
 
 T = TypeVar("T")
 err = Console(stderr=True)
@@ -111,26 +119,41 @@ WRONG_TARGET_EXIT = 2
 
 
 def aim(
-    settings: Settings, *, action: str | None = None, force: bool = False, group: str | None = None
+    settings: Settings,
+    *,
+    action: str | None = None,
+    force: bool = False,
+    group: str | None = None,
+    layout: bool = True,
 ) -> Target:
     """Say on stderr which group, prefix and topics the command reads, then check them.
 
     A read command (``action`` None, or a dry run) gets a loud warning when the target
     shows no worker (ops/target.py); a write action is refused with exit code 2 unless
-    ``force``. A server that does not answer the check ends the command with its one line.
+    ``force``. A Redis in the old key layout refuses a write action whatever ``force``
+    says, and a read gets a warning (``layout`` False: the command that migrates it). A
+    server that does not answer the check ends the command with its one line.
     """
     quiet_client_logs()
     target = Target.of(settings, group=group)
     err.print(escape(target.line()), highlight=False, soft_wrap=True)
     try:
         if action is not None:
-            asyncio.run(refuse_wrong_target(settings, target, action=action, force=force))
+            asyncio.run(
+                refuse_wrong_target(settings, target, action=action, force=force, layout=layout)
+            )
         else:
             check = asyncio.run(check_target(settings, target))
             if check.looks_wrong:
                 err.print(f"[bold red]warning: {escape(check.warning())}[/]", soft_wrap=True)
+            if layout:
+                said = layout_warning(settings, asyncio.run(check_layout_of(settings)))
+                if said is not None:
+                    err.print(f"[bold red]warning: {escape(said)}[/]", soft_wrap=True)
     except WrongTarget as exc:
         _exit(f"{exc}; --force acts on it anyway", WRONG_TARGET_EXIT)
+    except TargetRefused as exc:
+        _exit(str(exc), WRONG_TARGET_EXIT)
     except (RedisError, KafkaError, OSError, TimeoutError) as exc:
         if action is not None:
             _exit(unreachable(exc) or f"{type(exc).__name__}: {exc}", 1)
