@@ -11,7 +11,9 @@ the intake fetches fresh records however late the retries are), and with the sch
 process of its own (``service retry-scheduler``, the worker's turned off with
 ``WORKER_RUN_RETRY_SCHEDULER=false``): the deployment that gives it an event loop that the
 fresh records do not share, and where the worker's intake hears nothing of the retries.
-"no-fresh" is the worker with no fresh backlog (its group starts at the topic's end): the
+"no-turns" is the default with retries' turns off (``WORKER_RETRY__TURN_AFTER_MS=0``: fresh
+waves pass their checkpoints without yielding, batch/lane.py). "no-fresh" is the worker with
+no fresh backlog (its group starts at the topic's end): the
 retry path's own punctuality, nothing else on the machine's cores but the servers at rest.
 ``--retries-parked N`` parks N in all: the rest fall due a day after the window, so the
 queue is N deep while the same retries fall due in it. "fetched-run-on" is the priority
@@ -379,7 +381,9 @@ VARIANTS: dict[str, str] = {
     "no-priority": "the same, priority off (PRIORITY_AFTER_MS=0)",
     "separate": "`service retry-scheduler`",
     "no-fresh": "scheduler in `service run`, no fresh backlog (the retries alone)",
+    "no-turns": "the same as the first, retries' turns off (TURN_AFTER_MS=0)",
 }
+NO_TURNS = {"WORKER_RETRY__TURN_AFTER_MS": "0"}  # fresh waves neither yield nor wait
 # The group starts at the topic's end: the worker fetches nothing, so the retries' lateness
 # is the retry path's own, with nothing else on the machine's cores but the servers at rest.
 NO_FRESH = {"WORKER_KAFKA__AUTO_OFFSET_RESET": "latest"}
@@ -484,6 +488,8 @@ class RetryPunctualityGroup:
             env = dict(FETCHED_RUN_ON)
         elif variant == "no-fresh":
             env = dict(NO_FRESH)
+        elif variant == "no-turns":
+            env = dict(NO_TURNS)
         workers = [worker("run", env)]
         if separate:
             workers.append(worker("retry-scheduler", {}))

@@ -189,6 +189,10 @@ class RetrySettings(BaseModel):
     # (batch/lane.py), and retries' async calls go first in the handler pool; false: only
     # the fetches pause, and what was fetched runs on beside the retries.
     priority_holds_fetched: bool = True
+    # A retry falling due while fresh waves run inline: they yield the loop every 64 records
+    # at once, and wait for its claim once it is this late unclaimed (a turn: 50 ms at
+    # most, then as long for them; batch/lane.py). 0 or None: neither.
+    turn_after_ms: int | None = Field(default=10, ge=0, le=60_000)
 
     @model_validator(mode="after")
     def _delays_ordered(self) -> RetrySettings:

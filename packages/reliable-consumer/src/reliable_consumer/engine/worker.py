@@ -467,7 +467,10 @@ class Worker:
         self.intake.retries_first = priority.active
         if s.retry.priority_holds_fetched:  # and what was fetched waits too (batch/lane.py)
             self.processor.parts.lane.follow(priority.active)
-            self.processor.parts.lane.on_turn_ended = self.metrics.retry_turn_held.inc
+            lane = self.processor.parts.lane
+            lane.on_turn_ended = self.metrics.retry_turn_held.inc
+            after_ms = s.retry.turn_after_ms
+            lane.turn_after_s = after_ms / 1000 if after_ms else None
         return priority.observe
 
     def _retry_priority_changed(self, active: bool, why: str, paused_s: float) -> None:
