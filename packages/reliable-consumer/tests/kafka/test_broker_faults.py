@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from reliable_consumer.dev.servers.apache_kafka import ApacheKafkaCluster
+from reliable_consumer.engine.redis.keys import tagged_prefix
 from reliable_consumer.ops import audit
 from tests.helpers import await_until
 from tests.integration.harness import (
@@ -24,8 +25,9 @@ from tests.kafka.support import create_run_topics
 from service import sample
 
 
-async def _grants(settings_url: str, prefix: str) -> int:
-    return sum((await audit.ledger_grants(settings_url, prefix)).values())
+async def _grants(settings_url: str, name: str) -> int:
+    """Grants so far of the run whose key prefix is ``name``."""
+    return sum((await audit.ledger_grants(settings_url, tagged_prefix(name))).values())
 
 
 async def test_broker_killed_and_restarted_with_its_data_loses_nothing(
