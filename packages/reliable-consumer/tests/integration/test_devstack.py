@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from reliable_consumer.dev.servers.broker import Broker, create_topics
 from reliable_consumer.dev.servers.process import DevStackError
 from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.dev.servers.tansu import TansuBroker
-from reliable_consumer.dev.stack import DevStack, postgres_cluster_dir
+from reliable_consumer.dev.stack import DevStack, _ServerRecord, postgres_cluster_dir
 from tests.helpers import await_until, wait_until
 from tests.integration.harness import REFUND_IN_ORDER
 
@@ -513,3 +514,32 @@ def test_demo_leaves_a_stack_it_did_not_start_and_says_how_to_stop_it(
     one_line = " ".join(output.split())  # the console wraps long lines
     assert f"service dev down --state-dir {state_dir.resolve()}" in one_line, output
     assert "make dev-down" not in output, output
+
+
+def test_a_server_that_dies_between_the_status_and_the_exe_reads_is_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The defect: a SIGKILLed PostgreSQL of an in-process stack stayed a zombie when it died
+    between `process()`'s two reads (its status said running, its exe then raised
+    ZombieProcess): nothing reaped it, and the healed server refused to start on the same
+    data directory, reading the zombie's pid in postmaster.pid as a postmaster still running
+    (one full run). Any death now reaps our own child."""
+    child = os.posix_spawn(
+        sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"], {}
+    )
+    record = _ServerRecord(child, 0, sys.executable, os.devnull)
+    os.kill(child, signal.SIGKILL)
+    wait_until(
+        lambda: psutil.Process(child).status() == psutil.STATUS_ZOMBIE,
+        timeout=10,
+        message="the killed child never became a zombie",
+    )
+    # The window: the status was read while it still ran.
+    monkeypatch.setattr(psutil.Process, "status", lambda self: psutil.STATUS_RUNNING)
+    try:
+        assert record.process() is None
+        assert not psutil.pid_exists(child), "the dead server was left a zombie, unreaped"
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, 0)

@@ -112,8 +112,7 @@ class _ServerRecord:
         try:
             process = psutil.Process(self.pid)
             if process.status() == psutil.STATUS_ZOMBIE:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(self.pid, os.WNOHANG)  # our own child (tests): reap it
+                self._reap()
                 return None
             # " (deleted)": the venv was reinstalled under a running server; still ours.
             exe = process.exe().removesuffix(" (deleted)")
@@ -122,8 +121,18 @@ class _ServerRecord:
             if self.create_time is not None and abs(process.create_time() - self.create_time) > 0.1:
                 return None
             return process
+        except psutil.ZombieProcess:  # it died between the two reads: reaped all the same
+            self._reap()
+            return None
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return None
+
+    def _reap(self) -> None:
+        """Reap a dead server that is our own child (tests start stacks in-process): a zombie
+        keeps its pid, and a PostgreSQL restarted on the same data directory reads the pid in
+        ``postmaster.pid`` as another postmaster still running, and refuses to start."""
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, os.WNOHANG)
 
 
 @dataclass(frozen=True)
