@@ -306,15 +306,17 @@ async def test_a_retrys_turn_ends_at_its_bound_and_fresh_waves_then_get_as_long(
     assert lane.retries_turn(), "the retry still due got no new turn"
 
 
-async def test_a_stopped_scheduler_leaves_no_turn_behind() -> None:
-    """The scheduler tells the lane before each wait when the next retry falls due, and
-    that none does once it stopped: fresh waves never wait for a scheduler gone."""
-    clock = Clock()
-    heard: list[float | None] = []
+class DueSoonQueue(OneItemQueue):
+    """One item claimed 120 ms late, then nothing due; the next always due in 30 ms."""
 
-    class DueSoonQueue(OneItemQueue):
-        async def due_in_ms(self) -> int | None:
-            return 30
+    async def due_in_ms(self) -> int | None:
+        return 30
+
+
+async def next_due_heard(enough: Callable[[list[float | None]], bool]) -> list[float | None]:
+    """What a scheduler on ``DueSoonQueue`` tells the lane of the next due moment, until
+    ``enough`` of it was heard and the scheduler stopped."""
+    heard: list[float | None] = []
 
     async def process(batch: list[Delivery], give_up: Callable[[], bool]) -> Any:
         return None
@@ -325,14 +327,20 @@ async def test_a_stopped_scheduler_leaves_no_turn_behind() -> None:
         RetrySettings(poll_interval_ms=3_600_000),
         max_in_flight=10,
         on_next_due=heard.append,
-        clock=clock,
     )
     loop = asyncio.create_task(scheduler.run())
     try:
-        await await_until(lambda: 0.03 in heard, 5, message=lambda: f"heard {heard}")
+        await await_until(lambda: enough(heard), 5, message=lambda: f"heard {heard}")
     finally:
         scheduler.stop()
         await asyncio.wait_for(loop, 5)
+    return heard
+
+
+async def test_a_stopped_scheduler_leaves_no_turn_behind() -> None:
+    """The scheduler tells the lane before each wait when the next retry falls due, and
+    that none does once it stopped: fresh waves never wait for a scheduler gone."""
+    heard = await next_due_heard(lambda heard: 0.03 in heard)
     assert heard[-1] is None
 
 
@@ -372,28 +380,7 @@ async def test_a_claim_that_left_nothing_due_ends_the_turn_before_the_next_readi
     """The turn held fresh waves for a second round trip (the reading of the next due
     moment) after the claim that took every due retry; the claimed batch, started before
     the waves are released, runs first anyway."""
-    heard: list[float | None] = []
-
-    class DueSoonQueue(OneItemQueue):
-        async def due_in_ms(self) -> int | None:
-            return 30
-
-    async def process(batch: list[Delivery], give_up: Callable[[], bool]) -> Any:
-        return None
-
-    scheduler = RetryScheduler(
-        DueSoonQueue(),  # type: ignore[arg-type]
-        process,
-        RetrySettings(poll_interval_ms=3_600_000),
-        max_in_flight=10,
-        on_next_due=heard.append,
-    )
-    loop = asyncio.create_task(scheduler.run())
-    try:
-        await await_until(lambda: len(heard) >= 3, 5, message=lambda: f"heard {heard}")
-    finally:
-        scheduler.stop()
-        await asyncio.wait_for(loop, 5)
+    heard = await next_due_heard(lambda heard: len(heard) >= 3)
     # The first claim left an item due (120 ms late): the turn goes on until the reading;
     # the second took nothing and left nothing due: the turn ends at once.
     assert heard[:3] == [0.03, None, 0.03]
