@@ -356,7 +356,16 @@ class ApacheKafkaCluster:
         self._launch([self.nodes[node]])
 
     def close(self) -> None:
-        """Kill every node and remove the data (a test cluster keeps nothing)."""
+        """Kill every node and remove the data (a test cluster keeps nothing), but the log of
+        a node that died on its own: ``died-node-<id>.log`` beside the data, in a workdir the
+        caller owns (a session broker that died mid-suite left no trace of why)."""
+        if not self._owns_workdir:
+            for node in self._all_nodes():
+                if node.executor is not None and not node.executor.running():
+                    with contextlib.suppress(OSError):
+                        shutil.copyfile(
+                            node.log_path, self.workdir / f"died-node-{node.node_id}.log"
+                        )
         for node in self._all_nodes():
             if node.executor is not None:
                 with contextlib.suppress(ExecutorError, OSError):
