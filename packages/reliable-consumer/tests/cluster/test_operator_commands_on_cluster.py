@@ -17,12 +17,11 @@ from reliable_consumer.dev.servers.redis_cluster import RedisCluster
 from reliable_consumer.engine.redis.slot_owner import slot_of
 from reliable_consumer.ops import audit
 from reliable_consumer.ops.redrive import redrive
-from tests.cluster.test_worker_on_cluster import cluster_settings, keys_of_every_primary
+from tests.cluster.fates import await_parked_and_dead, produce_one_of_each_fate
+from tests.cluster.test_worker_on_cluster import keys_of_every_primary
 from tests.helpers import await_until
-from tests.integration.harness import prepare_topics, produce, running_worker
+from tests.integration.harness import running_worker
 from tests.ops.cli import service_cli
-
-from service import sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -30,35 +29,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 async def test_status_and_a_dlq_redrive_work_on_the_cluster(
     kafka_broker: Broker, redis_cluster: RedisCluster, unique_name: str
 ) -> None:
-    # A parked retry stays parked for the whole test: its first backoff is a minute.
-    settings = cluster_settings(
-        kafka_broker,
-        redis_cluster,
-        unique_name,
-        retry={"base_delay_ms": 60_000, "max_delay_ms": 60_000, "max_attempts": 5},
-    )
-    await prepare_topics(settings, partitions=2)
-    ok = sample.generate(4, sample.Mix(transient=0, permanent=0, malformed=0), seed=3)
-    faults = {1: b"permanent", 2: b"transient:1000"}
-    records = [
-        sample.SampleRecord(
-            "ok", r.payment_id, r.key, r.value, [("x-fault", faults[i])] if i in faults else []
-        )
-        for i, r in enumerate(ok)
-    ]
-    await produce(settings, records)
-    dlq = settings.dead_letter_topic(unique_name)
+    settings, ok = await produce_one_of_each_fate(kafka_broker, redis_cluster, unique_name, seed=3)
     prefix = settings.redis.effective_prefix
 
     async with running_worker(settings):
-
-        async def parked_and_dead() -> bool:
-            depth = await audit.retry_queue_depth(settings.redis, prefix)
-            dead = await audit.read_all(settings.kafka, dlq)
-            grants = await audit.ledger_grants(settings.redis, prefix)
-            return depth == (1, 0, 1) and len(dead) == 1 and len(grants) == 2
-
-        await await_until(parked_and_dead, 60, interval=0.3, message="not parked and dead")
+        await await_parked_and_dead(settings)
         code, out, err = await service_cli(settings, "status", "--json")
     assert code == 0, err
     doc = json.loads(out)
