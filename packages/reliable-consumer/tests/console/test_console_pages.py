@@ -98,6 +98,10 @@ class FixedBackend(Backend):
         self.redrive_report: dict[str, Any] = {}
         self.trace_doc: dict[str, Any] = {}
         self.status_doc: dict[str, Any] = {}
+        self.notice: str | None = None
+
+    async def layout_notice(self) -> str | None:
+        return self.notice
 
     async def dead_letters(
         self, topic: str, selection: DeadLetterFilter, limit: int | None

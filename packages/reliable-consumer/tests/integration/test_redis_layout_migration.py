@@ -19,8 +19,11 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 from reliable_consumer.cli import app
+from reliable_consumer.console.app import create_app
+from reliable_consumer.console.backend import Backend
 from reliable_consumer.dev.servers.broker import Broker
 from reliable_consumer.dev.servers.redis_server import RedisServer
+from reliable_consumer.engine.handlers.registry import Registry
 from reliable_consumer.engine.records import Delivery
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.layout import (
@@ -42,6 +45,7 @@ from reliable_consumer.ops.target import (
     layout_warning,
     refuse_wrong_target,
 )
+from tests.console.test_console_pages import get
 from tests.helpers import await_until
 from tests.integration.harness import (
     assert_invariants,
@@ -122,6 +126,29 @@ async def test_an_upgrade_that_did_not_migrate_refuses_to_start_instead_of_grant
         await refuse_wrong_target(settings, Target.of(settings), action="dlq redrive", force=True)
     said = layout_warning(settings, await check_layout_of(settings))
     assert said is not None and f"'{bare}:" in said and "service redis migrate" in said, said
+
+
+def test_the_console_warns_on_every_page_while_redis_holds_the_old_layout(
+    kafka_broker: Broker, redis_server: RedisServer, unique_name: str
+) -> None:
+    """Its writes were refused, but its pages read an empty retry queue without a word."""
+    settings, _records, _old = asyncio.run(old_service(kafka_broker, redis_server.url, unique_name))
+    registry = Registry.from_settings(settings.topics)
+    console = create_app(settings, registry, Backend(settings, registry))
+    for path in ("/retries", "/audit"):
+        status, body = get(console, path)
+        assert status == 200, body
+        assert "Old key layout." in body and "service redis migrate" in body, body
+        assert f"{settings.redis.key_prefix}:" in body, body
+    # What the banner is for: the parked retry is there, under a name this version ignores.
+    assert '<strong id="retry-count">0</strong>' in get(console, "/retries")[1]
+
+    report = asyncio.run(migrate_layout(settings, actor=ACTOR))
+    assert report.complete and report.marked, report
+    console = create_app(settings, registry, Backend(settings, registry))
+    status, body = get(console, "/retries")
+    assert status == 200 and "Old key layout." not in body, body
+    assert '<strong id="retry-count">1</strong>' in body, body
 
 
 async def test_migrated_keys_keep_their_ttls_and_the_worker_treats_them_as_its_own(

@@ -133,7 +133,10 @@ def create_app(settings: Settings, registry: Registry, backend: Backend | None =
 
         async def endpoint(request: Request) -> Response:
             try:
-                return render(request, name, await handler(request))
+                context = await handler(request)
+                return render(
+                    request, name, {"layout_notice": await data.layout_notice(), **context}
+                )
             except BackendUnavailable as exc:
                 log.warning("console: %s", exc)
                 return render(request, "error.html", {"error": str(exc)}, 503)

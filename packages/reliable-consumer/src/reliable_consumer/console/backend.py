@@ -9,6 +9,7 @@ instead of hanging or showing a traceback.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -27,12 +28,20 @@ from reliable_consumer.ops.dead_letters import (
     find_dead_letter,
     list_dead_letters,
 )
-from reliable_consumer.ops.target import Target, refuse_wrong_target
+from reliable_consumer.ops.target import (
+    Target,
+    check_layout_of,
+    layout_warning,
+    refuse_wrong_target,
+)
 
 T = TypeVar("T")
 
 # Long enough for a cold consumer to fetch a dead-letter topic, short enough for a person.
 CALL_TIMEOUT_S = 10.0
+# How often an unmarked Redis is looked at again for keys of the old layout: the look is a
+# SCAN while the marker is absent, and pages refresh every few seconds.
+LAYOUT_RECHECK_S = 30.0
 DOWN = (TimeoutError, KafkaError, RedisError, OSError)
 
 
@@ -60,6 +69,9 @@ class Backend:
         # The overview refreshes every few seconds: read each dead-letter topic once, then
         # only what arrived since.
         self._dead_letter_tally = DeadLetterTally()
+        self._layout_marked = False
+        self._layout_checked_at: float | None = None
+        self._layout_notice: str | None = None
 
     @property
     def topics(self) -> list[str]:
@@ -71,6 +83,28 @@ class Backend:
             return await asyncio.wait_for(call, self.timeout_s)
         except DOWN as exc:
             raise BackendUnavailable(what, exc) from exc
+
+    async def layout_notice(self) -> str | None:
+        """What every page says while Redis holds the old key layout (None otherwise).
+
+        Its writes are refused (``refuse_wrong_target``), but its reads would show an empty
+        queue and no dead-letter markers without a word. Once the marker is seen it is never
+        looked for again (it has no TTL); until then at most every ``LAYOUT_RECHECK_S``.
+        A Redis that does not answer says nothing here: the page's own read reports it.
+        """
+        if self._layout_marked:
+            return None
+        now = time.monotonic()
+        if self._layout_checked_at is not None and now - self._layout_checked_at < LAYOUT_RECHECK_S:
+            return self._layout_notice
+        try:
+            state = await asyncio.wait_for(check_layout_of(self.settings), self.timeout_s)
+        except DOWN:
+            return self._layout_notice
+        self._layout_checked_at = now
+        self._layout_marked = state.marked
+        self._layout_notice = layout_warning(self.settings, state)
+        return self._layout_notice
 
     async def status(self) -> dict[str, Any]:
         found = await self._call(
