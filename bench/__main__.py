@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, get_args
 
-from bench.baseline import Baseline
+from bench.baseline import KEY_LAYOUT_MODULE, Baseline
 from bench.report import Progress, Row, console, table, write_json
 from bench.stack import BenchStack, BrokerKind, RedisDurability, RedisKind
 
@@ -177,8 +177,16 @@ def main(argv: list[str]) -> int:
         parser.error("--redis-durability wait_replicas: only with --redis cluster")
     if args.memory_records is not None and args.memory_records < 1_000:
         parser.error("--memory-records: at least 1,000 (its deciles need records to count)")
+    baseline_rev = Baseline(args.baseline) if args.baseline else None
+    if baseline_rev is not None and baseline_rev.predates_key_layout():
+        parser.error(
+            f"--baseline {args.baseline} ({baseline_rev.commit}): that engine writes its Redis "
+            "keys as <prefix>:..., from before the {<prefix>}:... layout the bench reads; "
+            "its rows would measure nothing comparable. Choose a revision that has "
+            f"{KEY_LAYOUT_MODULE}"
+        )
     with contextlib.ExitStack() as exits:
-        baseline = exits.enter_context(Baseline(args.baseline)) if args.baseline else None
+        baseline = exits.enter_context(baseline_rev) if baseline_rev is not None else None
         options = Options(
             rounds=args.rounds,
             quick=args.quick,

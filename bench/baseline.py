@@ -19,6 +19,9 @@ from types import TracebackType
 from typing import Self
 
 ENGINE_SRC = "packages/reliable-consumer/src"
+# Present from the revision on which every key is ``{<prefix>}:...``: the bench reads and
+# clears keys under that name, so an engine from before writes where it never looks.
+KEY_LAYOUT_MODULE = f"{ENGINE_SRC}/reliable_consumer/engine/redis/layout.py"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,6 +39,15 @@ class Baseline:
         ).stdout.strip()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.src: Path | None = None
+
+    def predates_key_layout(self) -> bool:
+        """Whether this revision's engine writes the keys before ``{<prefix>}:...``."""
+        found = subprocess.run(
+            ["git", "cat-file", "-e", f"{self.commit}:{KEY_LAYOUT_MODULE}"],
+            cwd=ROOT,
+            capture_output=True,
+        )
+        return found.returncode != 0
 
     @property
     def label(self) -> str:
