@@ -40,7 +40,7 @@ async def test_one_dedupe_key_under_two_kafka_keys_applies_once(env: Env) -> Non
 
 
 async def test_a_take_over_without_a_proof_fences_the_late_finish(env: Env) -> None:
-    gate = env.gate(lease_ms=150)
+    gate = env.gate(lease_ms=400)
     first, second = env.record("p-2", 0, "t1"), env.record("p-2", 5, "t2")
     (held,) = await gate.reserve_many([first])
     assert held.deadline_ms is not None
@@ -64,7 +64,7 @@ async def test_a_take_over_without_a_proof_fences_the_late_finish(env: Env) -> N
 
 
 async def test_a_take_over_with_a_proof_closes_for_the_first_and_is_a_duplicate(env: Env) -> None:
-    gate = env.gate(lease_ms=150)
+    gate = env.gate(lease_ms=400)
     first, second = env.record("p-3", 2, "t1"), env.record("p-3", 7, "t2")
     (held,) = await gate.reserve_many([first])
     # The first applied its effects and died before its CLOSE.
@@ -83,7 +83,7 @@ async def test_a_take_over_with_a_proof_closes_for_the_first_and_is_a_duplicate(
 
 
 async def test_of_two_deliveries_fencing_the_same_token_one_reserves(env: Env) -> None:
-    gate = env.gate(lease_ms=150)
+    gate = env.gate(lease_ms=400)
     first = env.record("p-4", 3, "t1")
     (held,) = await gate.reserve_many([first])
     assert held.deadline_ms is not None
