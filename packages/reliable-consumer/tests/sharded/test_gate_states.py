@@ -192,3 +192,20 @@ async def test_a_finish_too_late_past_its_deadline_applies_nothing(env: Env) -> 
     assert late.status is OrderStatus.EXPIRED
     assert await env.applied("p-10") == 0
     assert await env.value(applied_key(record.order_tag, record.gate_key)) is None
+
+
+async def test_an_effect_outside_its_order_shard_is_refused_alone(env: Env) -> None:
+    gate = env.gate()
+    stray, fine = env.record("p-11", 1, "t1"), env.record("p-12", 1, "t2")
+    held = await gate.reserve_many([stray, fine])
+    elsewhere = ("INCR", env.counter(env.record("p-11", 2, "tx"), "p-11"))
+    requests = [
+        replace(env.finish(stray, held[0], "p-11"), effects=[elsewhere]),
+        env.finish(fine, held[1], "p-12"),
+    ]
+    refused, granted = await gate.finish_many(requests)
+    assert refused.status is OrderStatus.ERROR and "outside the order shard" in (
+        refused.detail or ""
+    ), refused
+    assert granted.status is OrderStatus.OK
+    assert await env.applied("p-11") == 0 and await env.applied("p-12") == 1

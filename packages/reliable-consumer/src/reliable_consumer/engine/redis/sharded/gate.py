@@ -323,7 +323,8 @@ class ShardedGate:
                     keys.at(r.chain)
                 effects = [effect_command(c) for c in r.effects]
                 for command in effects:
-                    keys.at(command[1])
+                    if len(command) > 1 and command[1].startswith(tag + ":"):
+                        keys.at(command[1])  # one outside the shard: refused by the script
                 fields = (r.gate_key, r.token, r.fingerprint, r.retry_id, effects, r.chain)
                 batch.append((proof, *fields, emitted, r.deadline_ms))
             return SlotCall(

@@ -142,12 +142,13 @@ local packed = ARGV[3] or ''
     + OUTBOX
     + RUN_EFFECTS
     + """
-local declared = {}
-for _, k in ipairs(KEYS) do declared[k] = true end
-local function undeclared(cmds)
+-- An effect key outside this order shard's tag would be another slot: refused per record
+-- (the caller leaves such keys out of KEYS, so on a cluster the call itself stays whole).
+local tag = string.sub(KEYS[1], 1, string.find(KEYS[1], '}', 1, true))
+local function outside(cmds)
   for _, cmd in ipairs(cmds) do
-    if cmd[2] and not declared[cmd[2]] then
-      return 'ERR the effect key ' .. tostring(cmd[2]) .. ' is not among the call keys'
+    if type(cmd[2]) ~= 'string' or string.sub(cmd[2], 1, #tag + 1) ~= tag .. ':' then
+      return 'ERR the effect key ' .. tostring(cmd[2]) .. ' is outside the order shard ' .. tag
     end
   end
   return nil
@@ -171,7 +172,7 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
   elseif retry_id == '' and chain ~= '' and chain_head(chain, KEYS[1], KEYS[2], KEYS[3]) then
     status = 'blocked'
   else
-    local problem = undeclared(cmds) or effects_error(cmds)
+    local problem = outside(cmds) or effects_error(cmds)
     if not problem and #emissions > 0 then problem = outbox_error() end
     if problem then
       status = 'error:' .. problem
