@@ -209,3 +209,29 @@ async def test_an_effect_outside_its_order_shard_is_refused_alone(env: Env) -> N
     ), refused
     assert granted.status is OrderStatus.OK
     assert await env.applied("p-11") == 0 and await env.applied("p-12") == 1
+
+
+async def test_a_fresh_record_waits_behind_its_chain_and_a_retry_releases_it(env: Env) -> None:
+    gate = env.gate()
+    retry, fresh = env.record("p-13", 4, "t1"), env.record("p-14", 4, "t2")
+    queue = env.layout.order_keys(retry.order_tag)
+    chain = queue.retry_chain("payments", 0, b"user-1")
+    # An earlier record of the Kafka key waits in the order shard's delay queue.
+    await env.client.hset(queue.retry_items, "r0", "item")
+    await env.client.rpush(chain, "r0")
+    held_retry, held_fresh = await gate.reserve_many([retry, fresh])
+    (blocked,) = await gate.finish_many(
+        [replace(env.finish(fresh, held_fresh, "p-14"), chain=chain)]
+    )
+    assert blocked.status is OrderStatus.BLOCKED
+    assert await env.applied("p-14") == 0
+    assert await env.value(applied_key(fresh.order_tag, fresh.gate_key)) is None
+    # The retry (the chain's head) finishes: its item leaves the queue and the chain.
+    as_retry = replace(env.finish(retry, held_retry, "p-13"), chain=chain, retry_id="r0")
+    (done,) = await gate.finish_many([as_retry])
+    assert done.status is OrderStatus.OK
+    assert not await env.client.hexists(queue.retry_items, "r0")
+    assert await env.client.llen(chain) == 0
+    (now,) = await gate.finish_many([replace(env.finish(fresh, held_fresh, "p-14"), chain=chain)])
+    assert now.status is OrderStatus.OK
+    assert await env.applied("p-13") == await env.applied("p-14") == 1
