@@ -8,13 +8,17 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import redis.asyncio as aioredis
 from reliable_consumer.engine.redis.idempotency import RedriveTicket
 from reliable_consumer.engine.redis.sharded.gate import (
+    GateRecord,
     OrderStatus,
+    PlainSlotCaller,
     Reservation,
     ReserveStatus,
+    ShardedGate,
 )
-from reliable_consumer.engine.redis.sharded.layout import applied_key, open_set, tag_of
+from reliable_consumer.engine.redis.sharded.layout import ShardLayout, applied_key, open_set, tag_of
 from tests.sharded.conftest import HANDLER, Env, wait_past
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -235,3 +239,22 @@ async def test_a_fresh_record_waits_behind_its_chain_and_a_retry_releases_it(env
     (now,) = await gate.finish_many([replace(env.finish(fresh, held_fresh, "p-14"), chain=chain)])
     assert now.status is OrderStatus.OK
     assert await env.applied("p-13") == await env.applied("p-14") == 1
+
+
+async def test_one_redis_loads_the_scripts_again_after_a_flush(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        gate = ShardedGate(PlainSlotCaller(client), lease_ms=10_000)
+        layout = ShardLayout("pay", 4)
+        first = GateRecord(layout.gate_key(HANDLER, "f-1"), "t1", "fp", layout.order_tag_of(0))
+        second = replace(first, gate_key=layout.gate_key(HANDLER, "f-2"))
+        (held,) = await gate.reserve_many([first])
+        assert held.status is ReserveStatus.RESERVED
+        await client.script_flush()  # a restarted Redis knows no script: NOSCRIPT, reloaded
+        (again,) = await gate.reserve_many([second])
+        assert again.status is ReserveStatus.RESERVED
+        with pytest.raises(ValueError, match="redrive ticket"):
+            ticket = RedriveTicket(layout.redrive_ticket(HANDLER, "other", b"x"), "v")
+            await gate.reserve_many([replace(first, ticket=ticket)])
+    finally:
+        await client.aclose()

@@ -240,6 +240,8 @@ class ShardedGate:
             batch = []
             for m in members:
                 r = records[asked[m]]
+                if r.ticket and tag_of(r.ticket.key) != tag:
+                    raise ValueError(f"the redrive ticket {r.ticket.key!r} is not in {tag}")
                 ticket_at = keys.at(r.ticket.key) if r.ticket else 0
                 ticket = r.ticket.value if r.ticket else ""
                 gate_at = keys.at(r.gate_key)
