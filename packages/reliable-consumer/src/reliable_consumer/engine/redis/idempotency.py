@@ -355,24 +355,12 @@ class Idempotency:
         # ARGV[3]: every emission's outbox fields, end to end in one string. One argument
         # per field (about 19 a record) made redis-py's command packing the largest item
         # of the worker's profile: about half of what FINISH cost it.
-        packed: list[bytes] = []
-        size = 0
+        all_spans, packed = pack_emissions([(r.emissions, r.emitted_by) for r in batch])
         records = []
-        for r in batch:
-            spans = []
-            for emission in r.emissions:
-                span = [size + 1]  # where its fields start (Lua counts from 1), their lengths
-                for value in outbox_fields(emission, r.emitted_by):
-                    if value is None:
-                        span.append(-1)
-                    else:
-                        span.append(len(value))
-                        packed.append(value)
-                        size += len(value)
-                spans.append(span)
-            effects = [_command(c) for c in r.effects] if r.effects else ()
+        for r, spans in zip(batch, all_spans, strict=True):
+            effects = [effect_command(c) for c in r.effects] if r.effects else ()
             records.append((r.key, r.token, r.fingerprint, r.retry_id, effects, r.chain, spans))
-        args: list[EffectArg] = [self._ttl_arg, _json(records), b"".join(packed)]
+        args: list[EffectArg] = [self._ttl_arg, _json(records), packed]
         keys = [
             self._keys.retry_inflight,
             self._keys.retry_due,
@@ -415,6 +403,31 @@ def dead_record(r: DeadRequest) -> tuple[str, str, str, str, str, str]:
     return (r.key, r.token, r.fingerprint, r.retry_id, r.chain, lease)
 
 
+def pack_emissions(
+    batch: Sequence[tuple[Sequence[Emission], str]],
+) -> tuple[list[list[list[int]]], bytes]:
+    """The emissions of a batch's records (each with its handler's name) as a finishing
+    script reads them: per record, per emission, where its fields start in the one packed
+    string (Lua counts from 1) and their lengths (-1: no key); and that string."""
+    packed: list[bytes] = []
+    size = 0
+    out = []
+    for emissions, handler in batch:
+        spans = []
+        for emission in emissions:
+            span = [size + 1]
+            for value in outbox_fields(emission, handler):
+                if value is None:
+                    span.append(-1)
+                else:
+                    span.append(len(value))
+                    packed.append(value)
+                    size += len(value)
+            spans.append(span)
+        out.append(spans)
+    return out, b"".join(packed)
+
+
 def outbox_fields(emission: Emission, handler: str) -> tuple[bytes | None, ...]:
     """One emission's outbox stream entry (engine/outbox/redis_store.py reads it back): the
     values of its fields ``topic``, ``value``, ``key``, ``headers``, ``event`` and
@@ -432,7 +445,7 @@ def outbox_fields(emission: Emission, handler: str) -> tuple[bytes | None, ...]:
     )
 
 
-def _command(command: tuple[EffectArg, ...]) -> list[str]:
+def effect_command(command: tuple[EffectArg, ...]) -> list[str]:
     """Effect arguments as text: Lua would print large numbers in exponent form."""
     return [a if type(a) is str else _text(a) for a in command]
 

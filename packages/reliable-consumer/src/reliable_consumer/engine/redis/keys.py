@@ -22,7 +22,8 @@ from reliable_consumer.engine.redis import long_keys
 MAX_INLINE_KEY_BYTES = 160
 # Every namespace the engine writes, or may write, under the key prefix: idempotency
 # markers, the delay queue, the durability fence (redis.durability.fence_key), redrive state,
-# what operators did (reliable_consumer/ops/action_log.py) and what workers report (ops namespace).
+# what operators did (reliable_consumer/ops/action_log.py), what workers report (ops namespace)
+# and the sharded gate's proofs of application (redis/sharded/layout.py, applied).
 # A key the engine adds must live under one of these (tests/security/test_keys.py checks).
 ENGINE_NAMESPACES = frozenset(
     {
@@ -38,6 +39,7 @@ ENGINE_NAMESPACES = frozenset(
         "ops",
         "outbox",
         "layout",
+        "applied",
     }
 )
 
@@ -60,6 +62,18 @@ def effect_key(prefix: str, namespace: str, *parts: str) -> str:
     return ":".join((prefix, escape_part(namespace), *map(escape_part, parts)))
 
 
+def dedupe_component(dedupe_key: str) -> str:
+    """The last component of a dedupe key's marker: ``=<key>`` when short, ``#<sha256 hex>``
+    when long (or not text Redis can take: a lone surrogate), so no two keys share it."""
+    try:
+        inline = len(dedupe_key.encode("utf-8")) <= MAX_INLINE_KEY_BYTES
+    except UnicodeEncodeError:
+        inline = False  # a lone surrogate cannot be sent to Redis as text: hashed
+    if inline:
+        return f"={dedupe_key}"
+    return f"#{long_keys.sha256_hex(dedupe_key)}"
+
+
 class RedisKeys:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
@@ -73,13 +87,7 @@ class RedisKeys:
         self.retry_counts = f"{prefix}:retry:counts"
 
     def idempotency(self, handler: str, dedupe_key: str) -> str:
-        try:
-            inline = len(dedupe_key.encode("utf-8")) <= MAX_INLINE_KEY_BYTES
-        except UnicodeEncodeError:
-            inline = False  # a lone surrogate cannot be sent to Redis as text: hashed
-        if inline:
-            return f"{self.prefix}:idem:{handler}:={dedupe_key}"
-        return self.idempotency_hashed(handler, long_keys.sha256_hex(dedupe_key))
+        return f"{self.prefix}:idem:{handler}:{dedupe_component(dedupe_key)}"
 
     def idempotency_hashed(self, handler: str, sha256_hex: str) -> str:
         """The marker of a key too long to name inline, by its hex SHA-256: what an operator
