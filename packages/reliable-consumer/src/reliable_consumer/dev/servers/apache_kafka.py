@@ -66,6 +66,7 @@ from mirakuru.base import SimpleExecutor
 from mirakuru.exceptions import AlreadyRunning, ExecutorError
 
 from reliable_consumer.dev.servers.downloads import shared_cache
+from reliable_consumer.dev.servers.mark import marked
 from reliable_consumer.dev.servers.process import ManagedServer
 
 if TYPE_CHECKING:
@@ -660,15 +661,17 @@ class ApacheKafkaCluster:
 
     def _spawn(self, node: _Node) -> None:
         node.log = open(node.log_path, "a")  # noqa: SIM115 (closed in _forget)
-        node.executor = _NodeExecutor(
-            self._java("kafka.Kafka", str(node.data_dir / "server.properties")),
-            host=LOOPBACK,
-            port=node.port,
-            timeout=self.start_timeout,
-            sleep=0.1,
-            stdout=node.log,
-            stderr=subprocess.STDOUT,
-            cwd=str(node.data_dir),
+        node.executor = marked(
+            _NodeExecutor(
+                self._java("kafka.Kafka", str(node.data_dir / "server.properties")),
+                host=LOOPBACK,
+                port=node.port,
+                timeout=self.start_timeout,
+                sleep=0.1,
+                stdout=node.log,
+                stderr=subprocess.STDOUT,
+                cwd=str(node.data_dir),
+            )
         )
         node.executor.spawn()
 

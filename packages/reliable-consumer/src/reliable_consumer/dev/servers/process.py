@@ -1,7 +1,8 @@
 """One server process on loopback for tests and the demo, started and stopped by mirakuru.
 
 mirakuru starts the process in its own session, waits until it answers and stops it
-(SIGTERM, then SIGKILL); it also kills leftovers at interpreter exit. What it cannot do is
+(SIGTERM, then SIGKILL); ``mark.marked`` kills leftovers at interpreter exit (mirakuru's own
+exit cleanup also killed other owners' servers, see mark.py). What neither can do is
 survive a SIGKILLed owner, so on Linux each server also gets `PR_SET_PDEATHSIG`: even a
 `kill -9`'d pytest leaves no orphans. `reliable_consumer.dev.stack` starts the detached ones.
 """
@@ -24,6 +25,7 @@ from mirakuru import TCPExecutor
 from mirakuru.base import ENV_UUID
 from mirakuru.exceptions import AlreadyRunning, ExecutorError, ProcessFinishedWithError
 
+from reliable_consumer.dev.servers.mark import marked
 from reliable_consumer.engine.swarm.orphans import die_with_parent_preexec
 
 LOOPBACK = "127.0.0.1"
@@ -108,7 +110,7 @@ class _Executor(TCPExecutor):
 
     @property
     def envvars(self) -> dict[str, str]:
-        """The server's own environment plus mirakuru's marker (its exit cleanup finds it)."""
+        """The server's own environment plus its mark (see mark.py; stop() finds its children)."""
         return self._env | {ENV_UUID: self._uuid}
 
     @property
@@ -219,16 +221,18 @@ class ManagedServer(abc.ABC):
         argv = self.command()
         with self.log_path.open("ab") as log:
             said_before = log.tell()  # this start's own words come after
-            self._executor = _Executor(
-                argv,
-                self.port,
-                self.probe_pid,
-                self.env(),
-                cwd=str(self.run_dir),
-                timeout=self.start_timeout,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+            self._executor = marked(
+                _Executor(
+                    argv,
+                    self.port,
+                    self.probe_pid,
+                    self.env(),
+                    cwd=str(self.run_dir),
+                    timeout=self.start_timeout,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
             try:
                 self._executor.start()

@@ -35,6 +35,7 @@ from typing import IO, Any, Self
 from mirakuru import HTTPExecutor
 
 from reliable_consumer.dev.servers.downloads import shared_cache
+from reliable_consumer.dev.servers.mark import marked
 from reliable_consumer.dev.servers.process import free_port
 
 VERSION = "v2.12.0"
@@ -133,15 +134,17 @@ class Toxiproxy:
 
     def start(self) -> Self:
         self._log = self.log_path.open("ab") if self.log_path else None
-        self._executor = HTTPExecutor(
-            [str(self.binary), "-host", LOOPBACK, "-port", str(self.port)],
-            url=f"{self.api}/version",
-            method="GET",  # the API answers HEAD with 405
-            timeout=30,
-            envvars={"LOG_LEVEL": self.log_level},
-            stdin=subprocess.DEVNULL,
-            stdout=self._log or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
+        self._executor = marked(
+            HTTPExecutor(
+                [str(self.binary), "-host", LOOPBACK, "-port", str(self.port)],
+                url=f"{self.api}/version",
+                method="GET",  # the API answers HEAD with 405
+                timeout=30,
+                envvars={"LOG_LEVEL": self.log_level},
+                stdin=subprocess.DEVNULL,
+                stdout=self._log or subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
         )
         try:
             self._executor.start()
