@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from mirakuru import TCPExecutor
-from mirakuru.base import ENV_UUID
+from mirakuru.base import ENV_UUID, SimpleExecutor
 from mirakuru.exceptions import AlreadyRunning, ExecutorError, ProcessFinishedWithError
 
 from reliable_consumer.dev.servers.mark import marked
@@ -91,6 +91,20 @@ def log_tail(path: Path, max_chars: int = 2000) -> str:
     except OSError:
         return "(no log)"
     return text[-max_chars:].strip() or "(empty log)"
+
+
+def stop_executor(executor: SimpleExecutor, stop_signal: int | None = None) -> None:
+    """mirakuru's stop, but a server that already died is only forgotten.
+
+    mirakuru's stop signals the process group its pid named even when that process is dead
+    and reaped (``running()`` reaps it), and by then the pid may lead another session: every
+    server here leads its own, and pids recycle. A crash is still not an error to stop.
+    """
+    if executor.running():
+        with contextlib.suppress(ProcessFinishedWithError):
+            executor.stop(stop_signal=stop_signal)
+    else:
+        executor.kill()  # signals no dead process; forgets it, ends its marked children
 
 
 class _Executor(TCPExecutor):
@@ -262,9 +276,7 @@ class ManagedServer(abc.ABC):
     def stop(self) -> None:
         """Graceful stop: SIGTERM, then SIGKILL once the start timeout has passed again."""
         if self._executor is not None:
-            # Stopping a server that already crashed is not an error.
-            with contextlib.suppress(ProcessFinishedWithError):
-                self._executor.stop()
+            stop_executor(self._executor)
         self._executor = None
 
     def kill(self) -> None:

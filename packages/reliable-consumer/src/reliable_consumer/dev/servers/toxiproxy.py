@@ -36,7 +36,7 @@ from mirakuru import HTTPExecutor
 
 from reliable_consumer.dev.servers.downloads import shared_cache
 from reliable_consumer.dev.servers.mark import marked
-from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.dev.servers.process import free_port, stop_executor
 
 VERSION = "v2.12.0"
 MODULE = "github.com/Shopify/toxiproxy/v2/cmd/server"
@@ -157,7 +157,7 @@ class Toxiproxy:
         """Stops the server (its proxies and their connections go with it)."""
         try:
             if self._executor is not None:
-                self._executor.stop()
+                stop_executor(self._executor)
         finally:
             self._executor = None
             if self._log is not None:
