@@ -11,9 +11,11 @@ forced by construction: the process says its pid is a run of digits of its owner
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,6 +66,42 @@ def test_a_python_exit_whose_pid_is_in_a_tansu_brokers_mark_spares_the_broker(
     with TansuBroker(tmp_path, silent=True) as broker:
         assert broker.pid is not None
         _assert_spared(broker.pid, lambda: kafka_metadata_ok(LOOPBACK, broker.port))
+
+
+# A process of ours (it imports the dev servers, as `service dev up` does) exits as if its pid
+# were argv[1].
+_OUR_EXIT_AS = (
+    "import os, sys\n"
+    "import reliable_consumer.dev.servers.process\n"
+    "os.getpid = lambda: int(sys.argv[1])\n"
+)
+_ECHO = "import sys\nfor line in sys.stdin:\n    print(line, end='', flush=True)\n"
+
+
+def test_the_exit_of_a_process_of_ours_spares_a_foreign_server_whose_mark_holds_its_pid() -> None:
+    """Plain mirakuru still marks with pids: a `service dev` command that exits must not kill,
+    say, a developer's test database whose mark happens to hold its pid."""
+    pid = _recycled_pid()
+    env = {**os.environ, ENV_UUID: f"{pid}:{uuid.uuid4()}"}
+    foreign = subprocess.Popen(
+        [sys.executable, "-c", _ECHO], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert foreign.stdin is not None and foreign.stdout is not None
+    try:
+        subprocess.run([sys.executable, "-c", _OUR_EXIT_AS, str(pid)], check=True, timeout=60)
+        try:
+            foreign.stdin.write(b"still here\n")
+            foreign.stdin.flush()
+            said = foreign.stdout.readline()  # a SIGKILLed process says nothing more: EOF
+        except BrokenPipeError:
+            said = b""
+        assert said == b"still here\n", f"the exit of a process with pid {pid} killed it"
+    finally:
+        foreign.kill()
+        foreign.wait()
+        with contextlib.suppress(BrokenPipeError):
+            foreign.stdin.close()
+        foreign.stdout.close()
 
 
 # A server started through mirakuru (no PDEATHSIG) by a process that then exits normally while

@@ -4,9 +4,10 @@ mirakuru puts ``mirakuru_uuid=<owner pid>:<uuid4>`` in the environment of each p
 starts, and every Python process that imported mirakuru SIGKILLs, at its exit, each process
 whose mark *contains* its own pid as a substring. Pids recycle (pid_max is often 32768, and a
 full suite run starts many thousands of processes), so a short-lived Python process with pid
-3640, or any run of digits of the uuid, killed a live server of pid 23640's when it exited:
-one run lost a test worker's session broker that way. A mark without a decimal digit holds no
-pid; what mirakuru's exit cleanup did for the owner's own servers, ``marked`` does by object.
+3640, or any run of digits of the uuid, kills a live server of pid 23640's when it exits: the
+likely way one run lost a test worker's session broker. A mark without a decimal digit holds no
+pid; what mirakuru's exit cleanup did for the owner's own servers, ``marked`` does by object,
+and the cleanup itself is taken off this process's exit: it could only kill others' servers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import uuid
 import weakref
 from typing import TypeVar
 
-from mirakuru.base import SimpleExecutor
+from mirakuru.base import SimpleExecutor, cleanup_subprocesses
 
 __all__ = ["marked", "pid_free_mark"]
 
@@ -28,6 +29,10 @@ _AS_LETTERS = str.maketrans("0123456789", "ghijklmnop")
 # Each marked executor and the pid of the process that made it: a forked child inherits the
 # table and the exit hook, and must not kill its parent's servers when it exits.
 _OWNED: weakref.WeakKeyDictionary[SimpleExecutor, int] = weakref.WeakKeyDictionary()
+
+# Ours are all marked, so mirakuru's exit hook would only SIGKILL the servers of others (a
+# developer's test database started by plain mirakuru) whose marks merely hold our pid.
+atexit.unregister(cleanup_subprocesses)
 
 
 def pid_free_mark() -> str:
