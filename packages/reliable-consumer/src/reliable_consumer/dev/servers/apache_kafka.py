@@ -871,7 +871,9 @@ def _how_it_ended(returncode: int) -> str:
     """A JVM that ran its shutdown hooks on SIGTERM exits 143; a SIGKILL leaves no log line:
     one from outside (the OOM killer, another process) is told apart only by this."""
     if returncode < 0:
-        return f"was killed by {signal.Signals(-returncode).name}"
+        with contextlib.suppress(ValueError):  # a signal Python has no name for
+            return f"was killed by {signal.Signals(-returncode).name}"
+        return f"was killed by signal {-returncode}"
     if returncode == _SIGTERM_EXIT:
         return f"exited with status {returncode} (SIGTERM, after its shutdown hooks)"
     return f"exited with status {returncode}"
