@@ -3,11 +3,12 @@
 mirakuru puts ``mirakuru_uuid=<owner pid>:<uuid4>`` in the environment of each process it
 starts, and every Python process that imported mirakuru SIGKILLs, at its exit, each process
 whose mark *contains* its own pid as a substring. Pids recycle (pid_max is often 32768, and a
-full suite run starts many thousands of processes), so a short-lived Python process with pid
-3640, or any run of digits of the uuid, kills a live server of pid 23640's when it exits: the
-likely way one run lost a test worker's session broker. A mark without a decimal digit holds no
-pid; what mirakuru's exit cleanup did for the owner's own servers, ``marked`` does by object,
-and the cleanup itself is taken off this process's exit: it could only kill others' servers.
+full suite run starts many thousands of processes), so a Python process with pid 3640, or any
+run of digits of the uuid, kills a live server of pid 23640's when it exits (a CLI a test runs,
+any pytest process on the machine): the likely way one run lost a session broker. A mark
+without a decimal digit holds no pid; what mirakuru's exit cleanup did for the owner's own
+servers, ``marked`` does by object, and the cleanup itself is taken off this process's exit: it
+could only kill others' servers.
 """
 
 from __future__ import annotations
