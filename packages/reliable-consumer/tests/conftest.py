@@ -170,6 +170,8 @@ def kafka_broker(
             )
             with cluster:  # starts it; closes it and removes its data at the end
                 yield cluster
+            if cluster.deaths:  # every later test on this worker failed to bootstrap: say why
+                pytest.fail(f"the session broker died mid-run: {cluster.deaths}", pytrace=False)
             return
         if wanted == "kafka" or on_ci():
             why = f"{BROKER_ENV}=kafka" if wanted == "kafka" else "on CI (CI=true)"

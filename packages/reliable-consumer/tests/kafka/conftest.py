@@ -35,6 +35,8 @@ def _cluster(
     _require_kafka()
     with ApacheKafkaCluster(nodes, tmp.mktemp(f"kafka{nodes}"), **kwargs) as cluster:
         yield cluster
+    if cluster.deaths:  # not a fault a test made (those bring their node back): say so
+        pytest.fail(f"a node died on its own: {cluster.deaths}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@ Public API (used by tests/kafka, tests/pipeline and the network-fault tests; kee
 - ``available() -> str | None``: None when a broker can run here, else the plain reason.
 - ``ApacheKafkaCluster(nodes=1 | 3, workdir=None, dedicated_controller=False)``:
   ``.start()`` (returns self),
-  ``.bootstrap_servers`` (also ``.bootstrap``), ``.close()``, a context manager.
+  ``.bootstrap_servers`` (also ``.bootstrap``), ``.close()``, a context manager;
+  ``.deaths`` after ``close()``: how each node that died on its own ended, and its log.
   Node faults: ``.kill(node)`` (SIGKILL), ``.stop(node)`` (SIGTERM: a controlled
   shutdown), ``.restart(node)`` (keeps its data); ``.stop()`` with no node closes all.
   Coroutines: ``await .create_topics({name: partitions})``, ``await .leader_of(topic, p)``.
@@ -66,6 +67,7 @@ from mirakuru.base import SimpleExecutor
 from mirakuru.exceptions import AlreadyRunning, ExecutorError
 
 from reliable_consumer.dev.servers.downloads import shared_cache
+from reliable_consumer.dev.servers.mark import marked
 from reliable_consumer.dev.servers.process import ManagedServer
 
 if TYPE_CHECKING:
@@ -292,6 +294,8 @@ class ApacheKafkaCluster:
             port = free_port()
             self.controller = _Node(100, port, port, self.workdir / "controller", "controller")
         self._lib: Path | None = None
+        # Node id -> how a node that died on its own (not by kill/stop) ended, filled by close().
+        self.deaths: dict[int, str] = {}
         # Every fork happens on this one long-lived thread (see _session_dying_with_parent).
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kafka")
 
@@ -358,14 +362,21 @@ class ApacheKafkaCluster:
     def close(self) -> None:
         """Kill every node and remove the data (a test cluster keeps nothing), but the log of
         a node that died on its own: ``died-node-<id>.log`` beside the data, in a workdir the
-        caller owns (a session broker that died mid-suite left no trace of why)."""
-        if not self._owns_workdir:
-            for node in self._all_nodes():
-                if node.executor is not None and not node.executor.running():
-                    with contextlib.suppress(OSError):
-                        shutil.copyfile(
-                            node.log_path, self.workdir / f"died-node-{node.node_id}.log"
-                        )
+        caller owns (a session broker that died mid-suite left no trace of why), ending with
+        how its process ended; ``deaths`` says the same for the caller to report."""
+        for node in self._all_nodes():
+            process = node.executor.process if node.executor is not None else None
+            if process is None or process.poll() is None:
+                continue
+            ended = f"node {node.node_id}'s process {_how_it_ended(process.returncode)}"
+            self.deaths[node.node_id] = ended
+            if not self._owns_workdir:
+                kept = self.workdir / f"died-node-{node.node_id}.log"
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(node.log_path, kept)
+                    with kept.open("a") as log:
+                        log.write(f"--- {ended}\n")
+                    self.deaths[node.node_id] = f"{ended}; its log: {kept}"
         for node in self._all_nodes():
             if node.executor is not None:
                 with contextlib.suppress(ExecutorError, OSError):
@@ -660,15 +671,17 @@ class ApacheKafkaCluster:
 
     def _spawn(self, node: _Node) -> None:
         node.log = open(node.log_path, "a")  # noqa: SIM115 (closed in _forget)
-        node.executor = _NodeExecutor(
-            self._java("kafka.Kafka", str(node.data_dir / "server.properties")),
-            host=LOOPBACK,
-            port=node.port,
-            timeout=self.start_timeout,
-            sleep=0.1,
-            stdout=node.log,
-            stderr=subprocess.STDOUT,
-            cwd=str(node.data_dir),
+        node.executor = marked(
+            _NodeExecutor(
+                self._java("kafka.Kafka", str(node.data_dir / "server.properties")),
+                host=LOOPBACK,
+                port=node.port,
+                timeout=self.start_timeout,
+                sleep=0.1,
+                stdout=node.log,
+                stderr=subprocess.STDOUT,
+                cwd=str(node.data_dir),
+            )
         )
         node.executor.spawn()
 
@@ -852,6 +865,18 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine to completion from sync code, inside a running loop or not."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
+
+def _how_it_ended(returncode: int) -> str:
+    """A JVM that ran its shutdown hooks on SIGTERM exits 143; a SIGKILL leaves no log line:
+    one from outside (the OOM killer, another process) is told apart only by this."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):  # a signal Python has no name for
+            return f"was killed by {signal.Signals(-returncode).name}"
+        return f"was killed by signal {-returncode}"
+    if returncode == _SIGTERM_EXIT:
+        return f"exited with status {returncode} (SIGTERM, after its shutdown hooks)"
+    return f"exited with status {returncode}"
 
 
 def _tail(path: Path, max_chars: int = 3000) -> str:

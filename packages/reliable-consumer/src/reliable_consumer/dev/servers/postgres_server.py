@@ -38,7 +38,6 @@ from pathlib import Path
 from types import TracebackType
 
 import psycopg
-from mirakuru.exceptions import ProcessFinishedWithError
 
 from reliable_consumer.dev.servers.process import (
     DEFAULT_START_TIMEOUT_S,
@@ -46,6 +45,7 @@ from reliable_consumer.dev.servers.process import (
     DevStackError,
     ManagedServer,
     binary_from_env,
+    stop_executor,
 )
 
 POSTGRES_BIN_ENV = "WORKER_DEV_POSTGRES_BIN"  # a postgres binary, initdb beside it
@@ -338,8 +338,7 @@ class PostgresServer(ManagedServer):
         kill after the timeout (a crash, not a graceful stop).
         """
         if self._executor is not None:
-            with contextlib.suppress(ProcessFinishedWithError):
-                self._executor.stop(stop_signal=signal.SIGINT)
+            stop_executor(self._executor, signal.SIGINT)
         self._executor = None
 
     def close(self) -> None:

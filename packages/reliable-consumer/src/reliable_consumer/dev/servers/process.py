@@ -1,7 +1,8 @@
 """One server process on loopback for tests and the demo, started and stopped by mirakuru.
 
 mirakuru starts the process in its own session, waits until it answers and stops it
-(SIGTERM, then SIGKILL); it also kills leftovers at interpreter exit. What it cannot do is
+(SIGTERM, then SIGKILL); ``mark.marked`` kills leftovers at interpreter exit (mirakuru's own
+exit cleanup also killed other owners' servers, see mark.py). What neither can do is
 survive a SIGKILLed owner, so on Linux each server also gets `PR_SET_PDEATHSIG`: even a
 `kill -9`'d pytest leaves no orphans. `reliable_consumer.dev.stack` starts the detached ones.
 """
@@ -21,9 +22,10 @@ from types import TracebackType
 from typing import Any, Self
 
 from mirakuru import TCPExecutor
-from mirakuru.base import ENV_UUID
+from mirakuru.base import ENV_UUID, SimpleExecutor
 from mirakuru.exceptions import AlreadyRunning, ExecutorError, ProcessFinishedWithError
 
+from reliable_consumer.dev.servers.mark import marked
 from reliable_consumer.engine.swarm.orphans import die_with_parent_preexec
 
 LOOPBACK = "127.0.0.1"
@@ -91,6 +93,20 @@ def log_tail(path: Path, max_chars: int = 2000) -> str:
     return text[-max_chars:].strip() or "(empty log)"
 
 
+def stop_executor(executor: SimpleExecutor, stop_signal: int | None = None) -> None:
+    """mirakuru's stop, but a server that already died is only forgotten.
+
+    mirakuru's stop signals the process group its pid named even when that process is dead
+    and reaped (``running()`` reaps it), and by then the pid may lead another session: every
+    server here leads its own, and pids recycle. A crash is still not an error to stop.
+    """
+    if executor.running():
+        with contextlib.suppress(ProcessFinishedWithError):
+            executor.stop(stop_signal=stop_signal)
+    else:
+        executor.kill()  # signals no dead process; forgets it, ends its marked children
+
+
 class _Executor(TCPExecutor):
     """mirakuru's TCP executor with the server's own readiness probe and PDEATHSIG."""
 
@@ -108,7 +124,7 @@ class _Executor(TCPExecutor):
 
     @property
     def envvars(self) -> dict[str, str]:
-        """The server's own environment plus mirakuru's marker (its exit cleanup finds it)."""
+        """The server's own environment plus its mark (see mark.py; stop() finds its children)."""
         return self._env | {ENV_UUID: self._uuid}
 
     @property
@@ -219,16 +235,18 @@ class ManagedServer(abc.ABC):
         argv = self.command()
         with self.log_path.open("ab") as log:
             said_before = log.tell()  # this start's own words come after
-            self._executor = _Executor(
-                argv,
-                self.port,
-                self.probe_pid,
-                self.env(),
-                cwd=str(self.run_dir),
-                timeout=self.start_timeout,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+            self._executor = marked(
+                _Executor(
+                    argv,
+                    self.port,
+                    self.probe_pid,
+                    self.env(),
+                    cwd=str(self.run_dir),
+                    timeout=self.start_timeout,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
             try:
                 self._executor.start()
@@ -258,9 +276,7 @@ class ManagedServer(abc.ABC):
     def stop(self) -> None:
         """Graceful stop: SIGTERM, then SIGKILL once the start timeout has passed again."""
         if self._executor is not None:
-            # Stopping a server that already crashed is not an error.
-            with contextlib.suppress(ProcessFinishedWithError):
-                self._executor.stop()
+            stop_executor(self._executor)
         self._executor = None
 
     def kill(self) -> None:

@@ -35,7 +35,8 @@ from typing import IO, Any, Self
 from mirakuru import HTTPExecutor
 
 from reliable_consumer.dev.servers.downloads import shared_cache
-from reliable_consumer.dev.servers.process import free_port
+from reliable_consumer.dev.servers.mark import marked
+from reliable_consumer.dev.servers.process import free_port, stop_executor
 
 VERSION = "v2.12.0"
 MODULE = "github.com/Shopify/toxiproxy/v2/cmd/server"
@@ -133,15 +134,17 @@ class Toxiproxy:
 
     def start(self) -> Self:
         self._log = self.log_path.open("ab") if self.log_path else None
-        self._executor = HTTPExecutor(
-            [str(self.binary), "-host", LOOPBACK, "-port", str(self.port)],
-            url=f"{self.api}/version",
-            method="GET",  # the API answers HEAD with 405
-            timeout=30,
-            envvars={"LOG_LEVEL": self.log_level},
-            stdin=subprocess.DEVNULL,
-            stdout=self._log or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
+        self._executor = marked(
+            HTTPExecutor(
+                [str(self.binary), "-host", LOOPBACK, "-port", str(self.port)],
+                url=f"{self.api}/version",
+                method="GET",  # the API answers HEAD with 405
+                timeout=30,
+                envvars={"LOG_LEVEL": self.log_level},
+                stdin=subprocess.DEVNULL,
+                stdout=self._log or subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
         )
         try:
             self._executor.start()
@@ -154,7 +157,7 @@ class Toxiproxy:
         """Stops the server (its proxies and their connections go with it)."""
         try:
             if self._executor is not None:
-                self._executor.stop()
+                stop_executor(self._executor)
         finally:
             self._executor = None
             if self._log is not None:
