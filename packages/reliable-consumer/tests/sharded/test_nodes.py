@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.commands.core import AsyncScript
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from reliable_consumer.dev.servers.redis_cluster import RedisCluster
 from reliable_consumer.dev.servers.redis_server import RedisServer
@@ -294,7 +295,8 @@ async def test_a_primary_killed_mid_run_loses_no_acknowledged_call(
         )
         stop.set()
         await asyncio.wait_for(task, 60)
-    assert any(isinstance(e, OSError | SlotMoved) or "onnect" in str(e) for e in errors), errors
+    # The killed primary's calls met a lost connection, and were sent again on the new one.
+    assert any(isinstance(e, RedisConnectionError) for e in errors), errors
     reader = aioredis.RedisCluster(startup_nodes=redis_cluster.startup_nodes)
     try:
         for k, value in acknowledged.items():
@@ -324,7 +326,7 @@ async def test_single_node_caller_sends_one_pipeline_and_waits_for_the_replica(
     )
     client = make_client(settings)
     ops = RedisOps(client, settings, max_backoff_s=0.2)
-    caller = SingleNodeCaller(client, ops)
+    caller = SingleNodeCaller(ops)
     script = client.register_script(SET)
     reader = direct(replica.port)
     keys = [key(shard) for shard in range(40)]
@@ -348,7 +350,7 @@ async def test_single_node_caller_sends_one_pipeline_and_waits_for_the_replica(
     finally:
         await reader.aclose()
         await client.aclose()
-        replica.stop()
+    # The factory stops the primary, then the replica (a replica stopped first takes 30 s).
 
 
 async def test_moved_after_a_manual_failover_reads_the_map_again_and_sends_that_nodes_calls(

@@ -287,12 +287,10 @@ class ClusterCaller:
             wait_outcome(replies, self._settings, seen)
         except AskError as exc:  # the fence's slot moved
             return error or _moved(exc)
-        except ResponseError as exc:
-            if "replica" not in str(exc):
-                raise
-            # WAIT on a primary demoted meanwhile (a failover): its owner is another node
-            return error or SlotMoved(f"{node.name} is a replica now: {exc}")
         except Exception as exc:
+            if isinstance(exc, ResponseError) and "replica" in str(exc):
+                # WAIT on a primary demoted meanwhile (a failover): its owner is another node
+                return error or SlotMoved(f"{node.name} is a replica now: {exc}")
             return error or exc
         for index in indices:
             if batch.awaiting.get(index) == (node.name, seen):
@@ -346,16 +344,18 @@ def make_cluster(settings: RedisSettings) -> RedisCluster:
 
 
 class SingleNodeCaller:
-    """``SlotCaller`` on one plain Redis: every call in one pipeline, keys of any slot.
+    """``SlotCaller`` on one plain Redis (``ops.client``'s): every call in one pipeline.
 
     With ``durable`` the batch is one durable call of ``ops`` (``RedisOps.call``): the wait
     after it, and the whole batch sent again when the server that answers the wait is
-    another one. The calls' one-slot rule is checked all the same, so a bug shows on the
-    single Redis of a developer before it reaches a cluster.
+    another one. A call held (a refusal, a lost connection) sends the whole batch again under
+    the reconnect policy: every script of the layout is idempotent. The calls' one-slot rule
+    is checked all the same, so a bug shows on the single Redis of a developer before it
+    reaches a cluster.
     """
 
-    def __init__(self, client: aioredis.Redis, ops: RedisOps) -> None:
-        self.client = client
+    def __init__(self, ops: RedisOps) -> None:
+        self.client: aioredis.Redis = ops.client
         self._ops = ops
         self._loaded: set[str] = set()
 
