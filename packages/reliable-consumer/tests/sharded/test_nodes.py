@@ -8,6 +8,7 @@ import collections
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 import redis
@@ -30,7 +31,9 @@ from reliable_consumer.engine.redis.sharded.nodes import (
 )
 from reliable_consumer.engine.redis.slot_owner import SlotMoved
 from reliable_consumer.engine.settings import RedisSettings
+from tests.cluster.test_cluster_tls import start_tls_cluster, tls_redis
 from tests.helpers import await_until, wait_until
+from tests.security.pki import Pki, make_pki
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -397,3 +400,51 @@ async def test_moved_after_a_manual_failover_reads_the_map_again_and_sends_that_
         assert [await reader.get(k) for k in moved] == [b"two"] * len(moved)
     finally:
         await reader.aclose()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("nodes-pki"))
+
+
+async def test_over_tls_every_node_is_reached_with_the_urls_tls_settings(
+    tmp_path: Path, pki: Pki, sends: Sends
+) -> None:
+    tls_cluster = start_tls_cluster(tmp_path / "tls-cluster", pki)
+    try:
+        settings = RedisSettings(
+            **tls_redis(
+                pki,
+                url=tls_cluster.urls[0],
+                key_prefix=PREFIX,
+                cluster=True,
+                durability="wait_replicas",
+            )
+        )
+        client = make_client(settings)
+        caller = ClusterCaller.from_ops(RedisOps(client, settings, max_backoff_s=0.2))
+        script = client.register_script(SET)
+        keys = [key(shard) for shard in range(30)]
+        where = owners(tls_cluster, keys)
+        try:
+            calls = [SlotCall(script, (k,), ("warm",)) for k in keys]
+            await caller.call_per_slot(calls, durable=True)
+            sends.clear()
+            calls = [SlotCall(script, (k,), (f"v{i}",)) for i, k in enumerate(keys)]
+            replies = await caller.call_per_slot(calls, durable=True)
+        finally:
+            await caller.aclose()
+            await client.aclose()
+        assert replies == [f"v{i}".encode() for i in range(len(keys))]
+        primaries = tls_cluster.primaries()
+        assert dict(sends.by_port) == {tls_cluster.client_port(node): 1 for node in primaries}
+        for node in primaries:  # read back on each primary's plaintext port
+            reader = direct(node.port)
+            try:
+                for i, k in enumerate(keys):
+                    if where[k] is node:
+                        assert await reader.get(k) == f"v{i}".encode()
+            finally:
+                await reader.aclose()
+    finally:
+        tls_cluster.stop()
