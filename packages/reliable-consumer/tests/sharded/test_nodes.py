@@ -31,6 +31,7 @@ from reliable_consumer.engine.redis.sharded.nodes import (
 )
 from reliable_consumer.engine.redis.slot_owner import SlotMoved
 from reliable_consumer.engine.settings import RedisSettings
+from reliable_consumer.engine.stalls import Stalls
 from tests.cluster.test_cluster_tls import start_tls_cluster, tls_redis
 from tests.helpers import await_until, wait_until
 from tests.security.pki import Pki, make_pki
@@ -74,15 +75,17 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sends]:
 
 @asynccontextmanager
 async def cluster_caller(
-    cluster: RedisCluster, errors: list[BaseException] | None = None, **redis: object
+    cluster: RedisCluster,
+    errors: list[BaseException] | None = None,
+    stalls: Stalls | None = None,
+    **redis: object,
 ) -> AsyncIterator[tuple[ClusterCaller, dict[str, AsyncScript]]]:
     settings = RedisSettings.model_validate(
         {"url": cluster.urls[0], "key_prefix": PREFIX, "cluster": True, **redis}
     )
     client = make_client(settings)  # the engine's one-slot client: here only for the scripts
-    ops = RedisOps(
-        client, settings, on_error=None if errors is None else errors.append, max_backoff_s=0.2
-    )
+    on_error = None if errors is None else errors.append
+    ops = RedisOps(client, settings, on_error=on_error, max_backoff_s=0.2, stalls=stalls)
     caller = ClusterCaller.from_ops(ops)
     scripts = {name: client.register_script(text) for name, text in scripts_by_name().items()}
     try:
@@ -202,6 +205,41 @@ async def test_a_script_error_is_that_calls_reply(redis_cluster: RedisCluster) -
         assert isinstance(replies[6], ResponseError) and "REFUSED this one" in str(replies[6])
         assert isinstance(replies[7], ResponseError) and "not an integer" in str(replies[7])
         assert replies[8] == 1
+
+
+async def test_a_refusal_holds_that_nodes_calls_loudly_and_the_rest_are_sent_once(
+    redis_cluster: RedisCluster,
+) -> None:
+    errors: list[BaseException] = []
+    stalls = Stalls()
+    keys = [key(shard) for shard in range(30)]
+    where = owners(redis_cluster, keys)
+    full = where[keys[0]]
+    async with cluster_caller(redis_cluster, errors, stalls) as (caller, scripts):
+        await caller.call_per_slot([SlotCall(scripts["set"], (k,), ("warm",)) for k in keys])
+        await reset_stats(redis_cluster)
+        admin = direct(full.port)
+        try:
+            await admin.config_set("maxmemory", 1)  # every write refused: OOM
+            calls = [SlotCall(scripts["set"], (k,), ("v",)) for k in keys]
+            task = asyncio.create_task(caller.call_per_slot(calls))
+            await await_until(
+                lambda: "redis_refused" in stalls.active(),
+                30,
+                message=lambda: f"no refusal reported: {errors}",
+            )
+            assert "OOM" in stalls.active()["redis_refused"].detail
+            assert not task.done()
+            await admin.config_set("maxmemory", 0)
+            assert await asyncio.wait_for(task, 30) == [b"v"] * len(keys)
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await admin.aclose()
+    assert not stalls.active()
+    for node in redis_cluster.primaries():
+        if node is not full:
+            mine = [k for k in keys if where[k] is node]
+            assert await commandstat(node.port, "evalsha") == len(mine)
 
 
 async def test_durable_calls_end_with_a_fence_and_wait_on_each_node(
