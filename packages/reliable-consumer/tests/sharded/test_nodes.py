@@ -14,7 +14,6 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
-from redis.commands.core import AsyncScript
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -23,7 +22,7 @@ from reliable_consumer.dev.servers.redis_server import RedisServer
 from reliable_consumer.engine.redis.client import RedisOps, make_client
 from reliable_consumer.engine.redis.durability import fence_key
 from reliable_consumer.engine.redis.errors import DurabilityError
-from reliable_consumer.engine.redis.sharded._slot_call import SlotCall
+from reliable_consumer.engine.redis.sharded._slot_call import LuaScript, SlotCall
 from reliable_consumer.engine.redis.sharded.nodes import (
     ClusterCaller,
     CrossSlotCall,
@@ -79,15 +78,15 @@ async def cluster_caller(
     errors: list[BaseException] | None = None,
     stalls: Stalls | None = None,
     **redis: object,
-) -> AsyncIterator[tuple[ClusterCaller, dict[str, AsyncScript]]]:
+) -> AsyncIterator[tuple[ClusterCaller, dict[str, LuaScript]]]:
     settings = RedisSettings.model_validate(
         {"url": cluster.urls[0], "key_prefix": PREFIX, "cluster": True, **redis}
     )
-    client = make_client(settings)  # the engine's one-slot client: here only for the scripts
+    client = make_client(settings)  # the engine's one-slot client, which RedisOps holds
     on_error = None if errors is None else errors.append
     ops = RedisOps(client, settings, on_error=on_error, max_backoff_s=0.2, stalls=stalls)
     caller = ClusterCaller.from_ops(ops)
-    scripts = {name: client.register_script(text) for name, text in scripts_by_name().items()}
+    scripts = {name: LuaScript(text) for name, text in scripts_by_name().items()}
     try:
         yield caller, scripts
     finally:
@@ -368,7 +367,7 @@ async def test_single_node_caller_sends_one_pipeline_and_waits_for_the_replica(
     client = make_client(settings)
     ops = RedisOps(client, settings, max_backoff_s=0.2)
     caller = SingleNodeCaller(ops)
-    script = client.register_script(SET)
+    script = LuaScript(SET)
     reader = direct(replica.port)
     keys = [key(shard) for shard in range(40)]
     try:
@@ -461,7 +460,7 @@ async def test_over_tls_every_node_is_reached_with_the_urls_tls_settings(
         )
         client = make_client(settings)
         caller = ClusterCaller.from_ops(RedisOps(client, settings, max_backoff_s=0.2))
-        script = client.register_script(SET)
+        script = LuaScript(SET)
         keys = [key(shard) for shard in range(30)]
         where = owners(tls_cluster, keys)
         try:

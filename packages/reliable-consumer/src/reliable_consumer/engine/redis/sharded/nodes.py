@@ -92,7 +92,7 @@ def _plan(calls: Sequence[SlotCall], loaded: set[str], queue: _Queue) -> None:
     """Queue the loads of the scripts not in ``loaded``, then each call as EVALSHA."""
     for script in {call.script.sha: call.script for call in calls}.values():
         if script.sha not in loaded:
-            queue.execute_command("SCRIPT", "LOAD", script.script)
+            queue.execute_command("SCRIPT", "LOAD", script.text)
     for call in calls:
         queue.execute_command("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
 
