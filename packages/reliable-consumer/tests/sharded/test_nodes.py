@@ -41,6 +41,7 @@ PREFIX = "nodes"
 SET = "redis.call('SET', KEYS[1], ARGV[1]) return ARGV[1]"
 REFUSE = "return redis.error_reply('REFUSED this one')"
 INCR = "return redis.call('INCR', KEYS[1])"
+SCRIPTS = {"set": SET, "refuse": REFUSE, "incr": INCR}
 
 
 def key(shard: int, name: str = "k") -> str:
@@ -77,25 +78,21 @@ async def cluster_caller(
     cluster: RedisCluster,
     errors: list[BaseException] | None = None,
     stalls: Stalls | None = None,
-    **redis: object,
+    **redis_values: object,
 ) -> AsyncIterator[tuple[ClusterCaller, dict[str, LuaScript]]]:
     settings = RedisSettings.model_validate(
-        {"url": cluster.urls[0], "key_prefix": PREFIX, "cluster": True, **redis}
+        {"url": cluster.urls[0], "key_prefix": PREFIX, "cluster": True, **redis_values}
     )
     client = make_client(settings)  # the engine's one-slot client, which RedisOps holds
     on_error = None if errors is None else errors.append
     ops = RedisOps(client, settings, on_error=on_error, max_backoff_s=0.2, stalls=stalls)
     caller = ClusterCaller.from_ops(ops)
-    scripts = {name: LuaScript(text) for name, text in scripts_by_name().items()}
+    scripts = {name: LuaScript(text) for name, text in SCRIPTS.items()}
     try:
         yield caller, scripts
     finally:
         await caller.aclose()
         await client.aclose()
-
-
-def scripts_by_name() -> dict[str, str]:
-    return {"set": SET, "refuse": REFUSE, "incr": INCR}
 
 
 def direct(port: int) -> aioredis.Redis:
