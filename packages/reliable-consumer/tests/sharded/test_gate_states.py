@@ -9,16 +9,18 @@ from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
+from reliable_consumer.engine.redis.client import RedisOps
 from reliable_consumer.engine.redis.idempotency import RedriveTicket
 from reliable_consumer.engine.redis.sharded.gate import (
     GateRecord,
     OrderStatus,
-    PlainSlotCaller,
     Reservation,
     ReserveStatus,
     ShardedGate,
 )
 from reliable_consumer.engine.redis.sharded.layout import ShardLayout, applied_key, open_set, tag_of
+from reliable_consumer.engine.redis.sharded.nodes import SingleNodeCaller
+from reliable_consumer.engine.settings import RedisSettings
 from tests.sharded.conftest import HANDLER, Env, wait_past
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -244,7 +246,8 @@ async def test_a_fresh_record_waits_behind_its_chain_and_a_retry_releases_it(env
 async def test_one_redis_loads_the_scripts_again_after_a_flush(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     try:
-        gate = ShardedGate(PlainSlotCaller(client), lease_ms=10_000)
+        ops = RedisOps(client, RedisSettings(url=redis_url, key_prefix="pay"))
+        gate = ShardedGate(SingleNodeCaller(ops), lease_ms=10_000)
         layout = ShardLayout("pay", 4)
         first = GateRecord(layout.gate_key(HANDLER, "f-1"), "t1", "fp", layout.order_tag_of(0))
         second = replace(first, gate_key=layout.gate_key(HANDLER, "f-2"))

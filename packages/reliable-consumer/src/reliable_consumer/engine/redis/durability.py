@@ -7,8 +7,9 @@ address is seen and the write re-sent there (``RedisOps.call``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -59,34 +60,75 @@ async def wait_durable(
     write whose reply we already have, and replication and the AOF keep that order, so
     the fence being acknowledged means those writes are too.
     """
-    mode = settings.durability
-    if mode == "local":
+    if settings.durability == "local":
         return await server_identity(client)
     pipe = client.pipeline(transaction=False)
-    pipe.info("server")
-    pipe.info("replication")
-    pipe.incr(fence_key(settings))
-    if mode == "wait_aof":
-        pipe.execute_command("WAITAOF", 1, 0, settings.wait_timeout_ms)
+    queue_wait(pipe, settings, fence_key(settings))
+    replies = await pipe.execute(raise_on_error=False)
+    return wait_outcome(replies, settings, expected)
+
+
+class CommandQueue(Protocol):
+    """Where a pipeline's commands are queued (a redis-py pipeline, or a cluster node's list)."""
+
+    def execute_command(self, *args: Any, **options: Any) -> Any: ...
+
+
+WAIT_REPLIES = 4
+"""How many replies ``queue_wait`` queues: the two INFO sections, the fence, the wait."""
+
+
+def queue_wait(queue: CommandQueue, settings: RedisSettings, fence: str) -> None:
+    """Queue the wait of a mode other than ``local``: the server's identity, the fence write
+    ``fence`` (a key on the node the wait is for) and WAIT or WAITAOF, all on one connection.
+
+    Its ``WAIT_REPLIES`` replies are judged by ``wait_outcome``.
+    """
+    queue.execute_command("INFO", "server")
+    queue.execute_command("INFO", "replication")
+    queue.execute_command("INCR", fence)
+    if settings.durability == "wait_aof":
+        queue.execute_command("WAITAOF", 1, 0, settings.wait_timeout_ms)
     else:
-        pipe.execute_command("WAIT", settings.wait_replicas, settings.wait_timeout_ms)
-    try:
-        server, replication, _, acked = await pipe.execute()
-    except ResponseError as exc:
-        if "appendonly is disabled" in str(exc):  # AOF switched off at run time
-            raise RedisRefused(
-                f"WAITAOF refused: {exc} (WORKER_REDIS__DURABILITY=wait_aof needs "
+        queue.execute_command("WAIT", settings.wait_replicas, settings.wait_timeout_ms)
+
+
+def identity_of(replies: Sequence[object]) -> ServerIdentity | None:
+    """The identity in ``queue_wait``'s replies, or None when either INFO failed."""
+    server, replication = replies[0], replies[1]
+    if isinstance(server, dict) and isinstance(replication, dict):
+        return ServerIdentity.from_info(server, replication)
+    return None
+
+
+def wait_outcome(
+    replies: Sequence[object], settings: RedisSettings, expected: ServerIdentity | None = None
+) -> ServerIdentity:
+    """Judge ``queue_wait``'s replies (an error reply in place of its reply, as a pipeline run
+    with ``raise_on_error=False`` gives them): the answering server's identity, or the error.
+
+    A server other than ``expected`` is returned without judging the wait (see
+    ``wait_durable``); a wait that came up short raises DurabilityError.
+    """
+    for reply in replies:
+        if isinstance(reply, ResponseError) and "appendonly is disabled" in str(reply):
+            raise RedisRefused(  # AOF switched off at run time
+                f"WAITAOF refused: {reply} (WORKER_REDIS__DURABILITY=wait_aof needs "
                 "appendonly yes on Redis)"
-            ) from exc
-        raise
-    seen = ServerIdentity.from_info(server, replication)
+            ) from reply
+        if isinstance(reply, BaseException):
+            raise reply
+    seen = identity_of(replies)
+    if seen is None:  # pragma: no cover (an INFO reply that is not a section)
+        raise DurabilityError("the durability wait's INFO replies were not read")
     if expected is not None and seen != expected:
         return seen
-    if mode == "wait_aof":
-        local, _replicas = acked
+    acked = replies[3]
+    if settings.durability == "wait_aof":
+        local, _replicas = cast("Sequence[int]", acked)
         if int(local) < 1:
             raise DurabilityError("WAITAOF: the write is not yet fsynced to the local AOF")
-    elif int(acked) < settings.wait_replicas:
+    elif int(cast("int", acked)) < settings.wait_replicas:
         raise DurabilityError(
             f"WAIT: {acked} of {settings.wait_replicas} replicas acknowledged "
             f"within {settings.wait_timeout_ms} ms"

@@ -1,8 +1,8 @@
 """What the sharded gate asks of its transport: scripts, each on the keys of one slot.
 
-One Redis runs every call in one pipeline (gate.PlainSlotCaller); a cluster groups them per
-node (nodes.py). Either way a call's keys are all in one slot, so the script runs whole on
-the node holding them.
+One Redis runs every call in one pipeline, a cluster groups them per node (both in
+nodes.py). Either way a call's keys are all in one slot, so the script runs whole on the
+node holding them.
 """
 
 from __future__ import annotations
@@ -36,5 +36,6 @@ class SlotCall:
 
 class SlotCaller(Protocol):
     async def call_per_slot(self, calls: Sequence[SlotCall]) -> list[object]:
-        """Each call's reply, in the order of ``calls`` (a script error raises)."""
+        """Each call's reply, in the order of ``calls``; an error a script raised is that
+        call's reply (the exception), the other calls' stand."""
         ...

@@ -2,7 +2,7 @@
 
 Records are grouped per shard (one script call per shard holding records of the batch) and
 every call of a step goes to the transport at once (``SlotCaller``): one pipeline on one
-Redis, one per node on a cluster. A reservation found overdue is resolved here, on the
+Redis, one per node on a cluster (nodes.py). A reservation found overdue is resolved here, on the
 order shard its reservation names (never the caller's own): applied there, the gate is
 closed on the first delivery's behalf and the record is a duplicate; fenced, this delivery
 reserves over it (of two that fenced the same token, one wins, the other is busy).
@@ -19,8 +19,6 @@ from enum import StrEnum
 from typing import cast
 
 import orjson
-from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
 from reliable_consumer.engine.handlers.context import EffectArg
 from reliable_consumer.engine.handlers.emissions import Emission
@@ -44,37 +42,6 @@ from reliable_consumer.engine.redis.sharded.layout import (
 
 MAX_TAKEOVER_ROUNDS = 3
 """Overdue reservations resolved in a row for one record before it is answered busy."""
-
-
-class PlainSlotCaller:
-    """One Redis (not a cluster): every call in one pipeline, whatever its slot. A script the
-    server does not know (restarted, flushed) is loaded and its calls sent again: NOSCRIPT
-    means it did not run."""
-
-    def __init__(self, client: Redis) -> None:
-        self._client = client
-
-    async def call_per_slot(self, calls: Sequence[SlotCall]) -> list[object]:
-        if not calls:
-            return []
-        replies = await self._send(calls)
-        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if missing:
-            for script in {calls[i].script for i in missing}:
-                await self._client.script_load(script.text)
-            again = await self._send([calls[i] for i in missing])
-            for i, reply in zip(missing, again, strict=True):
-                replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    async def _send(self, calls: Sequence[SlotCall]) -> list[object]:
-        async with self._client.pipeline(transaction=False) as pipe:
-            for call in calls:
-                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-            return list(await pipe.execute(raise_on_error=False))
 
 
 class ReserveStatus(StrEnum):
@@ -187,6 +154,11 @@ class ShardedGate:
         calls = [call(tag, members) for tag, members in groups.items()]
         out = [""] * len(tags)
         replies = await self.caller.call_per_slot(calls) if calls else []
+        for reply in replies:
+            # A script that raised (a bug, never a record's fault: the scripts answer those
+            # per record): nothing of this step is trusted; every script is safe to re-send.
+            if isinstance(reply, BaseException):
+                raise reply
         for members, reply in zip(groups.values(), replies, strict=True):
             texts = [reply_text(r) for r in cast(list[object], reply)]
             for i, text in zip(members, texts, strict=True):
