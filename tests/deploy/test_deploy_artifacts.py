@@ -36,7 +36,8 @@ import kubernetes_validate
 import pytest
 import yaml
 from pydantic import BaseModel
-from reliable_consumer.testing.deploy import Settings, deploy_bindings, tested_kafka_version
+from reliable_consumer.testing.deploy import Settings, deploy_bindings
+from reliable_consumer.testing.deploy import tested_kafka_version as kafka_version_the_suite_ran
 from yamllint import linter as yamllint_linter
 from yamllint.config import YamlLintConfig
 
@@ -695,7 +696,7 @@ def test_compose_runs_the_kafka_version_the_engine_is_tested_on() -> None:
     tried locally was not what the engine was proven on."""
     images = {name: s["image"] for name, s in compose()["services"].items() if "kafka" in name}
     assert images, "no Kafka service in deploy/docker-compose.yml"
-    expected = f"apache/kafka:{tested_kafka_version()}"
+    expected = f"apache/kafka:{kafka_version_the_suite_ran()}"
     wrong = [f"{name} runs {image}" for name, image in images.items() if image != expected]
     assert not wrong, f"deploy/docker-compose.yml: {', '.join(wrong)}, not {expected}"
 
