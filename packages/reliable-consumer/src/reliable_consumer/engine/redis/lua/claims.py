@@ -75,9 +75,47 @@ return out
 # lease (the inflight score, also PARK's fencing token) at least retry_ms more. A moved
 # lease is remembered in <inflight>:ext:<id> for as long as it runs, so a re-sent call
 # (lost reply) recognises its own extension instead of reporting the lease lost.
+# held_lease(): the retry lease (the inflight score, PARK's fencing token) still in force for
+# a run presenting ``lease``: the score itself, or a later one this run's own extension set
+# (remembered in <inflight>:ext:<id>, so a re-sent call recognises it); nil when lost.
+# stretch_lease(): makes a held lease last until at least ``upto`` (ms) and remembers the
+# move for as long as it runs. Returns the lease now in force.
+LEASE = """
+local function held_lease(inflight, id, lease)
+  local score = redis.call('ZSCORE', inflight, id)
+  if not score then return nil end
+  if tonumber(score) == tonumber(lease) then return tonumber(score) end
+  local moved = redis.call('GET', inflight .. ':ext:' .. id)
+  if moved and moved == lease .. '|' .. string.format('%d', tonumber(score)) then
+    return tonumber(score)
+  end
+  return nil
+end
+local function stretch_lease(inflight, id, lease, current, upto, ms)
+  if current < upto then
+    current = upto
+    redis.call('ZADD', inflight, string.format('%d', current), id)
+    redis.call('SET', inflight .. ':ext:' .. id, lease .. '|' .. string.format('%d', current),
+      'PX', ms)
+  end
+  return current
+end
+"""
+
+# KEYS: inflight
+# ARGV[1]: [[idem_key, token, claim_ms, retry_id, lease, retry_ms], ...]
+#   idem_key '' when the record holds no claim; retry_id '' (and lease '') when it is
+#   not a retry. Called as a pool runner starts the handler: the leases taken at claim
+#   time may have burned while the record waited for a runner.
+# Returns per record: ok:<retry lease, '' when not a retry> | lost_claim | lost_lease
+# Only when both are still ours: the claim lives at least claim_ms more, and the retry
+# lease (the inflight score, also PARK's fencing token) at least retry_ms more. A moved
+# lease is remembered in <inflight>:ext:<id> for as long as it runs, so a re-sent call
+# (lost reply) recognises its own extension instead of reporting the lease lost.
 EXTEND = (
     PARSE
     + NOW
+    + LEASE
     + """
 local now = now_ms()
 local out = {}
@@ -92,28 +130,16 @@ for _, r in ipairs(cjson.decode(ARGV[1])) do
       status = 'lost_claim'
     end
   end
-  local mark = KEYS[1] .. ':ext:' .. id
   if status == 'ok' and id ~= '' then
-    local score = redis.call('ZSCORE', KEYS[1], id)
-    local moved = score and redis.call('GET', mark)
-    if score and tonumber(score) == tonumber(lease) then
-      current = tonumber(score)
-    elseif moved and moved == lease .. '|' .. string.format('%d', tonumber(score)) then
-      current = tonumber(score)
-    else
-      status = 'lost_lease'
-    end
+    current = held_lease(KEYS[1], id, lease)
+    if not current then status = 'lost_lease' end
   end
   if status == 'ok' then
     if key ~= '' and redis.call('PTTL', key) < claim_ms then
       redis.call('PEXPIRE', key, claim_ms)
     end
     if id ~= '' then
-      if current < now + retry_ms then
-        current = now + retry_ms
-        redis.call('ZADD', KEYS[1], string.format('%d', current), id)
-        redis.call('SET', mark, lease .. '|' .. string.format('%d', current), 'PX', retry_ms)
-      end
+      current = stretch_lease(KEYS[1], id, lease, current, now + retry_ms, retry_ms)
       status = 'ok:' .. string.format('%d', current)
     else
       status = 'ok:'
@@ -148,8 +174,26 @@ return 1
 # That run settles the key; dropping its item would leave the key with neither a marker nor
 # a retry (its PARK answers lost_lease and releases the claim). lost_lease: the key was
 # marked or kept as usual, and the item left to its holder.
+# drop_leased(): MARK_DEAD's queue part. A retry's item is dropped (and the next of its
+# chain released) only while it is in flight under the lease presented (PARK's fence):
+# 'dropped'; 'lost_lease' when the item is still queued but no longer under that lease (the
+# reaper re-queued it: another run may hold it); 'gone' when no item is left.
+DROP_LEASED = """
+local function drop_leased(inflight, due, items, id, chain, lease)
+  local held = redis.call('ZSCORE', inflight, id)
+  if held and tonumber(held) == tonumber(lease) then
+    drop_item(inflight, due, items, id, chain)
+    return 'dropped'
+  elseif redis.call('HEXISTS', items, id) == 1 then
+    return 'lost_lease'
+  end
+  return 'gone'
+end
+"""
+
 MARK_DEAD = (
     PARSE
+    + DROP_LEASED
     + """
 local ttl = ARGV[1]
 local out = {}
@@ -173,13 +217,9 @@ for _, r in ipairs(cjson.decode(ARGV[2])) do
       status = 'kept'
     end
   end
-  if retry_id ~= '' then
-    local held = redis.call('ZSCORE', KEYS[1], retry_id)
-    if held and tonumber(held) == tonumber(lease) then
-      drop_item(KEYS[1], KEYS[2], KEYS[3], retry_id, chain)
-    elseif redis.call('HEXISTS', KEYS[3], retry_id) == 1 then
-      status = 'lost_lease'
-    end
+  if retry_id ~= '' and
+      drop_leased(KEYS[1], KEYS[2], KEYS[3], retry_id, chain, lease) == 'lost_lease' then
+    status = 'lost_lease'
   end
   out[#out + 1] = status
 end

@@ -1,4 +1,5 @@
-"""The sharded gate's calls for a batch: RESERVE, FINISH_ORDER then CLOSE, RELEASE.
+"""The sharded gate's calls for a batch: RESERVE, FINISH_ORDER then CLOSE, RELEASE, and the
+redrive tickets' check (MARK_DEAD and EXTEND are in dead.py and extend.py).
 
 Records are grouped per shard (one script call per shard holding records of the batch) and
 every call of a step goes to the transport at once (``SlotCaller``): one pipeline on one
@@ -89,7 +90,10 @@ class OrderFinish:
     token: str
     fingerprint: str
     order_tag: str
-    deadline_ms: int  # its reservation's (Reservation.deadline_ms)
+    # Its reservation's deadline: Reservation.deadline_ms, or a later one extend_many granted
+    # (Extension.deadline_ms): FINISH_ORDER applies until it plus late_ms (lua.py says why
+    # the caller's word is enough).
+    deadline_ms: int
     effects: Sequence[tuple[EffectArg, ...]] = ()
     emissions: Sequence[Emission] = ()
     emitted_by: str = ""
@@ -103,7 +107,7 @@ class Finished:
     detail: str | None = None  # the error of ERROR and PARTIAL
 
 
-class _Keys:
+class ScriptKeys:
     """A call's KEYS, each named once; records name theirs by position (from 1)."""
 
     def __init__(self, *fixed: str) -> None:
@@ -127,7 +131,8 @@ def _group(tags: Iterable[str]) -> dict[str, list[int]]:
     return out
 
 
-def _json(value: object) -> bytes:
+def json_arg(value: object) -> bytes:
+    """A script's batch argument: one JSON array the script decodes (cjson)."""
     return orjson.dumps(value)
 
 
@@ -135,17 +140,30 @@ class ShardedGate:
     """RESERVE, FENCE, FINISH_ORDER, CLOSE and RELEASE for batches, through a SlotCaller.
 
     ``lease_ms``: a reservation's life; ``late_ms``: how long past it a FINISH may still
-    apply (the janitor keeps proofs longer than both: janitor.py).
+    apply (the janitor keeps proofs longer than both: janitor.py); ``ttl_s``: how long a
+    closed gate (done or dead) lasts, None for good, as ``Idempotency(ttl_s=...)``. An open
+    reservation never expires (it is closed or released, by its delivery or the janitor).
     """
 
-    def __init__(self, caller: SlotCaller, *, lease_ms: int, late_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        caller: SlotCaller,
+        *,
+        lease_ms: int,
+        late_ms: int | None = None,
+        ttl_s: int | None = None,
+    ) -> None:
         if lease_ms <= 0:
             raise ValueError(f"lease_ms must be positive, not {lease_ms}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive or None, not {ttl_s}")
         self.caller = caller
         self.lease_ms = lease_ms
         self.late_ms = lease_ms if late_ms is None else late_ms
+        self.ttl_s = ttl_s
+        self.ttl_arg = "" if ttl_s is None else str(ttl_s)  # as the scripts read it
 
-    async def _per_shard(
+    async def per_shard(
         self, tags: Sequence[str], call: Callable[[str, list[int]], SlotCall]
     ) -> list[str]:
         """One call per shard (``call(tag, positions)``), all sent at once; each position's
@@ -208,7 +226,7 @@ class ShardedGate:
         asked = list(pending)
 
         def call(tag: str, members: list[int]) -> SlotCall:
-            keys = _Keys(open_set(tag))
+            keys = ScriptKeys(open_set(tag))
             batch = []
             for m in members:
                 r = records[asked[m]]
@@ -221,9 +239,9 @@ class ShardedGate:
                 batch.append(
                     (gate_at, r.token, r.fingerprint, ticket_at, ticket, r.order_tag, over)
                 )
-            return SlotCall(lua.RESERVE, tuple(keys.keys), (self.lease_ms, _json(batch)))
+            return SlotCall(lua.RESERVE, tuple(keys.keys), (self.lease_ms, json_arg(batch)))
 
-        replies = await self._per_shard([tag_of(records[i].gate_key) for i in asked], call)
+        replies = await self.per_shard([tag_of(records[i].gate_key) for i in asked], call)
         return dict(zip(asked, replies, strict=True))
 
     async def fence_many(self, fences: Sequence[tuple[str, str, str]]) -> list[str]:
@@ -231,36 +249,55 @@ class ShardedGate:
         ``applied``, ``applied_partial`` or ``fenced`` (that token never applies there)."""
 
         def call(tag: str, members: list[int]) -> SlotCall:
-            keys = _Keys(applied_by_time(tag))
+            keys = ScriptKeys(applied_by_time(tag))
             batch = [
                 (keys.at(applied_key(tag, fences[i][0])), fences[i][0], fences[i][1])
                 for i in members
             ]
-            return SlotCall(lua.FENCE, tuple(keys.keys), (_json(batch),))
+            return SlotCall(lua.FENCE, tuple(keys.keys), (json_arg(batch),))
 
-        return await self._per_shard([tag for _, _, tag in fences], call)
+        return await self.per_shard([tag for _, _, tag in fences], call)
 
     async def close_many(self, closes: Sequence[tuple[str, str, bool]]) -> list[str]:
         """CLOSE (gate key, token, partial) each: ``ok``, or ``found:<the state found>``."""
 
         def call(tag: str, members: list[int]) -> SlotCall:
-            keys = _Keys(open_set(tag))
+            keys = ScriptKeys(open_set(tag))
             batch = [(keys.at(closes[i][0]), closes[i][1], int(closes[i][2])) for i in members]
-            return SlotCall(lua.CLOSE, tuple(keys.keys), (_json(batch),))
+            return SlotCall(lua.CLOSE, tuple(keys.keys), (self.ttl_arg, json_arg(batch)))
 
-        return await self._per_shard([tag_of(gate) for gate, _, _ in closes], call)
+        return await self.per_shard([tag_of(gate) for gate, _, _ in closes], call)
 
     async def release_many(self, releases: Sequence[tuple[str, str]]) -> list[bool]:
         """Give reservations back (gate key, token): a parked record's, or one fenced.
         Whether each was still ours and is now free."""
 
         def call(tag: str, members: list[int]) -> SlotCall:
-            keys = _Keys(open_set(tag))
+            keys = ScriptKeys(open_set(tag))
             batch = [(keys.at(releases[i][0]), releases[i][1]) for i in members]
-            return SlotCall(lua.RELEASE, tuple(keys.keys), (_json(batch),))
+            return SlotCall(lua.RELEASE, tuple(keys.keys), (json_arg(batch),))
 
-        replies = await self._per_shard([tag_of(gate) for gate, _ in releases], call)
+        replies = await self.per_shard([tag_of(gate) for gate, _ in releases], call)
         return [reply == "released" for reply in replies]
+
+    async def valid_tickets(self, tickets: Sequence[RedriveTicket]) -> list[bool]:
+        """Which redrive tickets exist and admit their record: read only, one call per gate
+        shard (a ticket lives in its dedupe key's, ShardLayout.redrive_ticket)."""
+
+        groups = _group(tag_of(t.key) for t in tickets)
+        calls = [
+            SlotCall(lua.READ, tuple(tickets[i].key for i in members), ())
+            for members in groups.values()
+        ]
+        out = [False] * len(tickets)
+        for members, reply in zip(
+            groups.values(), await self.caller.call_per_slot(calls) if calls else [], strict=True
+        ):
+            if isinstance(reply, BaseException):
+                raise reply
+            for i, value in zip(members, cast(list[object], reply), strict=True):
+                out[i] = value == tickets[i].value.encode()  # a missing key reads None
+        return out
 
     async def finish_many(self, requests: Sequence[OrderFinish]) -> list[Finished]:
         """FINISH_ORDER per order shard, then CLOSE for the records whose effects are
@@ -279,7 +316,7 @@ class ShardedGate:
 
         def call(tag: str, members: list[int]) -> SlotCall:
             queue = RedisKeys(tag)
-            keys = _Keys(
+            keys = ScriptKeys(
                 queue.retry_inflight,
                 queue.retry_due,
                 queue.retry_items,
@@ -302,10 +339,10 @@ class ShardedGate:
                 fields = (r.gate_key, r.token, r.fingerprint, r.retry_id, effects, r.chain)
                 batch.append((proof, *fields, emitted, r.deadline_ms))
             return SlotCall(
-                lua.FINISH_ORDER, tuple(keys.keys), (self.late_ms, _json(batch), packed)
+                lua.FINISH_ORDER, tuple(keys.keys), (self.late_ms, json_arg(batch), packed)
             )
 
-        replies = await self._per_shard([r.order_tag for r in requests], call)
+        replies = await self.per_shard([r.order_tag for r in requests], call)
         return [_finished(reply) for reply in replies]
 
 

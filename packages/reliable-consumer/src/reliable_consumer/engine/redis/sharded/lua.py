@@ -2,12 +2,13 @@
 names every key it touches in KEYS, as a cluster requires; records refer to their keys by
 their index in KEYS. Each is idempotent when re-sent (a lost reply is answered again).
 
-Gate states (``<gate tag>:idem:<handler>:=<key>``, no TTL):
+Gate states (``<gate tag>:idem:<handler>:=<key>``; a reservation never expires, a closed
+gate after the gate's ``ttl_s`` when one is set):
     r|<token>|<fp>|<order tag>|<deadline ms>  reserved by one delivery until its deadline
                                               (Redis's clock), then overdue but kept, so the
                                               next delivery learns whose it was
     d|<fp>|<token>[|p|P]                      done (flags as in redis/lua/claims.py)
-    x|<fp>|<token>                            dead-lettered
+    x|<fp>|<token>                            dead-lettered (its dead letter acknowledged)
 Proof states (``<order tag>:applied:<sha256 of the gate key>``, no TTL):
     <token>[|p]                 that delivery applied the effects (|p: in part)
     fenced:<t1>[|<t2>...]       those deliveries were taken over: they never apply here
@@ -16,6 +17,7 @@ Tokens are free of '|' and ':'.
 
 from __future__ import annotations
 
+from reliable_consumer.engine.redis.lua.claims import DROP_LEASED, LEASE
 from reliable_consumer.engine.redis.lua.common import NOW, PARSE
 from reliable_consumer.engine.redis.lua.effects import EFFECT_CHECKS, OUTBOX, RUN_EFFECTS
 from reliable_consumer.engine.redis.sharded.calls import LuaScript
@@ -40,6 +42,13 @@ local function fenced_has(v, token)
     if t == token then return true end
   end
   return false
+end
+"""
+
+# close(key, value, ttl): a gate closed (done or dead) for ttl seconds ('': for good).
+_CLOSED = """
+local function close(key, value, ttl)
+  if ttl == '' then redis.call('SET', key, value) else redis.call('SET', key, value, 'EX', ttl) end
 end
 """
 
@@ -124,6 +133,11 @@ return out
 #   proofs by time; then the records' proofs, chains and effect keys.
 # ARGV[1]: late_ms, how long past its reservation's deadline a delivery may still apply;
 # ARGV[2]: [[proof i, gate key, token, fp, retry_id, cmds, chain, emissions, deadline], ...]
+#   deadline: the reservation's as the gate last granted it to this token (RESERVE's answer,
+#   or a later EXTEND_GATE's). The caller's word is enough: the gate moves a deadline only
+#   while the reservation is this token's and not yet overdue, so no take-over (which needs
+#   it overdue) can have fenced it before that deadline; a caller that never heard of its
+#   extension presents the older deadline and is at worst told expired.
 # ARGV[3]: the emissions' fields end to end (as FINISH's, redis/lua/finish.py).
 # Returns per record: ok | done | superseded | expired | blocked | error:<msg> | partial:<msg>
 # The proof decides: absent, or fencing only others, the effects apply (checked first as
@@ -208,19 +222,22 @@ return out
 )
 
 # KEYS[1]: the gate shard's open set; then the records' gate keys.
-# ARGV[1]: [[gate i, token, partial (0 or 1)], ...]
+# ARGV[1]: ttl_s of a closed gate ('' = never expires); ARGV[2]: [[gate i, token, partial
+#   (0 or 1)], ...]
 # Returns per record: ok (closed now or before, by this token) | found:<the state found>.
 CLOSE = LuaScript(
     _FIELDS
+    + _CLOSED
     + """
+local ttl = ARGV[1]
 local out = {}
-for _, r in ipairs(cjson.decode(ARGV[1])) do
+for _, r in ipairs(cjson.decode(ARGV[2])) do
   local key, token, partial = KEYS[r[1]], r[2], r[3]
   local v = redis.call('GET', key)
   local p = v and split(v) or {}
   local status
   if p[1] == 'r' and p[2] == token then
-    redis.call('SET', key, 'd|' .. p[3] .. '|' .. token .. (partial == 1 and '|p' or ''))
+    close(key, 'd|' .. p[3] .. '|' .. token .. (partial == 1 and '|p' or ''), ttl)
     redis.call('ZREM', KEYS[1], key)
     status = 'ok'
   elseif p[1] == 'd' and p[3] == token then
@@ -229,6 +246,114 @@ for _, r in ipairs(cjson.decode(ARGV[1])) do
     status = 'found:' .. (v or '')
   end
   out[#out + 1] = status
+end
+return out
+"""
+)
+
+# MARK_DEAD's gate half, sent once the dead-letter topic acknowledged the record (its order
+# half, DROP_DEAD, follows: a crash between re-runs the retry, which finds x and drops).
+# KEYS[1]: the gate shard's open set; then the records' gate keys.
+# ARGV[1]: ttl_s ('' = never expires); ARGV[2]: [[gate i, token, fp], ...]
+# Returns per record, as redis/lua/claims.py's MARK_DEAD: marked (free or reserved by this
+# token: now x; or x by this token before) | settled (a partial apply's d|..|p now |P, its TTL
+# kept; or |P before) | kept (another delivery completed or holds the key, or other content).
+MARK_DEAD_GATE = LuaScript(
+    _FIELDS
+    + _CLOSED
+    + """
+local ttl = ARGV[1]
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[2])) do
+  local key, token, fp = KEYS[r[1]], r[2], r[3]
+  local v = redis.call('GET', key)
+  local p = v and split(v) or {}
+  local status = 'kept'
+  if not v or (p[1] == 'r' and p[2] == token) then
+    close(key, 'x|' .. fp .. '|' .. token, ttl)
+    redis.call('ZREM', KEYS[1], key)
+    status = 'marked'
+  elseif p[1] == 'x' and p[2] == fp and p[3] == token then
+    status = 'marked'
+  elseif p[1] == 'd' and p[2] == fp and p[4] == 'p' then
+    redis.call('SET', key, string.sub(v, 1, -2) .. 'P', 'KEEPTTL')
+    status = 'settled'
+  elseif p[1] == 'd' and p[2] == fp and p[4] == 'P' then
+    status = 'settled'
+  end
+  out[#out + 1] = status
+end
+return out
+"""
+)
+
+# MARK_DEAD's order half: the retry items leave the order shard's delay queue, each only
+# while in flight under the lease presented (MARK_DEAD's own piece, drop_leased).
+# KEYS: inflight, due, items, class, counts; then the records' chains.
+# ARGV[1]: [[retry_id, chain i (0: none), lease], ...]
+# Returns per record: dropped | lost_lease (another run may hold it) | gone (no item left).
+DROP_DEAD = LuaScript(
+    PARSE
+    + DROP_LEASED
+    + """
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local chain = r[2] > 0 and KEYS[r[2]] or ''
+  out[#out + 1] = drop_leased(KEYS[1], KEYS[2], KEYS[3], r[1], chain, r[3])
+end
+return out
+"""
+)
+
+# A reservation's deadline moved later, only while it is ours and not yet overdue (once
+# overdue a take-over may have fenced it: it stays as it is, as an expired claim would).
+# KEYS[1]: the gate shard's open set; then the records' gate keys.
+# ARGV[1]: [[gate i, token, ms], ...]: the reservation lasts at least ms more (never less).
+# Returns per record: ok:<its deadline now> | lost. Re-sent, the reservation is still
+# recognised by its token.
+EXTEND_GATE = LuaScript(
+    NOW
+    + _FIELDS
+    + """
+local now = now_ms()
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local key, token, ms = KEYS[r[1]], r[2], tonumber(r[3])
+  local v = redis.call('GET', key)
+  local p = v and split(v) or {}
+  local status = 'lost'
+  if p[1] == 'r' and p[2] == token and tonumber(p[5]) > now then
+    local deadline = math.max(tonumber(p[5]), now + ms)
+    p[5] = string.format('%d', deadline)
+    redis.call('SET', key, table.concat(p, '|'))
+    redis.call('ZADD', KEYS[1], p[5], key)
+    status = 'ok:' .. p[5]
+  end
+  out[#out + 1] = status
+end
+return out
+"""
+)
+
+# The retry leases of an order shard stretched, as redis/lua/claims.py's EXTEND does (its
+# own pieces: a re-sent call recognises its own extension).
+# KEYS[1]: inflight. ARGV[1]: [[retry_id, lease, ms], ...]
+# Returns per record: ok:<the lease now in force> | lost_lease.
+EXTEND_LEASE = LuaScript(
+    NOW
+    + LEASE
+    + """
+local now = now_ms()
+local out = {}
+for _, r in ipairs(cjson.decode(ARGV[1])) do
+  local id, lease, ms = r[1], r[2], tonumber(r[3])
+  local current = held_lease(KEYS[1], id, lease)
+  if current then
+    current = stretch_lease(KEYS[1], id, lease, current, now + ms, ms)
+    out[#out + 1] = 'ok:' .. string.format('%d', current)
+  else
+    out[#out + 1] = 'lost_lease'
+  end
 end
 return out
 """
