@@ -50,6 +50,7 @@ class OneTag:
     def __init__(self, inner: QueueCaller) -> None:
         self.inner = inner
         self.calls: list[SlotCall] = []
+        self.batches: list[list[str]] = []  # each call_per_slot's calls' first keys
 
     async def call_per_slot(
         self, calls: Sequence[SlotCall], *, durable: bool = False
@@ -58,6 +59,7 @@ class OneTag:
             assert call.keys, call
             assert len({tag_of(key) for key in call.keys}) == 1, call.keys
         self.calls += calls
+        self.batches.append([call.keys[0] for call in calls])
         return await self.inner.call_per_slot(calls, durable=durable)
 
 
@@ -223,6 +225,23 @@ async def test_records_park_in_their_shards_and_come_back_in_due_order_per_shard
         assert offsets == [1000 * shard + i for i in range(count)]  # due order
     assert await queues.claim_due(lease_ms=60_000, limit=100) == []
     assert await queues.depth() == (0, len(records))
+
+
+async def test_a_shard_of_more_than_a_batch_parks_in_waves_its_chain_in_order(env: Env) -> None:
+    caller = env.caller
+    assert isinstance(caller, ClusterCaller | SingleNodeCaller), caller
+    one_tag = OneTag(caller)
+    queues = ShardedRetryQueues(one_tag, env.layout, max_batch=2)
+    key = key_in(env.layout, 4)
+    chain = queues.chain(TOPIC, PARTITION, key)
+    records = [request(10 + i, key, -1_000, chain=chain) for i in range(5)]
+    records += in_shards(env.layout, {1: 3})
+    statuses = await queues.park_many(records)
+    assert statuses == [ParkStatus.PARKED] + [ParkStatus.BLOCKED] * 4 + [ParkStatus.PARKED] * 3
+    assert [len(batch) for batch in one_tag.batches] == [2, 2, 1]  # a call per shard a wave
+    ids = [r.delivery.retry_id.encode() for r in records[:5]]
+    assert await env.client.lrange(chain, 0, -1) == ids
+    assert (await queues.gauges()).waiting == 4
 
 
 async def test_a_shard_with_many_due_items_does_not_starve_another(env: Env) -> None:

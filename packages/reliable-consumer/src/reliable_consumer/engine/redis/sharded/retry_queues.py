@@ -155,8 +155,10 @@ class ShardedRetryQueues:
         return (await self.park_many([request]))[0]
 
     async def park_many(self, requests: Sequence[ParkRequest]) -> list[ParkStatus]:
-        """Each record into its order shard (``order_tag_of``): a call per shard and batch of
-        ``max_batch``, all at once, durable before it answers.
+        """Each record into its order shard (``order_tag_of``), durable before it answers: a
+        call per shard holding records, all at once; a shard with more than ``max_batch``
+        takes them in waves, the next only once the last is answered, so a chain's records
+        join it in the order given even when a call is sent again.
 
         PARK releases no reservation (the gate's RELEASE does): a request naming one is
         refused, so no caller counts on a release that never happens.
@@ -174,18 +176,18 @@ class ShardedRetryQueues:
                     f"{request.delivery.coordinates}: {tag!r} is not an order shard of the layout"
                 )
             by_shard.setdefault(tag, []).append(i)
-        calls: list[SlotCall] = []
-        positions: list[list[int]] = []
-        for tag, indices in by_shard.items():
-            for at in range(0, len(indices), self._max_batch):
-                chunk = indices[at : at + self._max_batch]
-                calls.append(self._park_call(RedisKeys(tag), [requests[i] for i in chunk]))
-                positions.append(chunk)
-        replies = _raise_errors(await self.caller.call_per_slot(calls, durable=True))
         out: list[ParkStatus | None] = [None] * len(requests)
-        for chunk, reply in zip(positions, replies, strict=True):
-            for i, status in zip(chunk, _list(reply), strict=True):
-                out[i] = ParkStatus(reply_text(status))
+        size = self._max_batch
+        for at in range(0, max(map(len, by_shard.values()), default=0), size):
+            wave = [(tag, indices[at : at + size]) for tag, indices in by_shard.items()]
+            wave = [(tag, chunk) for tag, chunk in wave if chunk]
+            calls = [
+                self._park_call(RedisKeys(tag), [requests[i] for i in chunk]) for tag, chunk in wave
+            ]
+            replies = _raise_errors(await self.caller.call_per_slot(calls, durable=True))
+            for (_, chunk), reply in zip(wave, replies, strict=True):
+                for i, status in zip(chunk, _list(reply), strict=True):
+                    out[i] = ParkStatus(reply_text(status))
         return [status for status in out if status is not None]
 
     async def claim_due(self, *, lease_ms: int, limit: int) -> list[Delivery]:
