@@ -96,6 +96,10 @@ class Delivery:
     # This process's monotonic time the retry lease surely lasts to (from the send time of
     # the call that took or stretched it); 0.0 when unknown. Local only: never stored.
     leased_until: float = 0.0
+    # The sharded layout's order shard a retry was claimed from (``{<prefix>:o<n>}``): where
+    # its item, lease and chain live, so where its FINISH_ORDER and re-park go. '' on one
+    # Redis and for a fresh record. Local only: the shard it is read from says it.
+    order_tag: str = ""
 
     @property
     def retry_id(self) -> str:

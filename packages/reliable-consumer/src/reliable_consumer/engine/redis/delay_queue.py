@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from redis.commands.core import AsyncScript
@@ -95,6 +95,33 @@ class Claim:
 def now_ms() -> int:
     """This host's wall clock: for timestamps people read, never for due times or leases."""
     return int(time.time() * 1000)
+
+
+class DelayQueue(Protocol):
+    """What the scheduler and the record path ask of a delay queue: ``RetryQueue`` on one
+    slot, ``sharded.retry_queues.ShardedRetryQueues`` over the order shards."""
+
+    async def park(self, request: ParkRequest) -> ParkStatus: ...
+
+    async def park_many(self, requests: Sequence[ParkRequest]) -> list[ParkStatus]: ...
+
+    async def claim_due(self, *, lease_ms: int, limit: int) -> list[Delivery]: ...
+
+    async def claim(self, *, lease_ms: int, limit: int) -> Claim: ...
+
+    async def reap(self, *, limit: int = 1000) -> int: ...
+
+    async def depth(self) -> tuple[int, int]: ...
+
+    async def sizes(self) -> tuple[int, int, int]: ...
+
+    async def breakdown(self) -> dict[tuple[str, str], int]: ...
+
+    async def gauges(self) -> QueueGauges: ...
+
+    async def next_due_ms(self) -> int | None: ...
+
+    async def due_in_ms(self) -> int | None: ...
 
 
 class RetryQueue:
@@ -278,7 +305,7 @@ class RetryScheduler:
 
     def __init__(
         self,
-        queue: RetryQueue,
+        queue: DelayQueue,
         process: ProcessRetries,
         policy: RetrySettings,
         *,

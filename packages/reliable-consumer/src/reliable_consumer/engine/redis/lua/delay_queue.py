@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from reliable_consumer.engine.redis.lua.common import NOW, PARSE
 
-# KEYS: inflight, due, items
-# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease, chain, handler, reason], ...]
+# park_one(): one record into the queue whose keys are given, its chain already resolved
+# ('' for none); the per-record body of PARK and of the sharded layout's PARK (which names
+# its chains in KEYS). Needs PARSE (chain_head, tally) and NOW.
 #   lease '' for a fresh delivery (park unless already parked), else the fencing
 #   deadline of the retry claim being rescheduled. delay_ms and lease are strings.
 #   The item is due at Redis's now + delay_ms.
@@ -21,54 +22,59 @@ from reliable_consumer.engine.redis.lua.common import NOW, PARSE
 #   not scheduled, until the records before it leave the queue (drop_item releases it).
 #   handler, reason: the item's class in the tally (lua_common.tally): 'handler|reason', or
 #   'handler|blocked' while it waits in its chain; a re-park moves it to its new class.
+# Returns parked | exists | lost_lease | blocked (parked, waiting in its chain).
+PARK_ONE = """
+local function park_one(inflight, due, items, now, r, chain)
+  local id, item, delay_ms, lease = r[1], r[2], r[3], r[6]
+  local class = (r[8] or '') .. '|' .. (r[9] or 'unknown')
+  local due_ms = string.format('%d', now + tonumber(delay_ms))
+  if lease == '' then
+    if redis.call('HEXISTS', items, id) == 1 then
+      return 'exists'
+    elseif chain ~= '' then
+      local waiting = chain_head(chain, inflight, due, items)
+      redis.call('HSET', items, id, item)
+      redis.call('RPUSH', chain, id)
+      if waiting then
+        tally(items, id, (r[8] or '') .. '|blocked')
+        return 'blocked'
+      end
+      redis.call('ZADD', due, due_ms, id)
+      tally(items, id, class)
+      return 'parked'
+    end
+    redis.call('HSET', items, id, item)
+    redis.call('ZADD', due, due_ms, id)
+    tally(items, id, class)
+    return 'parked'
+  end
+  local score = redis.call('ZSCORE', inflight, id)
+  if (not score) or tonumber(score) ~= tonumber(lease) then
+    return 'lost_lease'
+  end
+  redis.call('ZREM', inflight, id)
+  redis.call('HSET', items, id, item)
+  redis.call('ZADD', due, due_ms, id)
+  tally(items, id, class)
+  return 'parked'
+end
+"""
+
+# KEYS: inflight, due, items
+# ARGV[1]: [[id, item_json, delay_ms, idem_key, token, lease, chain, handler, reason], ...]
+#   (park_one above says what each means); the record's claim (idem_key, token) is
+#   released after it is parked, if still ours.
 # Returns per record: parked | exists | lost_lease | blocked (parked, waiting in its chain)
 PARK = (
     PARSE
     + NOW
+    + PARK_ONE
     + """
 local now = now_ms()
 local out = {}
 for _, r in ipairs(cjson.decode(ARGV[1])) do
-  local id, item, delay_ms, key, token, lease = r[1], r[2], r[3], r[4], r[5], r[6]
-  local chain = r[7]
-  local class = (r[8] or '') .. '|' .. (r[9] or 'unknown')
-  local due_ms = string.format('%d', now + tonumber(delay_ms))
-  local status
-  if lease == '' then
-    if redis.call('HEXISTS', KEYS[3], id) == 1 then
-      status = 'exists'
-    elseif chain ~= '' then
-      local waiting = chain_head(chain, KEYS[1], KEYS[2], KEYS[3])
-      redis.call('HSET', KEYS[3], id, item)
-      redis.call('RPUSH', chain, id)
-      if waiting then
-        tally(KEYS[3], id, (r[8] or '') .. '|blocked')
-        status = 'blocked'
-      else
-        redis.call('ZADD', KEYS[2], due_ms, id)
-        tally(KEYS[3], id, class)
-        status = 'parked'
-      end
-    else
-      redis.call('HSET', KEYS[3], id, item)
-      redis.call('ZADD', KEYS[2], due_ms, id)
-      tally(KEYS[3], id, class)
-      status = 'parked'
-    end
-  else
-    local score = redis.call('ZSCORE', KEYS[1], id)
-    if (not score) or tonumber(score) ~= tonumber(lease) then
-      status = 'lost_lease'
-    else
-      redis.call('ZREM', KEYS[1], id)
-      redis.call('HSET', KEYS[3], id, item)
-      redis.call('ZADD', KEYS[2], due_ms, id)
-      tally(KEYS[3], id, class)
-      status = 'parked'
-    end
-  end
-  release(key, token)
-  out[#out + 1] = status
+  out[#out + 1] = park_one(KEYS[1], KEYS[2], KEYS[3], now, r, r[7])
+  release(r[4], r[5])
 end
 return out
 """

@@ -35,7 +35,11 @@ class SlotCall:
 
 
 class SlotCaller(Protocol):
-    async def call_per_slot(self, calls: Sequence[SlotCall]) -> list[object]:
+    async def call_per_slot(
+        self, calls: Sequence[SlotCall], *, durable: bool = False
+    ) -> list[object]:
         """Each call's reply, in the order of ``calls``; an error a script raised is that
-        call's reply (the exception), the other calls' stand."""
+        call's reply (the exception), the other calls' stand. With ``durable``, answered once
+        the durability mode holds for every node written to (a parked record's offset is
+        committed after its PARK)."""
         ...
