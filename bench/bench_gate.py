@@ -38,7 +38,7 @@ Servers: redis-server with AOF ``appendfsync always``, as the suite's. Between r
 node is flushed and its AOF rewritten; the automatic rewrite is off, so no run pays for
 a rewrite that another one escaped.
 
-    python -m bench.bench_gate                          # 100k records, 3 rounds
+    python -m bench.bench_gate                          # 100k records, 3 rounds: ~80 s
     python -m bench.bench_gate --quick --json           # 10k records, 1 round: does it run?
     python -m bench.bench_gate --with-replicas --shards 16
 """
