@@ -60,13 +60,13 @@ def order_of(env: Env, user: str) -> int:
     return shard
 
 
-async def emit_waves(env: Env, users: list[str], steps: int, topic: str = TOPIC) -> list[str]:
+async def emit_waves(env: Env, users: list[str], steps: range, topic: str = TOPIC) -> list[str]:
     """Each user's records ``<user>-<step>`` reserved and finished, a wave per step (as
     successive waves of a Kafka key finish), each emitting one event keyed by its user into
     the user's order shard: the event ids, in the order written."""
     gate = env.gate()
     ids: list[str] = []
-    for step in range(steps):
+    for step in steps:
         records = [env.record(f"{u}-{step}", order_of(env, u), f"{u}-{step}") for u in users]
         held = await gate.reserve_many(records)
         assert {h.status for h in held} == {ReserveStatus.RESERVED}, held
@@ -91,7 +91,7 @@ async def test_each_order_shards_stream_is_a_store_read_oldest_first_and_emptied
     assert [s.name for s in stores] == [store_name(n) for n in range(SHARDS)]
     assert len({RedisKeys("{x}").outbox_lease(s.name) for s in stores}) == SHARDS
     users = USERS[:6]
-    await emit_waves(env, users, 2)
+    await emit_waves(env, users, range(2))
     by_shard: dict[int, list[str]] = defaultdict(list)
     for step in range(2):
         for u in users:
@@ -181,17 +181,20 @@ async def test_two_relays_split_the_shards_leases_and_publish_every_event_once_i
         assert not await relays[1 - mine].leases[name].hold()
     shards = {order_of(env, u) for u in USERS}
     assert {n % 2 for n in shards} == {0, 1}, "the users' shards are all held by one relay"
-    stop = asyncio.Event()
+    stops = [asyncio.Event(), asyncio.Event()]
     for producer in producers:
         await producer.start()
-    running = [asyncio.create_task(relay.run(stop)) for relay in relays]
+    running = [asyncio.create_task(r.run(stop)) for r, stop in zip(relays, stops, strict=True)]
+
+    async def all_published(count: int) -> bool:
+        done = sum(published(m, s.name) for m in metrics for s in stores)
+        return done >= count and (await stores.depth()).pending == 0
+
     try:
-        ids = await emit_waves(env, USERS, STEPS, topic)  # written while both relays publish
-        total = len(ids)
+        # Written while both relays publish.
+        ids = await emit_waves(env, USERS, range(STEPS), topic)
         await await_until(
-            lambda: sum(published(m, s.name) for m in metrics for s in stores) >= total,
-            WAIT_S,
-            message="the relays never published every event",
+            lambda: all_published(len(ids)), WAIT_S, message="the relays never published all"
         )
         # Neither relay lost a lease, nor took the other's: each shard had one publisher.
         for name, mine in owner.items():
@@ -200,24 +203,37 @@ async def test_two_relays_split_the_shards_leases_and_publish_every_event_once_i
             assert await service_redis.get(keys.outbox_lease(name)) == (
                 relays[mine].leases[name].token.encode()
             )
-        assert (await stores.depth()).pending == 0
+        # The second worker stops: it gives its leases up, the first takes its streams.
+        stops[1].set()
+        await asyncio.wait_for(running[1], WAIT_S)
+        last = await emit_waves(env, USERS, range(STEPS, STEPS + 1), topic)
+        ids += last
+        await await_until(
+            lambda: all_published(len(ids)), WAIT_S, message="the odd shards were left behind"
+        )
+        assert all(lease.held for lease in relays[0].leases.values())
     finally:
-        stop.set()
+        for stop in stops:
+            stop.set()
         await asyncio.wait_for(asyncio.gather(*running), WAIT_S)
         for producer in producers:
             with contextlib.suppress(Exception):
                 await producer.stop()
-    events = await read_events(kafka_broker, topic, total)
+    events = await read_events(kafka_broker, topic, len(ids))
     counts = Counter(event for _, event in events)
     assert sorted(counts) == sorted(ids) and set(counts.values()) == {1}, counts
     for user in USERS:
         steps = [event for key, event in events if key == user]
-        assert steps == [f"ev-{user}-{step}" for step in range(STEPS)], steps
+        assert steps == [f"ev-{user}-{step}" for step in range(STEPS + 1)], steps
     per_shard = Counter(order_of(env, key) for key, _ in events)
+    last_per_shard = Counter(order_of(env, event[3:].rpartition("-")[0]) for event in last)
     for n, store in enumerate(stores):
-        mine = owner[store.name]
-        assert published(metrics[mine], store.name) == per_shard.get(n, 0)
-        assert published(metrics[1 - mine], store.name) == 0
+        if owner[store.name] == 0:
+            assert published(metrics[0], store.name) == per_shard[n]
+            assert published(metrics[1], store.name) == 0
+        else:  # the second's until it stopped, then the first's
+            assert published(metrics[1], store.name) == per_shard[n] - last_per_shard[n]
+            assert published(metrics[0], store.name) == last_per_shard[n]
     # Stopped, each relay gave its leases up: another worker takes over at once.
     for store in stores:
         assert not await service_redis.exists(keys.outbox_lease(store.name))
