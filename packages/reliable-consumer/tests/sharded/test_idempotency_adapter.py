@@ -328,3 +328,17 @@ async def test_a_record_without_an_order_shard_is_refused(env: Env) -> None:
     request = ClaimRequest(idem.key(HANDLER, "k-1"), idem.tokens.next(), FP)
     with pytest.raises(ValueError, match="order_tag"):
         await idem.claim(request)
+
+
+async def test_a_forgotten_deadline_is_learned_again_from_the_gate(env: Env) -> None:
+    gate = ShardedGate(env.caller, lease_ms=10_000)
+    idem = ShardedIdempotency(gate, env.layout, max_held=1)
+    first, second = claim(env, idem, "l-1", 1), claim(env, idem, "l-2", 6)
+    assert await idem.claim_many([first, second]) == [ClaimStatus.CLAIMED] * 2
+    assert idem.held(first.token) is None  # the oldest forgotten past max_held
+    assert idem.held(second.token) is not None
+    # Its FINISH reserves again: RESERVE answers a token its own reservation.
+    answers = await idem.finish_many([finish(env, first, "l-1"), finish(env, second, "l-2")])
+    assert answers == [(FinishStatus.OK, None)] * 2
+    assert await env.applied("l-1") == 1
+    assert await env.applied("l-2") == 1
