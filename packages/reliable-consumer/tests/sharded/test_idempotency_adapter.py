@@ -169,7 +169,10 @@ async def test_an_effects_only_record_takes_the_gate_in_its_finish(env: Env) -> 
     # RESERVE, FINISH_ORDER (durable), CLOSE.
     assert (counting.sends, counting.durable) == (3, 1)
     again = claim(env, idem, "c-1", 5)
+    counting.sends = counting.durable = 0
     assert await idem.finish(finish(env, again, "c-1")) == (FinishStatus.DONE, None)
+    # RESERVE, then its proof asked (FINISH_ORDER applying nothing); no CLOSE.
+    assert (counting.sends, counting.durable) == (2, 1)
     # Behind an earlier record of its Kafka key: nothing applied and the gate given back.
     tag = env.layout.order_tag_of(2)
     chain = env.layout.order_keys(tag).retry_chain(TOPIC, 0, b"user-c")

@@ -53,6 +53,7 @@ from reliable_consumer.engine.redis.sharded.calls import LuaScript, SlotCall
 from reliable_consumer.engine.redis.sharded.dead import GateDead, mark_dead_many
 from reliable_consumer.engine.redis.sharded.extend import GateExtend, extend_many
 from reliable_consumer.engine.redis.sharded.gate import (
+    Finished,
     GateRecord,
     OrderFinish,
     OrderStatus,
@@ -308,18 +309,21 @@ class ShardedIdempotency:
         # Found closed (done, or done in part) without a reservation: FINISH_ORDER with a
         # deadline long past applies nothing, but tells whether the proof is this token's (a
         # re-sent FINISH: ok, as FINISH answers it) and drops a retry's item when the effects
-        # were applied (as FINISH drops a duplicate retry's). Same call as the others.
+        # were applied (as FINISH drops a duplicate retry's). No CLOSE: the gate is closed.
+        # Sent with the others' FINISH_ORDER, so it costs no round trip of its own.
         probing = [
             i
             for i, answer in enumerate(out)
             if answer is not None and answer[0] in (FinishStatus.DONE, FinishStatus.PARTIAL)
         ]
-        orders += [_probe(batch[i], self._order_tag(batch[i])) for i in probing]
-        finished = await self._gate.finish_many(orders, durable=True) if orders else []
-        for i, probed in zip(probing, finished[len(applying) :], strict=True):
-            if probed.status in (OrderStatus.OK, OrderStatus.PARTIAL):
-                out[i] = (_FINISH_STATUS[probed.status], probed.detail)
-        finished = finished[: len(applying)]
+        probes = [_probe(batch[i], self._order_tag(batch[i])) for i in probing]
+        finished, probed = await asyncio.gather(
+            self._gate.finish_many(orders, durable=True) if orders else _nothing(),
+            self._gate.apply_many(probes, durable=True) if probes else _nothing(),
+        )
+        for i, proof in zip(probing, probed, strict=True):
+            if proof.status in (OrderStatus.OK, OrderStatus.PARTIAL):
+                out[i] = (_FINISH_STATUS[proof.status], proof.detail)
         returning: list[tuple[str, str]] = []
         for i, done in zip(applying, finished, strict=True):
             out[i] = (_FINISH_STATUS[done.status], done.detail)
@@ -442,6 +446,10 @@ class ShardedIdempotency:
     def _chunks(self, items: Sequence[R]) -> list[Sequence[R]]:
         size = self._max_batch
         return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+async def _nothing() -> list[Finished]:
+    return []
 
 
 def _probe(r: FinishRequest, order_tag: str) -> OrderFinish:
