@@ -1,5 +1,5 @@
-"""The sharded outbox (sharded/outbox_streams.py): one store per order shard's stream, and the
-existing relay publishing from them, on one Redis and on a cluster.
+"""The sharded outbox (engine/outbox/sharded_streams.py): one store per order shard's stream,
+and the existing relay publishing from them, on one Redis and on a cluster.
 
 Events are written as the worker will write them, by FINISH_ORDER into their Kafka key's
 order shard. The relay's leases and published trail stay in the service's own slot (the
@@ -24,10 +24,10 @@ from reliable_consumer.engine.kafka.clients import connection_kwargs
 from reliable_consumer.engine.observation.metrics import Metrics
 from reliable_consumer.engine.outbox.producer import relay_producer
 from reliable_consumer.engine.outbox.relay import OutboxRelay
+from reliable_consumer.engine.outbox.sharded_streams import ShardedOutboxStores, store_name
 from reliable_consumer.engine.redis.client import make_client
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.sharded.gate import OrderFinish, OrderStatus, ReserveStatus
-from reliable_consumer.engine.redis.sharded.outbox_streams import ShardedOutboxStores, store_name
 from reliable_consumer.engine.settings import KafkaSettings, OutboxSettings, RedisSettings
 from tests.helpers import await_until
 from tests.sharded.conftest import PREFIX, SHARDS, TOPIC, Env

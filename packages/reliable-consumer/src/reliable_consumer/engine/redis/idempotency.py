@@ -86,6 +86,9 @@ class ClaimRequest:
     fingerprint: str
     redrive: RedriveTicket | None = None  # only a ticketed redrive may claim over dead
     chain: str = ""  # its Kafka key's chain: no claim while an earlier record waits there
+    # The sharded layout's order shard of its Kafka key (ShardLayout.order_tag): where its
+    # effects apply. Ignored by Idempotency; '' takes the chain's tag.
+    order_tag: str = ""
 
 
 @dataclass(slots=True)
@@ -101,6 +104,7 @@ class FinishRequest:
     # What its handler emitted: appended to the outbox stream only if it finishes 'ok'.
     emissions: Sequence[Emission] = ()
     emitted_by: str = ""  # the handler's name, kept on each outbox entry
+    order_tag: str = ""  # as ClaimRequest.order_tag (an effects-only record takes the gate)
 
 
 @dataclass(slots=True)
@@ -113,6 +117,7 @@ class ExtendRequest:
     retry_id: str  # '' when the record is not a retry
     retry_lease: int | None  # the retry's fencing deadline, when it is one
     retry_ms: int
+    order_tag: str = ""  # as ClaimRequest.order_tag: a retry's lease lives in its order shard
 
 
 class ExtendStatus(StrEnum):
@@ -131,6 +136,7 @@ class DeadRequest:
     # The retry's fencing deadline (its delivery's ``retry_lease``): the item is dropped only
     # while it is still in flight under it. None when the record is no retry.
     retry_lease: int | None = None
+    order_tag: str = ""  # as ClaimRequest.order_tag: a retry's item lives in its order shard
 
     def __post_init__(self) -> None:
         if self.retry_id and self.retry_lease is None:

@@ -46,9 +46,12 @@ class GateDead:
             )
 
 
-async def mark_dead_many(gate: ShardedGate, requests: Sequence[GateDead]) -> list[DeadStatus]:
+async def mark_dead_many(
+    gate: ShardedGate, requests: Sequence[GateDead], *, durable: bool = False
+) -> list[DeadStatus]:
     """Per record, as Idempotency.mark_dead_many answers: marked, settled, kept (the gate) or
-    lost_lease (the item was left to the run that holds it now)."""
+    lost_lease (the item was left to the run that holds it now). ``durable``: each of the
+    two calls answered once its writes are durable (the gates' before the items' drop)."""
     out = [DeadStatus.MARKED] * len(requests)
     gated = [i for i, r in enumerate(requests) if r.gate_key]
 
@@ -58,7 +61,8 @@ async def mark_dead_many(gate: ShardedGate, requests: Sequence[GateDead]) -> lis
         batch = [(keys.at(r.gate_key), r.token, r.fingerprint) for r in shard]
         return SlotCall(lua.MARK_DEAD_GATE, tuple(keys.keys), (gate.ttl_arg, json_arg(batch)))
 
-    marked = await gate.per_shard([tag_of(requests[i].gate_key) for i in gated], mark)
+    tags = [tag_of(requests[i].gate_key) for i in gated]
+    marked = await gate.per_shard(tags, mark, durable=durable)
     for i, reply in zip(gated, marked, strict=True):
         out[i] = DeadStatus(reply)
 
@@ -82,7 +86,8 @@ async def mark_dead_many(gate: ShardedGate, requests: Sequence[GateDead]) -> lis
             batch.append((r.retry_id, chain_at, str(r.retry_lease)))
         return SlotCall(lua.DROP_DEAD, tuple(keys.keys), (json_arg(batch),))
 
-    dropped = await gate.per_shard([requests[i].order_tag for i in retries], drop)
+    order_tags = [requests[i].order_tag for i in retries]
+    dropped = await gate.per_shard(order_tags, drop, durable=durable)
     for i, reply in zip(retries, dropped, strict=True):
         if reply == "lost_lease":
             out[i] = DeadStatus.LOST_LEASE

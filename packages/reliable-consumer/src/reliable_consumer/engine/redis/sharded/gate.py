@@ -164,14 +164,23 @@ class ShardedGate:
         self.ttl_arg = "" if ttl_s is None else str(ttl_s)  # as the scripts read it
 
     async def per_shard(
-        self, tags: Sequence[str], call: Callable[[str, list[int]], SlotCall]
+        self,
+        tags: Sequence[str],
+        call: Callable[[str, list[int]], SlotCall],
+        *,
+        durable: bool = False,
     ) -> list[str]:
         """One call per shard (``call(tag, positions)``), all sent at once; each position's
-        reply, in the batch's order."""
+        reply, in the batch's order. ``durable``: answered once the writes are durable
+        (``SlotCaller``)."""
         groups = _group(tags)
         calls = [call(tag, members) for tag, members in groups.items()]
         out = [""] * len(tags)
-        replies = await self.caller.call_per_slot(calls) if calls else []
+        replies: list[object] = []
+        if calls and durable:
+            replies = await self.caller.call_per_slot(calls, durable=True)
+        elif calls:
+            replies = await self.caller.call_per_slot(calls)
         for reply in replies:
             # A script that raised (a bug, never a record's fault: the scripts answer those
             # per record): nothing of this step is trusted; every script is safe to re-send.
@@ -299,10 +308,14 @@ class ShardedGate:
                 out[i] = value == tickets[i].value.encode()  # a missing key reads None
         return out
 
-    async def finish_many(self, requests: Sequence[OrderFinish]) -> list[Finished]:
+    async def finish_many(
+        self, requests: Sequence[OrderFinish], *, durable: bool = False
+    ) -> list[Finished]:
         """FINISH_ORDER per order shard, then CLOSE for the records whose effects are
-        applied (by this delivery or another)."""
-        results = await self.apply_many(requests)
+        applied (by this delivery or another). ``durable``: FINISH_ORDER's writes are
+        durable before CLOSE is sent (a CLOSE lost in a failover is redone by the next
+        delivery's take-over, which finds the proof)."""
+        results = await self.apply_many(requests, durable=durable)
         closing = [
             (r.gate_key, r.token, f.status is OrderStatus.PARTIAL)
             for r, f in zip(requests, results, strict=True)
@@ -311,7 +324,9 @@ class ShardedGate:
         await self.close_many(closing)
         return results
 
-    async def apply_many(self, requests: Sequence[OrderFinish]) -> list[Finished]:
+    async def apply_many(
+        self, requests: Sequence[OrderFinish], *, durable: bool = False
+    ) -> list[Finished]:
         """FINISH_ORDER alone (finish_many without its CLOSE): the gates stay reserved."""
 
         def call(tag: str, members: list[int]) -> SlotCall:
@@ -342,7 +357,7 @@ class ShardedGate:
                 lua.FINISH_ORDER, tuple(keys.keys), (self.late_ms, json_arg(batch), packed)
             )
 
-        replies = await self.per_shard([r.order_tag for r in requests], call)
+        replies = await self.per_shard([r.order_tag for r in requests], call, durable=durable)
         return [_finished(reply) for reply in replies]
 
 

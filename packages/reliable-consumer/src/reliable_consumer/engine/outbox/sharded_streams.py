@@ -1,6 +1,6 @@
 """The outbox of the sharded layout: one stream per order shard, each an ``OutboxStore``.
 
-FINISH_ORDER (lua.py) appends a record's emissions to its order shard's stream
+FINISH_ORDER (redis/sharded/lua.py) appends a record's emissions to its order shard's stream
 (``RedisKeys(order tag).outbox``) with its effects, so a Kafka key's events are all in one
 stream, in its records' order. The relay (engine/outbox/relay.py) takes one store per
 stream, so one lease per stream: each stream is read oldest first by the one worker holding
