@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 from redis.crc import key_slot
+from reliable_consumer.engine.redis.sharded.calls import LuaScript, SlotCall
 from reliable_consumer.engine.redis.sharded.layout import (
     ShardLayout,
     applied_by_time,
@@ -13,6 +14,7 @@ from reliable_consumer.engine.redis.sharded.layout import (
     open_set,
     tag_of,
 )
+from reliable_consumer.engine.redis.sharded.nodes import CrossSlotCall, call_slot, hashed_part
 
 
 def slot(key: str) -> int:
@@ -71,3 +73,26 @@ def test_shards_must_be_a_power_of_two(shards: int) -> None:
 def test_a_prefix_that_would_break_the_tags_is_refused(prefix: str) -> None:
     with pytest.raises(ValueError, match="prefix"):
         ShardLayout(prefix, 4)
+
+
+def test_the_transports_slot_check_hashes_what_redis_hashes() -> None:
+    """``call_slot`` computes CRC16 once per hashed part: the part must be Redis's own choice
+    for every shape of key (no tag, an empty tag, braces out of order, two tags)."""
+    keys = [
+        "plain",
+        "{pay:g3}:idem:payments:=p-1",
+        "{}pay",
+        "pay{",
+        "pay}{x",
+        "a{}{b}",
+        "{{a}}",
+        "x{y}z{w}",
+        "{é:o1}:outbox",
+        "",
+    ]
+    for key in keys:
+        assert key_slot(hashed_part(key).encode()) == key_slot(key.encode()), key
+    one = SlotCall(LuaScript("return 1"), ("{t}:a", "{t}:b", "{t}c"), ())
+    assert call_slot(one) == key_slot(b"t")
+    with pytest.raises(CrossSlotCall):
+        call_slot(SlotCall(LuaScript("return 1"), ("{t}:a", "{u}:a"), ()))

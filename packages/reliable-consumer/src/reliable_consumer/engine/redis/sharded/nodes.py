@@ -67,9 +67,23 @@ class CrossSlotCall(ValueError):
     """A call whose keys are not all in one hash slot: a bug of its caller, refused unsent."""
 
 
+def hashed_part(key: str) -> str:
+    """What Redis hashes of ``key``: the text between its first ``{`` and the first ``}``
+    after it when that is not empty (a hash tag), else the whole key."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
 def call_slot(call: SlotCall) -> int:
-    """The one slot of ``call``'s keys; CrossSlotCall when there is no key or more than one."""
-    slots = {key_slot(key.encode()) for key in call.keys}
+    """The one slot of ``call``'s keys; CrossSlotCall when there is no key or more than one.
+
+    CRC16 once per distinct hashed part, not per key: a call's keys share their shard's tag,
+    and hashing each of them was a tenth of the client's time for a batch."""
+    slots = {key_slot(part.encode()) for part in {hashed_part(key) for key in call.keys}}
     if len(slots) != 1:
         raise CrossSlotCall(
             f"a script call's keys must all be in one hash slot, these are in "
