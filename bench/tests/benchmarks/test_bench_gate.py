@@ -23,11 +23,10 @@ from bench.bench_gate import (
     SERVER_CONFIG,
     Nodes,
     NotExactlyOnce,
-    Record,
-    Today,
     check_ledger,
     run_once,
 )
+from bench.gate_drivers import Record, Today
 
 ROOT = Path(__file__).resolve().parents[3]
 LABELS = {
