@@ -14,7 +14,6 @@ while another delivery holds a claim, so a claimed run is never overtaken.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import itertools
@@ -37,6 +36,7 @@ from reliable_consumer.engine.redis.errors import RedisRefused, is_refusal
 from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.lua import claims as lua_claims
 from reliable_consumer.engine.redis.lua import finish as lua_finish
+from reliable_consumer.engine.redis.turn_join import TurnJoin
 
 R = TypeVar("R")
 
@@ -169,7 +169,6 @@ class TokenSource:
 
 
 # One batch's FINISH requests and where its answers go (Idempotency.finish_many).
-_Joined = tuple[Sequence[FinishRequest], asyncio.Future[list[tuple[FinishStatus, str | None]]]]
 
 
 class Idempotency:
@@ -194,10 +193,8 @@ class Idempotency:
         self._release_script: AsyncScript = client.register_script(lua_claims.RELEASE)
         self._extend_script: AsyncScript = client.register_script(lua_claims.EXTEND)
         self._max_batch = max_batch
-        # FINISH requests of this turn of the event loop, sent together (finish_many), and
-        # the calls under way.
-        self._joining: list[_Joined] = []
-        self._finishing: set[asyncio.Task[None]] = set()
+        # FINISH requests of one turn of the event loop, sent together (finish_many).
+        self._finishes = TurnJoin(self._finish_all, max_batch=max_batch, name="finish")
         self.tokens = TokenSource()
         # Called after a FINISH call appended to the outbox: the relay in this process
         # wakes at once instead of at its next poll.
@@ -237,65 +234,13 @@ class Idempotency:
         self, requests: Sequence[FinishRequest]
     ) -> list[tuple[FinishStatus, str | None]]:
         """FINISH for these records, in one script call with the other batches that ask in
-        the same turn of the event loop.
+        the same turn of the event loop (``turn_join``)."""
+        return await self._finishes.submit(requests)
 
-        The intake starts a batch per partition of a fetch, and they reach FINISH together:
-        at a low rate a fetch brings a few records per partition, and a call per batch
-        (its round trip, its durability wait, redis-py's work) cost more than its records.
-        Batches join while their records fit in one script call (``max_batch``); each is
-        answered as soon as its own call is, and a call that fails fails its batches only.
-        """
-        if not requests:
-            return []
-        answer: asyncio.Future[list[tuple[FinishStatus, str | None]]]
-        answer = asyncio.get_running_loop().create_future()
-        self._joining.append((requests, answer))
-        if len(self._joining) == 1:  # the turn's first: send them all once the turn is over
-            asyncio.get_running_loop().call_soon(self._send_joined)
-        return await answer
-
-    def _send_joined(self) -> None:
-        """The turn's batches as script calls of at most ``max_batch`` records (a batch that
-        alone is larger goes on its own, cut as before), each call a task of its own. A
-        batch cancelled while it waited for the turn to end is not sent, as before."""
-        joined = [batch for batch in self._joining if not batch[1].done()]
-        self._joining = []
-        calls: list[list[_Joined]] = []
-        size = 0
-        for batch in joined:
-            if not calls or size + len(batch[0]) > self._max_batch:
-                calls.append([])
-                size = 0
-            calls[-1].append(batch)
-            size += len(batch[0])
-        for call in calls:
-            task = asyncio.create_task(self._finish_joined(call), name="finish")
-            self._finishing.add(task)
-            task.add_done_callback(self._finishing.discard)
-
-    async def _finish_joined(self, call: list[_Joined]) -> None:
-        """One call's FINISH; each batch gets its own records' answers, or the failure."""
-        requests = [r for batch, _ in call for r in batch]
-        try:
-            results = [
-                s for chunk in self._chunks(requests) for s in await self._finish_chunk(chunk)
-            ]
-        except BaseException as exc:  # every batch of the call hears it (re-sent, it is
-            for _, answer in call:  # idempotent: processing.py retries its records)
-                if answer.done():
-                    continue
-                if isinstance(exc, asyncio.CancelledError):
-                    answer.cancel()
-                else:
-                    answer.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        at = 0
-        for batch, answer in call:
-            if not answer.done():  # else its batch was cancelled meanwhile
-                answer.set_result(results[at : at + len(batch)])
-            at += len(batch)
+    async def _finish_all(
+        self, requests: list[FinishRequest]
+    ) -> list[tuple[FinishStatus, str | None]]:
+        return [s for chunk in self._chunks(requests) for s in await self._finish_chunk(chunk)]
 
     async def mark_dead_many(self, requests: Sequence[DeadRequest]) -> list[DeadStatus]:
         return [s for chunk in self._chunks(requests) for s in await self._dead_chunk(chunk)]

@@ -63,6 +63,7 @@ from reliable_consumer.engine.redis.sharded.gate import (
     json_arg,
 )
 from reliable_consumer.engine.redis.sharded.layout import ShardLayout, tag_of
+from reliable_consumer.engine.redis.turn_join import TurnJoin
 
 R = TypeVar("R")
 
@@ -125,7 +126,6 @@ _SPENT = frozenset(
 )
 
 # One batch's FINISH requests and where its answers go (finish_many).
-_Joined = tuple[Sequence[FinishRequest], asyncio.Future[list[tuple[FinishStatus, str | None]]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +166,7 @@ class ShardedIdempotency:
         self._max_batch = max_batch
         self._max_held = max_held
         self._held: OrderedDict[str, _Held] = OrderedDict()
-        self._joining: list[_Joined] = []
-        self._finishing: set[asyncio.Task[None]] = set()
+        self._finishes = TurnJoin(self._finish_all, max_batch=max_batch, name="finish")
         self.tokens = TokenSource()
         # Called after a FINISH call appended to an outbox: the relay wakes at once.
         self.on_emitted: Callable[[], None] | None = None
@@ -242,58 +241,14 @@ class ShardedIdempotency:
         self, requests: Sequence[FinishRequest]
     ) -> list[tuple[FinishStatus, str | None]]:
         """FINISH for these records, sent with the other batches that ask in the same turn
-        of the event loop (as ``Idempotency.finish_many``: the gate groups a call's records
-        per shard, so batches sent together share their round trips)."""
-        if not requests:
-            return []
-        answer: asyncio.Future[list[tuple[FinishStatus, str | None]]]
-        answer = asyncio.get_running_loop().create_future()
-        self._joining.append((requests, answer))
-        if len(self._joining) == 1:
-            asyncio.get_running_loop().call_soon(self._send_joined)
-        return await answer
+        of the event loop (``turn_join``: the gate groups a call's records per shard, so
+        batches sent together share their round trips)."""
+        return await self._finishes.submit(requests)
 
-    def _send_joined(self) -> None:
-        """The turn's batches as calls of at most ``max_batch`` records (a larger batch goes
-        alone), each a task of its own; a batch cancelled meanwhile is not sent."""
-        joined = [batch for batch in self._joining if not batch[1].done()]
-        self._joining = []
-        calls: list[list[_Joined]] = []
-        size = 0
-        for batch in joined:
-            if not calls or size + len(batch[0]) > self._max_batch:
-                calls.append([])
-                size = 0
-            calls[-1].append(batch)
-            size += len(batch[0])
-        for call in calls:
-            task = asyncio.create_task(self._finish_joined(call), name="finish")
-            self._finishing.add(task)
-            task.add_done_callback(self._finishing.discard)
-
-    async def _finish_joined(self, call: list[_Joined]) -> None:
-        """One call's FINISH; each batch gets its own records' answers, or the failure."""
-        requests = [r for batch, _ in call for r in batch]
-        try:
-            results = [
-                s for chunk in self._chunks(requests) for s in await self._finish_chunk(chunk)
-            ]
-        except BaseException as exc:  # every step is safe to send again: the caller retries
-            for _, answer in call:
-                if answer.done():
-                    continue
-                if isinstance(exc, asyncio.CancelledError):
-                    answer.cancel()
-                else:
-                    answer.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        at = 0
-        for batch, answer in call:
-            if not answer.done():
-                answer.set_result(results[at : at + len(batch)])
-            at += len(batch)
+    async def _finish_all(
+        self, requests: list[FinishRequest]
+    ) -> list[tuple[FinishStatus, str | None]]:
+        return [s for chunk in self._chunks(requests) for s in await self._finish_chunk(chunk)]
 
     async def _finish_chunk(
         self, batch: Sequence[FinishRequest]
