@@ -17,10 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reliable_consumer.engine.redis.idempotency import DeadStatus
-from reliable_consumer.engine.redis.keys import RedisKeys
 from reliable_consumer.engine.redis.sharded import lua
 from reliable_consumer.engine.redis.sharded.calls import SlotCall
-from reliable_consumer.engine.redis.sharded.gate import ScriptKeys, ShardedGate, json_arg
+from reliable_consumer.engine.redis.sharded.gate import (
+    ScriptKeys,
+    ShardedGate,
+    json_arg,
+    queue_keys,
+)
 from reliable_consumer.engine.redis.sharded.layout import open_set, tag_of
 
 
@@ -69,14 +73,7 @@ async def mark_dead_many(
     retries = [i for i, r in enumerate(requests) if r.retry_id]
 
     def drop(tag: str, members: list[int]) -> SlotCall:
-        queue = RedisKeys(tag)
-        keys = ScriptKeys(
-            queue.retry_inflight,
-            queue.retry_due,
-            queue.retry_items,
-            queue.retry_class,
-            queue.retry_counts,
-        )
+        keys = ScriptKeys(*queue_keys(tag))
         batch = []
         for m in members:
             r = requests[retries[m]]

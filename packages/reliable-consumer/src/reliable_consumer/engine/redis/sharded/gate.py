@@ -131,6 +131,19 @@ def _group(tags: Iterable[str]) -> dict[str, list[int]]:
     return out
 
 
+def queue_keys(order_tag: str) -> tuple[str, ...]:
+    """An order shard's delay-queue keys, in the order its scripts take them first in KEYS
+    (inflight, due, items, the class tally's two): FINISH_ORDER and DROP_DEAD."""
+    queue = RedisKeys(order_tag)
+    return (
+        queue.retry_inflight,
+        queue.retry_due,
+        queue.retry_items,
+        queue.retry_class,
+        queue.retry_counts,
+    )
+
+
 def json_arg(value: object) -> bytes:
     """A script's batch argument: one JSON array the script decodes (cjson)."""
     return orjson.dumps(value)
@@ -330,16 +343,7 @@ class ShardedGate:
         """FINISH_ORDER alone (finish_many without its CLOSE): the gates stay reserved."""
 
         def call(tag: str, members: list[int]) -> SlotCall:
-            queue = RedisKeys(tag)
-            keys = ScriptKeys(
-                queue.retry_inflight,
-                queue.retry_due,
-                queue.retry_items,
-                queue.retry_class,
-                queue.retry_counts,
-                queue.outbox,
-                applied_by_time(tag),
-            )
+            keys = ScriptKeys(*queue_keys(tag), RedisKeys(tag).outbox, applied_by_time(tag))
             shard = [requests[i] for i in members]
             spans, packed = pack_emissions([(r.emissions, r.emitted_by) for r in shard])
             batch = []
